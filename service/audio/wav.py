@@ -1,0 +1,82 @@
+"""RIFF/WAVE headers for streamed and file output.
+
+Streaming clients get the header before the length is known, so sizes are written as
+0xFFFFFFFF, which players and ffmpeg treat as "read until end of stream".
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy.typing as npt
+
+from service.audio.encoding import AudioEncoding, encode_linear16
+
+UNKNOWN_SIZE = 0xFFFFFFFF
+
+# WAVE format tags (mmreg.h).
+WAVE_FORMAT_PCM = 1
+WAVE_FORMAT_IEEE_FLOAT = 3
+WAVE_FORMAT_ALAW = 6
+WAVE_FORMAT_MULAW = 7
+
+_FORMAT_TAG = {
+    AudioEncoding.LINEAR16: WAVE_FORMAT_PCM,
+    AudioEncoding.FLOAT32: WAVE_FORMAT_IEEE_FLOAT,
+    AudioEncoding.ALAW: WAVE_FORMAT_ALAW,
+    AudioEncoding.MULAW: WAVE_FORMAT_MULAW,
+}
+
+
+def wav_header(sample_rate: int, encoding: AudioEncoding, num_samples: int | None) -> bytes:
+    """Mono RIFF/WAVE header up to and including the ``data`` chunk size.
+
+    PCM uses the plain 16-byte ``fmt`` chunk. Non-PCM formats (float, G.711) get the 18-byte
+    ``fmt`` with ``cbSize = 0`` plus a ``fact`` chunk, as the WAVE spec requires for them.
+    With ``num_samples=None`` the RIFF, data and fact sizes are 0xFFFFFFFF (unknown length).
+    For 8-bit formats with an odd sample count the caller appends one pad byte after the data;
+    the RIFF size here already counts it.
+    """
+    if sample_rate <= 0:
+        raise ValueError(f"sample rate must be positive, got {sample_rate}")
+    width = encoding.bytes_per_sample
+    tag = _FORMAT_TAG[encoding]
+    pcm = tag == WAVE_FORMAT_PCM
+
+    fmt = struct.pack("<HHIIHH", tag, 1, sample_rate, sample_rate * width, width, 8 * width)
+    if not pcm:
+        fmt += struct.pack("<H", 0)  # cbSize: no extra format bytes
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt
+
+    if num_samples is None:
+        data_size = riff_size = fact_samples = UNKNOWN_SIZE
+    else:
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        data_size = num_samples * width
+        fact_samples = num_samples
+    if not pcm:
+        chunks += b"fact" + struct.pack("<II", 4, fact_samples)
+    if num_samples is not None:
+        pad = data_size & 1
+        riff_size = 4 + len(chunks) + 8 + data_size + pad
+        if riff_size > UNKNOWN_SIZE - 1:
+            raise ValueError(f"{num_samples} samples do not fit in a RIFF file")
+    return (
+        b"RIFF"
+        + struct.pack("<I", riff_size)
+        + b"WAVE"
+        + chunks
+        + b"data"
+        + struct.pack("<I", data_size)
+    )
+
+
+def write_wav(path: str | os.PathLike[str], samples: npt.ArrayLike, sample_rate: int) -> None:
+    """Write float32 mono samples in [-1, 1] as a 16-bit PCM WAV file."""
+    data = encode_linear16(samples)
+    header = wav_header(sample_rate, AudioEncoding.LINEAR16, len(data) // 2)
+    with open(path, "wb") as f:
+        f.write(header)
+        f.write(data)

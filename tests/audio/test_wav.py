@@ -1,0 +1,100 @@
+"""WAV headers: readable by the stdlib for PCM, correct fields for every format."""
+
+from __future__ import annotations
+
+import io
+import struct
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.audio.encoding import AudioEncoding, encode
+from service.audio.wav import UNKNOWN_SIZE, wav_header, write_wav
+from tests.audio.conftest import speech_like
+
+FORMAT_TAGS = {
+    AudioEncoding.LINEAR16: (1, 16),
+    AudioEncoding.FLOAT32: (3, 32),
+    AudioEncoding.ALAW: (6, 8),
+    AudioEncoding.MULAW: (7, 8),
+}
+
+
+def parse(header: bytes) -> dict[str, object]:
+    """Minimal RIFF walker: chunk ids/sizes and decoded fmt fields."""
+    assert header[:4] == b"RIFF" and header[8:12] == b"WAVE"
+    out: dict[str, object] = {"riff_size": struct.unpack("<I", header[4:8])[0]}
+    pos = 12
+    while pos < len(header):
+        cid, size = (
+            header[pos : pos + 4].decode(),
+            struct.unpack("<I", header[pos + 4 : pos + 8])[0],
+        )
+        body = header[pos + 8 : pos + 8 + size] if cid != "data" else b""
+        out[f"{cid}_size"] = size
+        if cid == "fmt ":
+            tag, ch, rate, byte_rate, align, bits = struct.unpack("<HHIIHH", body[:16])
+            out.update(tag=tag, channels=ch, rate=rate, byte_rate=byte_rate, align=align, bits=bits)
+        if cid == "fact":
+            out["fact_samples"] = struct.unpack("<I", body)[0]
+        if cid == "data":
+            out["data_offset"] = pos + 8
+            break
+        pos += 8 + size
+    return out
+
+
+@pytest.mark.parametrize("encoding", list(AudioEncoding))
+@pytest.mark.parametrize("num_samples", [None, 0, 1234, 1235])
+def test_header_fields(encoding: AudioEncoding, num_samples: int | None) -> None:
+    h = wav_header(16000, encoding, num_samples)
+    f = parse(h)
+    tag, bits = FORMAT_TAGS[encoding]
+    width = bits // 8
+    assert (f["tag"], f["channels"], f["rate"], f["bits"]) == (tag, 1, 16000, bits)
+    assert (f["align"], f["byte_rate"]) == (width, 16000 * width)
+    assert f["data_offset"] == len(h)
+    assert f["fmt _size"] == (16 if encoding is AudioEncoding.LINEAR16 else 18)
+    assert ("fact_samples" in f) == (encoding is not AudioEncoding.LINEAR16)
+    if num_samples is None:
+        assert f["riff_size"] == f["data_size"] == UNKNOWN_SIZE
+        if "fact_samples" in f:
+            assert f["fact_samples"] == UNKNOWN_SIZE
+    else:
+        data_size = num_samples * width
+        assert f["data_size"] == data_size
+        assert f["riff_size"] == len(h) - 8 + data_size + (data_size & 1)
+        if "fact_samples" in f:
+            assert f["fact_samples"] == num_samples
+
+
+def test_pcm16_header_reads_with_wave_module() -> None:
+    x = speech_like(24000, 0.3)
+    data = encode(x, AudioEncoding.LINEAR16)
+    blob = wav_header(24000, AudioEncoding.LINEAR16, x.size) + data
+    with wave.open(io.BytesIO(blob)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+        assert w.getnframes() == x.size
+        assert w.readframes(x.size) == data
+
+
+def test_write_wav_round_trip(tmp_path: Path) -> None:
+    x = speech_like(22050, 0.5)
+    path = tmp_path / "out.wav"
+    write_wav(path, x, 22050)
+    with wave.open(str(path)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 22050)
+        y = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2") / 32767
+    assert y.size == x.size
+    assert np.max(np.abs(y - x)) <= 0.5 / 32767 + 1e-7
+
+
+def test_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        wav_header(0, AudioEncoding.LINEAR16, 10)
+    with pytest.raises(ValueError):
+        wav_header(16000, AudioEncoding.LINEAR16, -1)
+    with pytest.raises(ValueError):
+        wav_header(16000, AudioEncoding.FLOAT32, 2**30)
