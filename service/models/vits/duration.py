@@ -111,16 +111,16 @@ class ConvFlow(nn.Module):
         num_bins: int, tail_bound: float,
     ) -> None:
         super().__init__()
-        self.half = in_channels // 2
+        self.half_channels = in_channels // 2
         self.filter_channels = filter_channels
         self.num_bins = num_bins
         self.tail_bound = tail_bound
-        self.pre = nn.Conv1d(self.half, filter_channels, 1)
+        self.pre = nn.Conv1d(self.half_channels, filter_channels, 1)
         self.convs = DilatedDepthSeparableConv(filter_channels, kernel_size, n_layers)
-        self.proj = nn.Conv1d(filter_channels, self.half * (num_bins * 3 - 1), 1)
+        self.proj = nn.Conv1d(filter_channels, self.half_channels * (num_bins * 3 - 1), 1)
 
-    def reverse(self, x: torch.Tensor, mask: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        x0, x1 = torch.split(x, [self.half, self.half], dim=1)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        x0, x1 = torch.split(x, [self.half_channels, self.half_channels], dim=1)
         h = self.convs(self.pre(x0), mask, g=g)
         h = self.proj(h) * mask
         b, c, t = x0.shape
@@ -139,7 +139,7 @@ class ElementwiseAffine(nn.Module):
         self.m = nn.Parameter(torch.zeros(channels, 1))
         self.logs = nn.Parameter(torch.zeros(channels, 1))
 
-    def reverse(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return (x - self.m) * torch.exp(-self.logs) * mask
 
 
@@ -181,9 +181,9 @@ class StochasticDurationPredictor(nn.Module):
             z = torch.flip(z, [1])
             flow = self.flows[key]
             assert isinstance(flow, ConvFlow)
-            z = flow.reverse(z, mask, g=x)
+            z = flow(z, mask, g=x)
         z = torch.flip(z, [1])
         affine = self.flows["0"]
         assert isinstance(affine, ElementwiseAffine)
-        z = affine.reverse(z, mask)
+        z = affine(z, mask)
         return z[:, :1]

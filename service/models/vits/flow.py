@@ -57,15 +57,15 @@ class MeanOnlyCoupling(nn.Module):
         gin_channels: int,
     ) -> None:
         super().__init__()
-        self.half = channels // 2
-        self.pre = nn.Conv1d(self.half, hidden, 1)
+        self.half_channels = channels // 2
+        self.pre = nn.Conv1d(self.half_channels, hidden, 1)
         self.enc = WaveNet(hidden, kernel_size, dilation_rate, n_layers, gin_channels)
-        self.post = nn.Conv1d(hidden, self.half, 1)
+        self.post = nn.Conv1d(hidden, self.half_channels, 1)
 
-    def reverse(
+    def forward(
         self, x: torch.Tensor, mask: torch.Tensor, g: torch.Tensor | None
     ) -> torch.Tensor:
-        x0, x1 = torch.split(x, [self.half, self.half], dim=1)
+        x0, x1 = torch.split(x, [self.half_channels, self.half_channels], dim=1)
         h = self.pre(x0) * mask
         h = self.enc(h, mask, g=g)
         m = self.post(h) * mask
@@ -91,12 +91,12 @@ class ResidualCouplingFlow(nn.Module):
             }
         )
 
-    def reverse(
+    def forward(
         self, z: torch.Tensor, mask: torch.Tensor, g: torch.Tensor | None = None
     ) -> torch.Tensor:
         for key in sorted(self.flows, key=int, reverse=True):
             z = torch.flip(z, [1])
             layer = self.flows[key]
             assert isinstance(layer, MeanOnlyCoupling)
-            z = layer.reverse(z, mask, g)
+            z = layer(z, mask, g)
         return z

@@ -59,6 +59,28 @@ class VitsModel(nn.Module):
             sid = torch.zeros(1, dtype=torch.long, device=self.emb_g.weight.device)
         return self.emb_g(sid).unsqueeze(-1)
 
+    def encode(
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        dp_noise: torch.Tensor,
+        sid: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Phoneme ids -> prior mean/log-scale per phoneme, log-durations, mask.
+
+        dp_noise [B, 2, T] is the duration predictor's noise, already scaled."""
+        x, m_p, logs_p, x_mask = self.enc_p(ids, lengths)
+        g = self.speaker_embedding(sid)
+        logw = self.dp(x, x_mask, dp_noise.to(x.dtype), g=g)
+        return m_p, logs_p, logw * x_mask, x_mask
+
+    def flow_reverse(
+        self, z_p: torch.Tensor, y_mask: torch.Tensor, sid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Prior sample [B, C, T] -> latent frames for the vocoder."""
+        g = self.speaker_embedding(sid)
+        return self.flow(z_p, y_mask, g=g) * y_mask
+
     def acoustic(
         self,
         ids: torch.Tensor,
@@ -70,40 +92,27 @@ class VitsModel(nn.Module):
         noise_w: torch.Tensor | float = 0.8,
         generators: list[torch.Generator] | None = None,
     ) -> AcousticOutput:
-        """Run encoder, durations and flow. Scales are floats or [B] tensors; each
-        item draws its noise from its own generator, so batching never changes a
-        seeded result."""
+        """Encoder, durations and flow in one call. Scales are floats or [B]
+        tensors; each item draws its noise from its own generator, so batching
+        never changes a seeded result."""
         b = ids.shape[0]
-        x, m_p, logs_p, x_mask = self.enc_p(ids, lengths)
-        dtype, device = x.dtype, x.device
-        g = self.speaker_embedding(sid)
-        if g is not None and g.shape[0] != b:
-            g = g.expand(b, -1, -1)
+        dtype, device = torch.float32, ids.device
         ns = _per_item(noise_scale, b, dtype, device)
         ls = _per_item(length_scale, b, dtype, device)
         nw = _per_item(noise_w, b, dtype, device)
-
-        dp_noise = _noise(generators, [(2, int(n)) for n in lengths], x.shape[2], dtype, device)
-        logw = self.dp(x, x_mask, dp_noise * nw, g=g)
-        w_ceil = torch.ceil(torch.exp(logw) * x_mask * ls)
-        frame_lengths = torch.clamp_min(torch.sum(w_ceil, dim=[1, 2]), 1).long()
+        dp_noise = _noise(generators, [(2, int(n)) for n in lengths], ids.shape[1], dtype, device)
+        m_p, logs_p, logw, x_mask = self.encode(ids, lengths, dp_noise * nw, sid)
+        durations, frame_lengths = durations_from_logw(logw, x_mask, ls)
         t_y = int(frame_lengths.max())
-        y_mask = sequence_mask(frame_lengths, t_y).unsqueeze(1).to(dtype)
-
-        durations = w_ceil.squeeze(1).long()
-        ends = torch.cumsum(durations, dim=1)
-        frames = torch.arange(t_y, device=device).unsqueeze(0).expand(b, -1).contiguous()
-        src = torch.searchsorted(ends, frames, right=True).clamp(max=ids.shape[1] - 1)
-        index = src.unsqueeze(1).expand(-1, m_p.shape[1], -1)
-        m_y = m_p.gather(2, index) * y_mask
-        logs_y = logs_p.gather(2, index) * y_mask
-
+        m_y, logs_y, y_mask = expand_to_frames(m_p, logs_p, durations, frame_lengths)
         prior_noise = _noise(
             generators, [(m_p.shape[1], int(n)) for n in frame_lengths], t_y, dtype, device
         )
-        z_p = m_y + prior_noise * torch.exp(logs_y) * ns
-        z = self.flow.reverse(z_p, y_mask, g=g) * y_mask
-        return AcousticOutput(z=z, frame_lengths=frame_lengths, durations=durations, g=g)
+        z_p = m_y + prior_noise.to(m_y.dtype) * torch.exp(logs_y) * ns.to(m_y.dtype)
+        z = self.flow_reverse(z_p, y_mask, sid)
+        return AcousticOutput(
+            z=z, frame_lengths=frame_lengths, durations=durations, g=self.speaker_embedding(sid)
+        )
 
     def vocode(self, z: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
         """Latent frames [B, C, T] -> audio [B, T * hop]."""
@@ -134,3 +143,28 @@ def _noise(
         draw = torch.randn(channels, length, generator=gen, dtype=torch.float32)
         out[i, :, :length] = draw.to(device=device, dtype=dtype)
     return out
+
+
+def durations_from_logw(
+    logw: torch.Tensor, x_mask: torch.Tensor, length_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-durations [B, 1, T] -> integer frames per phoneme [B, T] and total
+    frames [B] (ceil, at least one frame per utterance, as VITS does)."""
+    w_ceil = torch.ceil(torch.exp(logw.float()) * x_mask.float() * length_scale)
+    frame_lengths = torch.clamp_min(torch.sum(w_ceil, dim=[1, 2]), 1).long()
+    return w_ceil.squeeze(1).long(), frame_lengths
+
+
+def expand_to_frames(
+    m_p: torch.Tensor, logs_p: torch.Tensor, durations: torch.Tensor, frame_lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Repeat each phoneme's prior statistics for its frames (hard monotonic path)."""
+    b = m_p.shape[0]
+    t_y = int(frame_lengths.max())
+    device = m_p.device
+    y_mask = sequence_mask(frame_lengths, t_y).unsqueeze(1).to(m_p.dtype)
+    ends = torch.cumsum(durations, dim=1)
+    frames = torch.arange(t_y, device=device).unsqueeze(0).expand(b, -1).contiguous()
+    src = torch.searchsorted(ends, frames, right=True).clamp(max=m_p.shape[2] - 1)
+    index = src.unsqueeze(1).expand(-1, m_p.shape[1], -1)
+    return m_p.gather(2, index) * y_mask, logs_p.gather(2, index) * y_mask, y_mask

@@ -57,29 +57,37 @@ def read_onnx_weights(path: str | Path) -> OnnxWeights:
     tensors: dict[str, np.ndarray] = {}
     conv_attrs: dict[str, dict[str, list[int]]] = {}
     unmapped: list[str] = []
+    for node in graph.node:
+        if node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1:
+            attrs = {
+                a.name: list(onnx.helper.get_attribute_value(a))
+                for a in node.attribute
+                if a.type == onnx.AttributeProto.INTS
+            }
+            conv_attrs[node.input[1]] = attrs
+            conv_attrs[f"{_module_path(node.name)}.weight"] = attrs
     for name, init in inits.items():
         value = numpy_helper.to_array(init)
         if value.dtype not in (np.float32, np.float16, np.float64) or value.ndim == 0:
             continue  # shape constants, indices, scalars
         target: str | None = None
-        for node, slot in consumers.get(name, []):
+        named = re.fullmatch(r"[A-Za-z_][\w]*(\.[\w]+)+", name) is not None
+        for node, slot in [] if named else consumers.get(name, []):
             op = node.op_type  # type: ignore[attr-defined]
             if (op, slot) in _PARAM_SLOTS:
                 target = f"{_module_path(node.name)}.{_PARAM_SLOTS[(op, slot)]}"  # type: ignore[attr-defined]
-                if op in ("Conv", "ConvTranspose") and slot == 1:
-                    conv_attrs[target] = {
-                        a.name: list(onnx.helper.get_attribute_value(a))
-                        for a in node.attribute  # type: ignore[attr-defined]
-                        if a.name in ("dilations", "strides", "pads", "group")
-                        and a.type == onnx.AttributeProto.INTS
-                    }
+                break
+            if op == "Exp" and _module_path(node.name).endswith("flows.0"):  # type: ignore[attr-defined]
+                # ElementwiseAffine: exp(-logs) with the negation folded in.
+                target = f"{_module_path(node.name)}.logs"  # type: ignore[attr-defined]
+                value = -value
                 break
             if op == "Mul" and name.endswith("/Exp_output_0"):
                 # ElementwiseAffine folded exp(-logs); store logs.
                 target = f"{_module_path(node.name)}.logs"  # type: ignore[attr-defined]
                 value = -np.log(value)
                 break
-        if target is None and re.fullmatch(r"[A-Za-z_][\w]*(\.[\w]+)+", name):
+        if named:
             target = name
         if target is None:
             if value.ndim >= 2 or value.size > 8:

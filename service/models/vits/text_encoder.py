@@ -16,11 +16,12 @@ class ChannelLayerNorm(nn.Module):
     def __init__(self, channels: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
+        self.channels = channels
         self.gamma = nn.Parameter(torch.ones(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.layer_norm(x.transpose(1, -1), (x.shape[1],), self.gamma, self.beta, self.eps)
+        y = F.layer_norm(x.transpose(1, -1), (self.channels,), self.gamma, self.beta, self.eps)
         return y.transpose(1, -1)
 
 
@@ -55,8 +56,9 @@ class RelativeSelfAttention(nn.Module):
         # A zero row at each end absorbs offsets outside the window.
         pos = torch.arange(t, device=x.device)
         offset = (pos.unsqueeze(0) - pos.unsqueeze(1)).clamp(-w - 1, w + 1) + (w + 1)
-        emb_k = F.pad(self.emb_rel_k, (0, 0, 1, 1))
-        rel_logits = torch.matmul(q, emb_k.unsqueeze(0).transpose(-2, -1))
+        # (The parameters feed the matmuls directly so exporters keep them named.)
+        rel_logits = torch.matmul(self.emb_rel_k, q.transpose(-2, -1)).transpose(-2, -1)
+        rel_logits = F.pad(rel_logits, (1, 1))
         scores = scores + rel_logits.gather(-1, offset.expand(b, h, t, t))
         scores = scores.masked_fill(attn_mask == 0, -1e4)
         p = torch.softmax(scores, dim=-1)
@@ -65,7 +67,7 @@ class RelativeSelfAttention(nn.Module):
         window_idx = pos.unsqueeze(1) + torch.arange(2 * w + 1, device=x.device).unsqueeze(0)
         p_padded = F.pad(p, (w, w))
         rel_weights = p_padded.gather(-1, window_idx.expand(b, h, t, 2 * w + 1))
-        out = out + torch.matmul(rel_weights, self.emb_rel_v.unsqueeze(0))
+        out = out + torch.matmul(rel_weights, self.emb_rel_v)
         out = out.transpose(2, 3).reshape(b, c, t)
         return self.conv_o(out)
 

@@ -1,0 +1,291 @@
+"""In-process streaming synthesis: text -> utterances -> chunks of audio.
+
+The acoustic stage (encoder + durations) runs once per utterance; the flow and
+the vocoder run in chunks over the latent frames, each with enough context on
+both sides (computed from the layers) that the trimmed chunk equals the same
+span of a full decode. All randomness is drawn here from a seeded numpy
+generator, so the same seed gives the same samples on any backend."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.backends.base import Backend
+from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
+from service.text.frontend import PhonemizedSentence
+from service.voices import Voice
+
+
+@dataclass(frozen=True)
+class SynthesisParams:
+    """Per-request controls; None means the voice's default."""
+
+    speaker: int | str | None = None
+    length_scale: float | None = None
+    noise_scale: float | None = None
+    noise_w: float | None = None
+    seed: int | None = None
+    precision: str = "fp32"
+    custom_dictionary: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class ChunkSchedule:
+    """Latent frames per chunk: small first (time to first audio), then growing
+    (throughput), capped."""
+
+    first_frames: int = 8
+    growth: float = 2.0
+    max_frames: int = 128
+
+    def __post_init__(self) -> None:
+        if self.first_frames < 1 or self.max_frames < self.first_frames or self.growth < 1.0:
+            raise ValueError(
+                "chunk schedule needs first_frames >= 1, max_frames >= first_frames, growth >= 1"
+            )
+
+    def boundaries(self, total: int) -> list[int]:
+        """Frame boundaries 0 = b0 < b1 < ... < bn = total."""
+        out, pos, size = [0], 0, float(self.first_frames)
+        while pos < total:
+            pos = min(total, pos + int(size))
+            out.append(pos)
+            size = min(float(self.max_frames), size * self.growth)
+        return out
+
+
+@dataclass(frozen=True)
+class WordTiming:
+    word: str
+    start: int  # samples from the start of the stream
+    end: int
+
+
+@dataclass
+class AudioChunk:
+    """One piece of audio as it leaves the synthesiser."""
+
+    samples: np.ndarray  # float32 mono in [-1, 1]
+    sample_rate: int
+    offset: int  # stream position (samples) of samples[0]
+    utterance: int  # index of the utterance in the stream
+    words: list[WordTiming] = field(default_factory=list)  # on an utterance's first chunk
+    precision: str = "fp32"
+    fallback: bool = False  # a guard trip made us recompute this chunk in FP32
+    last_in_utterance: bool = False
+
+
+@dataclass
+class Utterance:
+    """Output of the acoustic stage for one sentence, ready for chunked decoding."""
+
+    text: str
+    phoneme_ids: list[int]
+    z_p: np.ndarray  # [C, T] prior sample
+    durations: np.ndarray  # [T_ph] frames per phoneme id
+    sid: int | None
+    word_spans: list[tuple[str, int, int]]  # (word, start_sample, end_sample), utterance-relative
+
+    @property
+    def frames(self) -> int:
+        return int(self.z_p.shape[1])
+
+
+@dataclass(frozen=True)
+class Window:
+    """Compute frames [lo, hi) of the input, keep outputs for frames [keep_lo, keep_hi)."""
+
+    lo: int
+    hi: int
+    keep_lo: int
+    keep_hi: int
+
+
+class UtteranceDecoder:
+    """Plans the flow and vocoder windows for one utterance, chunk by chunk."""
+
+    def __init__(
+        self, utt: Utterance, schedule: ChunkSchedule, flow_halo: int, voc_halo: int
+    ) -> None:
+        self.utt = utt
+        self.bounds = schedule.boundaries(utt.frames)
+        self.flow_halo = flow_halo
+        self.voc_halo = voc_halo
+        self.z = np.zeros_like(utt.z_p)
+        self.z_done = 0
+        self.index = 0  # next chunk
+
+    @property
+    def done(self) -> bool:
+        return self.index >= len(self.bounds) - 1
+
+    def next_windows(self) -> tuple[Window | None, Window]:
+        """(flow window or None when z is already there, vocoder window)."""
+        t = self.utt.frames
+        a, b = self.bounds[self.index], self.bounds[self.index + 1]
+        need_hi = min(t, b + self.voc_halo)
+        flow = None
+        if need_hi > self.z_done:
+            lo = max(0, self.z_done - self.flow_halo)
+            hi = min(t, need_hi + self.flow_halo)
+            flow = Window(lo, hi, self.z_done, need_hi)
+        voc = Window(max(0, a - self.voc_halo), need_hi, a, b)
+        return flow, voc
+
+    def accept_flow(self, w: Window, z_window: np.ndarray) -> None:
+        self.z[:, w.keep_lo : w.keep_hi] = z_window[:, w.keep_lo - w.lo : w.keep_hi - w.lo]
+        self.z_done = w.keep_hi
+
+    def trim_audio(self, w: Window, audio: np.ndarray, hop: int) -> np.ndarray:
+        return audio[(w.keep_lo - w.lo) * hop : (w.keep_hi - w.lo) * hop]
+
+
+class Synthesizer:
+    """Text -> audio chunks on one backend, for one caller at a time."""
+
+    def __init__(
+        self, voice: Voice, backend: Backend, schedule: ChunkSchedule | None = None
+    ) -> None:
+        self.voice = voice
+        self.backend = backend
+        self.schedule = schedule or ChunkSchedule()
+        self.hop = voice.hop_length
+        self.flow_halo = flow_halo_frames(voice.model.flow)
+        self.voc_halo = generator_halo_frames(voice.model.dec)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.voice.info.sample_rate
+
+    def rng(self, seed: int | None) -> np.random.Generator:
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        return np.random.default_rng(seed)
+
+    def prepare(
+        self, text: str, params: SynthesisParams, rng: np.random.Generator
+    ) -> list[Utterance]:
+        """Frontend + acoustic stage for every sentence of `text`."""
+        sid = self.voice.speaker_index(params.speaker)
+        return [self._acoustic(s, sid, params, rng) for s in self._sentences(text, params)]
+
+    def _acoustic(
+        self, sent: PhonemizedSentence, sid: int | None, params: SynthesisParams,
+        rng: np.random.Generator,
+    ) -> Utterance:
+        info = self.voice.info
+        noise_scale = info.noise_scale if params.noise_scale is None else params.noise_scale
+        length_scale = info.length_scale if params.length_scale is None else params.length_scale
+        noise_w = info.noise_w if params.noise_w is None else params.noise_w
+        ids = np.asarray([sent.phoneme_ids], dtype=np.int64)
+        n = ids.shape[1]
+        dp_noise = rng.standard_normal((1, 2, n), dtype=np.float32) * np.float32(noise_w)
+        sid_arr = None if sid is None else np.asarray([sid], dtype=np.int64)
+        enc = self.backend.encode(ids, np.asarray([n], dtype=np.int64), dp_noise, sid_arr)
+        w = np.exp(enc.logw[0, 0].astype(np.float32)) * np.float32(length_scale)
+        durations = np.ceil(w).astype(np.int64)
+        frames = max(1, int(durations.sum()))
+        src = np.repeat(np.arange(n), durations)
+        if src.size < frames:  # all-zero durations: one frame of the last phoneme
+            src = np.full(frames, n - 1)
+        m_y = enc.m_p[0][:, src]
+        logs_y = enc.logs_p[0][:, src]
+        noise = rng.standard_normal(m_y.shape, dtype=np.float32)
+        z_p = (m_y + noise * np.exp(logs_y) * np.float32(noise_scale)).astype(np.float32)
+        ends = np.concatenate([[0], np.cumsum(durations)]) * self.hop
+        words = [(wd.text, int(ends[wd.start_id]), int(ends[wd.end_id])) for wd in sent.words]
+        return Utterance(sent.text, list(sent.phoneme_ids), z_p, durations, sid, words)
+
+    def decode(self, utt: Utterance, precision: str = "fp32") -> Iterator[tuple[np.ndarray, str]]:
+        """Chunked flow + vocoder for one utterance: yields (audio, precision)."""
+        dec = UtteranceDecoder(utt, self.schedule, self.flow_halo, self.voc_halo)
+        sid = None if utt.sid is None else np.asarray([utt.sid], dtype=np.int64)
+        while not dec.done:
+            flow_w, voc_w = dec.next_windows()
+            if flow_w is not None:
+                z = self.backend.flow(utt.z_p[None, :, flow_w.lo : flow_w.hi], sid, precision)
+                dec.accept_flow(flow_w, z[0])
+            out = self.backend.vocode(dec.z[None, :, voc_w.lo : voc_w.hi], sid, precision)
+            dec.index += 1
+            yield dec.trim_audio(voc_w, out.audio[0], self.hop), out.precision
+
+    def stream(self, text: str, params: SynthesisParams | None = None) -> Iterator[AudioChunk]:
+        """Text -> audio chunks as soon as each is decoded."""
+        params = params or SynthesisParams()
+        rng = self.rng(params.seed)
+        offset = 0
+        for index, sent in enumerate(self._sentences(text, params)):
+            utt = self._acoustic(sent, self.voice.speaker_index(params.speaker), params, rng)
+            words = [WordTiming(w, offset + s, offset + e) for w, s, e in utt.word_spans]
+            n_chunks = len(self.schedule.boundaries(utt.frames)) - 1
+            for k, (audio, precision) in enumerate(self.decode(utt, params.precision)):
+                yield AudioChunk(
+                    samples=audio, sample_rate=self.sample_rate, offset=offset, utterance=index,
+                    words=words if k == 0 else [], precision=precision,
+                    last_in_utterance=k == n_chunks - 1,
+                )
+                offset += len(audio)
+
+    def _sentences(self, text: str, params: SynthesisParams) -> list[PhonemizedSentence]:
+        return [s for s in self.voice.frontend.sentences(text, params.custom_dictionary)
+                if s.phoneme_ids]
+
+    def synthesize(
+        self, text: str, params: SynthesisParams | None = None
+    ) -> tuple[np.ndarray, list[WordTiming]]:
+        """Whole text -> (audio, word timings)."""
+        pieces, words = [], []
+        for chunk in self.stream(text, params):
+            pieces.append(chunk.samples)
+            words.extend(chunk.words)
+        audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+        return audio.astype(np.float32, copy=False), words
+
+
+def full_decode_frames(total: int) -> ChunkSchedule:
+    """A schedule that decodes everything in one chunk (the reference)."""
+    return ChunkSchedule(first_frames=max(1, total), growth=1.0, max_frames=max(1, total))
+
+
+__all__ = [
+    "AudioChunk",
+    "ChunkSchedule",
+    "SynthesisParams",
+    "Synthesizer",
+    "Utterance",
+    "WordTiming",
+    "full_decode_frames",
+]
+
+
+def default_backend(device: str) -> str:
+    """ONNX Runtime on CPU (fastest there), PyTorch on CUDA."""
+    return "torch" if device.startswith("cuda") else "onnxruntime"
+
+
+def open_synthesizer(
+    voice: str | None = None,
+    *,
+    voices_dir: str | None = None,
+    backend: str = "auto",
+    device: str = "cpu",
+    threads: int | None = None,
+    schedule: ChunkSchedule | None = None,
+) -> Synthesizer:
+    """Load a voice (built-in by default) on a backend, ready to synthesise."""
+    from pathlib import Path
+
+    from service.backends.registry import create_backend
+    from service.voices import Voice, find_voice
+
+    info = find_voice(voice, Path(voices_dir) if voices_dir else None)
+    loaded = Voice(info)
+    name = default_backend(device) if backend == "auto" else backend
+    options: dict[str, object] = {}
+    if threads:
+        options["threads"] = threads
+    return Synthesizer(loaded, create_backend(name, loaded, device, **options), schedule)
