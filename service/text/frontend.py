@@ -1,0 +1,477 @@
+"""Text frontend: text (+ annotations, custom dictionary) to per-sentence phoneme ids and words.
+
+Without annotations the ids are exactly Piper's (``PiperVoice.phonemize`` then
+``phonemes_to_ids``), because the voice was trained on them. Annotations and dictionary words
+become raw phoneme blocks, joined to the espeak output with Piper's own ``[[ ]]`` rules.
+
+Word spans are recovered after the fact: espeak separates words with spaces but does not say
+which source word produced which phoneme word (numbers expand, abbreviations merge), so source
+tokens are aligned to phoneme words by counting, see ``_map_words``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.text.annotations import (
+    ARPABET_RUN_PATTERN,
+    AnnotationError,
+    ipa_to_phonemes,
+    parse_arpabet_run,
+    parse_pronunciation,
+)
+from service.text.phoneme_ids import phonemes_to_ids
+from service.text.phonemize import RAW_BLOCK_PATTERN, Piece, assemble, espeak_sentences
+
+_TOKEN = re.compile(r"\S+")
+_EDGE_PUNCT = "\"'“”‘’«»„()[]{}<>,;:!?.…—–-¡¿"
+_LEADING_PUNCT = re.compile(r"\s*([.!?]+|[,;:])")
+_CLOSERS = "\"'“”‘’»)]}"
+_SENTENCE_END_CHARS = ".!?…"
+# espeak clause terminators Piper keeps as symbols; they belong to no word.
+_PUNCT_PHONEMES = frozenset(",.;:!?")
+# Preference for sentence breaks after sentence-final punctuation, in units of "words off".
+_NO_PUNCT_PENALTY = 1.5
+_SOLO_CACHE_MAX = 20_000
+
+
+@dataclass(frozen=True)
+class WordSpan:
+    """A source word and the ids it produced (for timing and highlighting)."""
+
+    text: str  # the word as written (for numbers, e.g. "123", the whole token)
+    start_id: int  # index into phoneme_ids of the word's first phoneme id
+    end_id: int  # exclusive end index into phoneme_ids
+
+
+@dataclass(frozen=True)
+class PhonemizedSentence:
+    """One sentence, the unit the acoustic model synthesises."""
+
+    text: str  # the source text of this sentence
+    phonemes: list[str]
+    phoneme_ids: list[int]
+    words: list[WordSpan]
+
+
+@dataclass(frozen=True)
+class _Token:
+    text: str
+    start: int  # char offsets into the request text
+    end: int
+    ends_sentence: bool  # followed by sentence punctuation or a line break
+
+
+@dataclass
+class _Source:
+    """A piece plus where it came from in the request text."""
+
+    piece: Piece
+    start: int
+    end: int
+    display: str = ""  # word text for annotation pieces
+
+
+@dataclass
+class _Word:
+    text: str
+    start: int  # phoneme indices within the (local or final) sentence
+    end: int
+
+
+@dataclass
+class _LocalSentence:
+    words: list[_Word] = field(default_factory=list)
+    char_start: int = -1
+    char_end: int = -1
+
+
+@dataclass
+class _Builder:
+    words: list[_Word] = field(default_factory=list)
+    from_user: set[int] = field(default_factory=set)
+    char_start: int = -1
+    char_end: int = -1
+
+    def cover(self, start: int, end: int) -> None:
+        if start < 0:
+            return
+        self.char_start = start if self.char_start < 0 else min(self.char_start, start)
+        self.char_end = max(self.char_end, end)
+
+
+class Frontend:
+    """Phonemises text for one espeak voice and phoneme id map. Thread safe."""
+
+    def __init__(self, espeak_voice: str, phoneme_id_map: Mapping[str, Sequence[int]]) -> None:
+        self.espeak_voice = espeak_voice
+        self.phoneme_id_map = phoneme_id_map
+        self._solo_cache: dict[str, tuple[str, ...]] = {}
+
+    @classmethod
+    def from_piper_config(cls, config_path: str | Path) -> Frontend:
+        """Build from a Piper voice ``.onnx.json``."""
+        config = json.loads(Path(config_path).read_text(encoding="utf-8"))
+        return cls(config["espeak"]["voice"], config["phoneme_id_map"])
+
+    def sentences(self, text: str, custom_dictionary: Mapping[str, str] | None = None) -> list[PhonemizedSentence]:
+        """Text to sentences of phonemes, ids and word spans (``[]`` for blank text).
+
+        Raises ``AnnotationError`` for unusable annotations or dictionary entries.
+        """
+        if not text.strip():
+            return []
+        sources = self._sources(text, custom_dictionary or {})
+        locals_per_source: list[list[_LocalSentence]] = []
+        for i, source in enumerate(sources):
+            if source.piece.raw is None:
+                after_word = (
+                    i > 0 and sources[i - 1].piece.raw is not None and not (sources[i - 1].piece.text.startswith("[["))
+                )
+                source.piece.sentences = self._text_sentences(source.piece.text, after_word)
+                locals_per_source.append(self._align_text(source))
+            else:
+                locals_per_source.append([])
+        out, placements = assemble([s.piece for s in sources])
+
+        builders = [_Builder() for _ in out]
+        for source, local, places in zip(sources, locals_per_source, placements, strict=True):
+            if source.piece.raw is not None:
+                place = places[0]
+                if place.sentence >= len(out):
+                    continue
+                builder = builders[place.sentence]
+                n = len(source.piece.raw)
+                builder.from_user.update(range(place.offset, place.offset + n))
+                builder.cover(source.start, source.end)
+                if n:
+                    builder.words.append(_Word(source.display, place.offset, place.offset + n))
+                continue
+            for sentence, place in zip(local, places, strict=True):
+                if place.sentence >= len(out):
+                    continue
+                builder = builders[place.sentence]
+                builder.cover(sentence.char_start, sentence.char_end)
+                for word in sentence.words:
+                    builder.words.append(_Word(word.text, word.start + place.offset, word.end + place.offset))
+        return [self._finish(text, phonemes, builder) for phonemes, builder in zip(out, builders, strict=True)]
+
+    def _text_sentences(self, text: str, after_word: bool) -> list[list[str]]:
+        """espeak sentences of a text piece.
+
+        Alone, espeak drops or spells out punctuation that starts a text ("." vanishes, "!"
+        becomes "exclamation"). After an ARPAbet or dictionary word (not after Piper's own
+        ``[[ ]]`` blocks, kept bit-exact) that punctuation belongs to the word, so it is
+        emitted here as espeak would have in context.
+        """
+        lead = _LEADING_PUNCT.match(text) if after_word else None
+        if lead is None:
+            return espeak_sentences(self.espeak_voice, text)
+        mark = lead.group(1)[0]
+        rest = espeak_sentences(self.espeak_voice, text[lead.end() :])
+        if mark in ".!?":
+            return [[mark], *rest]
+        return [[mark, " ", *rest[0]], *rest[1:]]
+
+    # -- building pieces -------------------------------------------------------------------
+
+    def _sources(self, text: str, dictionary: Mapping[str, str]) -> list[_Source]:
+        """Split text into espeak text and annotation pieces (raw IPA, ARPAbet, dictionary)."""
+        id_map = self.phoneme_id_map
+        entries = _compile_dictionary(dictionary, id_map)
+        sources: list[_Source] = []
+        # Piper's [[ ]] split first, so raw blocks behave exactly as in Piper.
+        pos = 0
+        for part in RAW_BLOCK_PATTERN.split(text):
+            start, pos = pos, pos + len(part)
+            if part.startswith("[["):
+                phonemes = ipa_to_phonemes(part[2:-2], id_map)
+                sources.append(_Source(Piece(part, raw=phonemes), start, pos, part))
+            else:
+                sources.extend(_split_plain(part, start, entries))
+        return sources
+
+    # -- word alignment --------------------------------------------------------------------
+
+    def _solo_words(self, token: str) -> tuple[str, ...]:
+        """The phoneme words espeak makes of this token alone (cached)."""
+        cached = self._solo_cache.get(token)
+        if cached is None:
+            cached = tuple(
+                "".join(s[a:b]) for s in espeak_sentences(self.espeak_voice, token) for a, b in _phoneme_words(s)
+            )
+            if len(self._solo_cache) >= _SOLO_CACHE_MAX:
+                self._solo_cache.clear()
+            self._solo_cache[token] = cached
+        return cached
+
+    def _align_text(self, source: _Source) -> list[_LocalSentence]:
+        """Assign the tokens of a text piece to its espeak sentences and phoneme words."""
+        text, base = source.piece.text, source.start
+        tokens = _tokens(text, base)
+        sentences = source.piece.sentences
+        pwords = [_phoneme_words(s) for s in sentences]
+        if len(sentences) <= 1:
+            groups = [tokens]
+        else:
+            counts = [len(self._solo_words(t.text)) for t in tokens]
+            bounds = _sentence_bounds(counts, [t.ends_sentence for t in tokens], pwords)
+            edges = [0, *bounds, len(tokens)]
+            groups = [tokens[edges[i] : edges[i + 1]] for i in range(len(sentences))]
+        result: list[_LocalSentence] = []
+        for group, words in zip(groups, pwords, strict=True):
+            local = _LocalSentence()
+            if group:
+                local.char_start, local.char_end = group[0].start, group[-1].end
+            sentence = sentences[len(result)]
+            texts = ["".join(sentence[a:b]) for a, b in words]
+            for t0, t1, first, last in _map_words(group, texts, self._solo_words):
+                written = text[group[t0].start - base : group[t1 - 1].end - base]
+                local.words.append(_Word(_word_text(written), words[first][0], words[last - 1][1]))
+            result.append(local)
+        return result
+
+    def _finish(self, text: str, phonemes: list[str], builder: _Builder) -> PhonemizedSentence:
+        from_user = [k in builder.from_user for k in range(len(phonemes))]
+        converted = phonemes_to_ids(phonemes, self.phoneme_id_map, from_user)
+        spans: list[WordSpan] = []
+        last_end = 0
+        for word in sorted(builder.words, key=lambda w: w.start):
+            kept = [k for k in range(word.start, word.end) if converted.positions[k] >= 0]
+            if not kept:
+                continue
+            start_id = converted.positions[kept[0]]
+            end_id = converted.positions[kept[-1]] + len(self.phoneme_id_map[phonemes[kept[-1]]])
+            if start_id < last_end:
+                continue
+            spans.append(WordSpan(word.text, start_id, end_id))
+            last_end = end_id
+        source = text[builder.char_start : builder.char_end] if builder.char_start >= 0 else ""
+        return PhonemizedSentence(source, list(phonemes), converted.ids, spans)
+
+
+def _split_plain(text: str, offset: int, entries: Mapping[str, list[str]]) -> list[_Source]:
+    """Split plain text at ARPAbet runs and dictionary words."""
+    pattern = _annotation_pattern(list(entries))
+    sources: list[_Source] = []
+    pos = 0
+    for match in pattern.finditer(text):
+        plain = text[pos : match.start()]
+        sources.append(_Source(Piece(plain), offset + pos, offset + match.start()))
+        written = match.group(0)
+        if ARPABET_RUN_PATTERN.fullmatch(written):
+            phonemes = parse_arpabet_run(written)
+        else:
+            phonemes = list(entries[written.lower()])
+        sources.append(
+            _Source(
+                Piece(written, raw=phonemes),
+                offset + match.start(),
+                offset + match.end(),
+                written,
+            )
+        )
+        pos = match.end()
+    sources.append(_Source(Piece(text[pos:]), offset + pos, offset + len(text)))
+    return sources
+
+
+def _compile_dictionary(dictionary: Mapping[str, str], id_map: Mapping[str, Sequence[int]]) -> dict[str, list[str]]:
+    """Lower-cased word -> phonemes; a bad entry is an error naming the word."""
+    entries: dict[str, list[str]] = {}
+    for word, pronunciation in dictionary.items():
+        key = word.strip().lower()
+        if not key:
+            continue
+        try:
+            entries[key] = parse_pronunciation(pronunciation, id_map)
+        except AnnotationError as exc:
+            raise AnnotationError(f"custom dictionary entry {word!r}: {exc}") from exc
+    return entries
+
+
+def _annotation_pattern(words: list[str]) -> re.Pattern[str]:
+    """ARPAbet runs, then whole-word dictionary words (longest first), case-insensitive."""
+    alternatives = [ARPABET_RUN_PATTERN.pattern]
+    if words:
+        escaped = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+        alternatives.append(rf"(?<!\w)(?:{escaped})(?!\w)")
+    return re.compile("|".join(alternatives), re.IGNORECASE)
+
+
+def _tokens(text: str, offset: int) -> list[_Token]:
+    tokens: list[_Token] = []
+    for match in _TOKEN.finditer(text):
+        word = match.group(0).rstrip(_CLOSERS)
+        after = text[match.end() : match.end() + 2]
+        ends = word.endswith(tuple(_SENTENCE_END_CHARS)) or "\n" in after
+        tokens.append(_Token(match.group(0), offset + match.start(), offset + match.end(), ends))
+    return tokens
+
+
+def _word_text(token: str) -> str:
+    stripped = token.strip(_EDGE_PUNCT)
+    return stripped or token
+
+
+def _phoneme_words(phonemes: Sequence[str]) -> list[tuple[int, int]]:
+    """Phoneme index ranges of the space separated words, terminator punctuation trimmed."""
+    words: list[tuple[int, int]] = []
+    start = -1
+    for k, phoneme in enumerate([*phonemes, " "]):
+        if phoneme != " ":
+            if start < 0:
+                start = k
+            continue
+        if start >= 0:
+            first, end = start, k
+            while first < end and phonemes[first] in _PUNCT_PHONEMES:
+                first += 1
+            while end > first and phonemes[end - 1] in _PUNCT_PHONEMES:
+                end -= 1
+            if first < end:
+                words.append((first, end))
+            start = -1
+    return words
+
+
+def _sentence_bounds(
+    counts: Sequence[int], ends_sentence: Sequence[bool], pwords: Sequence[Sequence[object]]
+) -> list[int]:
+    """Token boundaries between espeak sentences (len(pwords) - 1 of them).
+
+    Dynamic programme over monotone boundaries: a boundary after token k costs how far the
+    tokens' solo word counts are from the sentence's phoneme word count, plus a penalty when
+    token k does not end with sentence punctuation.
+    """
+    m = len(counts)
+    prefix = [0]
+    for c in counts:
+        prefix.append(prefix[-1] + c)
+    target = 0
+    cost_prev: list[float] = [0.0] + [float("inf")] * m
+    back: list[list[int]] = []
+    for s in range(len(pwords) - 1):
+        target += len(pwords[s])
+        best, best_k = float("inf"), 0
+        cost: list[float] = []
+        choice: list[int] = []
+        for k in range(m + 1):
+            if cost_prev[k] < best:
+                best, best_k = cost_prev[k], k
+            penalty = 0.0 if k > 0 and ends_sentence[k - 1] else _NO_PUNCT_PENALTY
+            cost.append(best + abs(prefix[k] - target) + penalty)
+            choice.append(best_k)
+        back.append(choice)
+        cost_prev = cost
+    k = min(range(m + 1), key=lambda i: cost_prev[i])
+    bounds: list[int] = []
+    for choice in reversed(back):
+        bounds.append(k)
+        k = choice[k]
+    return bounds[::-1]
+
+
+def _map_words(
+    tokens: Sequence[_Token],
+    pwords: Sequence[str],
+    solo_words: Callable[[str], tuple[str, ...]],
+) -> list[tuple[int, int, int, int]]:
+    """(first token, end token, first phoneme word, end phoneme word) groups, in order.
+
+    1:1 when the word-like tokens match the phoneme words in number; else consecutive groups
+    sized by each token's solo phoneme word count; else a banded alignment (``_align_dp``).
+    """
+    n = len(pwords)
+    if not tokens or n == 0:
+        return []
+    wordlike = [i for i, t in enumerate(tokens) if any(ch.isalnum() for ch in t.text)]
+    if len(wordlike) == n:
+        return [(i, i + 1, k, k + 1) for k, i in enumerate(wordlike)]
+    solo = [solo_words(t.text) for t in tokens]
+    takes = [len(words) for words in solo]
+    if sum(takes) != n:
+        takes = _align_dp(solo, pwords) or _proportional(takes, wordlike, n)
+    groups: list[tuple[int, int, int, int]] = []
+    pos = 0
+    orphan = -1  # a token espeak merged into the next token's word, before any group
+    for i, k in enumerate(takes):
+        if k == 0:
+            if solo[i] and groups:
+                # Merged into the previous word in context ("Main St." -> one word).
+                first_token, _, first, end = groups[-1]
+                groups[-1] = (first_token, i + 1, first, end)
+            elif solo[i] and orphan < 0:
+                orphan = i
+            continue
+        groups.append((orphan if orphan >= 0 else i, i + 1, pos, pos + k))
+        orphan = -1
+        pos += k
+    return groups
+
+
+def _strip_stress(phonemes: str) -> str:
+    return phonemes.replace("ˈ", "").replace("ˌ", "")
+
+
+def _align_dp(solo: Sequence[tuple[str, ...]], pwords: Sequence[str]) -> list[int] | None:
+    """How many phoneme words each token takes, when espeak merged or split words in context.
+
+    Cost of a token taking k words: how far k is from its solo count, plus up to 0.5 for
+    phonemes that do not resemble its solo phonemes. Searched in a band around the solo
+    positions; None when the band cannot reach the end.
+    """
+    m, n = len(solo), len(pwords)
+    band = 8
+    inf = float("inf")
+    cost = [[inf] * (n + 1) for _ in range(m + 1)]
+    choice = [[0] * (n + 1) for _ in range(m + 1)]
+    cost[0][0] = 0.0
+    expected = 0
+    for i, words in enumerate(solo):
+        want = len(words)
+        solo_text = _strip_stress("".join(words))
+        low, high = max(0, expected - band), min(n, expected + want + band)
+        expected += want
+        for j in range(low, high + 1):
+            base = cost[i][j]
+            if base == inf:
+                continue
+            for k in range(0, min(n - j, want + 3) + 1):
+                step = float(abs(k - want))
+                if k:
+                    context = _strip_stress("".join(pwords[j : j + k]))
+                    ratio = difflib.SequenceMatcher(None, solo_text, context).ratio()
+                    step += 0.5 * (1.0 - ratio)
+                if base + step < cost[i + 1][j + k]:
+                    cost[i + 1][j + k] = base + step
+                    choice[i + 1][j + k] = k
+    if cost[m][n] == inf:
+        return None
+    takes: list[int] = []
+    j = n
+    for i in range(m, 0, -1):
+        k = choice[i][j]
+        takes.append(k)
+        j -= k
+    return takes[::-1]
+
+
+def _proportional(counts: Sequence[int], wordlike: Sequence[int], n: int) -> list[int]:
+    """Share n phoneme words among tokens in proportion to their solo counts."""
+    weights = list(counts) if any(counts) else [int(i in wordlike) for i in range(len(counts))]
+    if not any(weights):
+        weights = [1] * len(counts)
+    total = sum(weights)
+    takes: list[int] = []
+    cum = 0
+    for w in weights:
+        first = round(n * cum / total)
+        cum += w
+        takes.append(round(n * cum / total) - first)
+    return takes

@@ -1,0 +1,162 @@
+"""Cutting text into utterances: whole texts (``split_sentences``) and streamed deltas.
+
+Streamed text (LLM tokens) must be spoken as soon as a sentence, or a long enough clause, is
+complete, but never cut where the full text would not be: every cut is decided only from the
+text already seen, and only once later text cannot change the decision. So pushing a text in
+1-character deltas gives exactly the same utterances as pushing it at once.
+
+Rules (documented simplifications):
+- A sentence ends at a run of ``. ! ? …`` (plus closing quotes/brackets) followed by
+  whitespace. The cut is placed after that whitespace, so it is decided when the next
+  non-space character arrives (or on flush / idle timeout).
+- A period (or ellipsis) ends a sentence only if the next non-space character is upper case,
+  a digit, a quote or an opening bracket, and the word before it is not a known title
+  abbreviation ("Dr.", "St."), a single letter ("J.", "U.S.") or dotted ("e.g.", "a.m.").
+  "3.14" never ends a sentence (no whitespace after the period).
+- A clause ends at ``, ; :`` followed by whitespace, or at an em dash; it is only a cut once
+  ``min_clause_chars`` characters (counted up to the punctuation) are buffered.
+- Text reaching ``max_chars`` without a cut is split at its last clause boundary, else its
+  last whitespace, else hard at ``max_chars``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_CLOSERS = "\"'”’»)]}"
+_OPENERS = "\"'“‘«([{"
+_ABBREVIATIONS = frozenset("mr mrs ms dr prof sr jr st vs mt ft gen col lt sgt capt rev hon fig approx dept".split())
+_CANDIDATE = re.compile(rf"[.!?…]+[{re.escape(_CLOSERS)}]*|[,;:]+[{re.escape(_CLOSERS)}]*|—")
+_CLAUSE_BOUNDARY = re.compile(r"(?:[,;:]+|—)\s*")
+_WHITESPACE = re.compile(r"\s+")
+
+
+@dataclass(frozen=True)
+class SegmenterConfig:
+    """When the streaming segmenter releases text."""
+
+    min_clause_chars: int = 60
+    max_chars: int = 300
+    idle_timeout_s: float = 1.0
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _period_ends_sentence(text: str, start: int, next_char: str) -> bool:
+    """Is the period run starting at ``start`` a sentence end, given the next non-space char?"""
+    if next_char and not (next_char.isupper() or next_char.isdigit() or next_char in _OPENERS):
+        return False
+    word_start = start
+    while word_start > 0 and not text[word_start - 1].isspace():
+        word_start -= 1
+    word = text[word_start:start].lstrip(_OPENERS)
+    if "." in word or word.lower() in _ABBREVIATIONS:
+        return False
+    return not (len(word) == 1 and word.isalpha())
+
+
+def find_cut(text: str, min_clause_chars: int | None, final: bool = False) -> int | None:
+    """End index of the first utterance in ``text``, or None if none is decided yet.
+
+    ``final`` says no more text will follow, so trailing whitespace decides a pending end.
+    ``min_clause_chars`` None disables clause cuts.
+    """
+    for match in _CANDIDATE.finditer(text):
+        end = match.end()
+        cut = _skip_space(text, end)
+        if cut == len(text) and not final:
+            return None  # only whitespace (or nothing) after it yet: undecided
+        next_char = text[cut] if cut < len(text) else ""
+        spaced = cut > end or not next_char
+        run = match.group(0).rstrip(_CLOSERS)
+        if run[0] in ".!?…":
+            if not spaced:
+                continue
+            if "!" in run or "?" in run or _period_ends_sentence(text, match.start(), next_char):
+                return cut
+            continue
+        if min_clause_chars is None or match.start() + len(run) < min_clause_chars:
+            continue
+        if spaced or run == "—":
+            return cut
+    return None
+
+
+def force_cut(window: str) -> int:
+    """Where to split text that reached the length limit without a natural cut."""
+    best = 0
+    for match in _CLAUSE_BOUNDARY.finditer(window):
+        if match.group(0) != match.group(0).rstrip() or match.group(0).startswith("—"):
+            best = match.end()
+    if 0 < best:
+        return best
+    for match in _WHITESPACE.finditer(window):
+        if match.start() > 0:
+            best = match.end()
+    return best if best > 0 else len(window)
+
+
+class IncrementalSegmenter:
+    """Buffers streamed text deltas and releases utterances ready to speak. Not thread safe."""
+
+    def __init__(self, config: SegmenterConfig | None = None) -> None:
+        self.config = config or SegmenterConfig()
+        self._buffer = ""
+        self._last_push: float | None = None
+
+    @property
+    def pending(self) -> str:
+        """Text received but not released yet."""
+        return self._buffer
+
+    def push(self, delta: str, now: float) -> list[str]:
+        """Add a delta; return the utterances it completed."""
+        self._buffer += delta
+        self._last_push = now
+        return self._release()
+
+    def flush(self) -> list[str]:
+        """Release everything buffered (end of input or explicit flush)."""
+        out = [self._buffer] if self._buffer else []
+        self._buffer = ""
+        return out
+
+    def poll(self, now: float) -> list[str]:
+        """Release the buffer if nothing arrived for ``idle_timeout_s``."""
+        if not self._buffer or self._last_push is None:
+            return []
+        if now - self._last_push < self.config.idle_timeout_s:
+            return []
+        return self.flush()
+
+    def _release(self) -> list[str]:
+        out: list[str] = []
+        max_chars = max(1, self.config.max_chars)
+        while self._buffer:
+            # Only the first max_chars characters count, so the cut does not depend on how
+            # much text arrived in one push.
+            window = self._buffer[:max_chars]
+            cut = find_cut(window, self.config.min_clause_chars)
+            if cut is None:
+                if len(self._buffer) < max_chars:
+                    break
+                cut = force_cut(window)
+            out.append(self._buffer[:cut])
+            self._buffer = self._buffer[cut:]
+        return out
+
+
+def split_sentences(text: str, max_chars: int = 300) -> list[str]:
+    """Split a whole text into sentences of at most ``max_chars`` (stripped, none empty).
+
+    Overlong sentences are split at clause boundaries, then at spaces. The text is the
+    pieces joined with the whitespace that was between them.
+    """
+    segmenter = IncrementalSegmenter(SegmenterConfig(min_clause_chars=max_chars + 1, max_chars=max_chars))
+    pieces = segmenter.push(text, 0.0) + segmenter.flush()
+    return [p.strip() for p in pieces if p.strip()]

@@ -1,0 +1,168 @@
+"""Sentence splitting and the streaming segmenter's invariants."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from service.text.segment import IncrementalSegmenter, SegmenterConfig, split_sentences
+
+TEXT = (
+    'Dr. Smith went to the U.S. Army base at 3.14 p.m. today. He said "hi." Then left! '
+    "e.g. this works? Yes, it does; really, truly, completely, and absolutely without any "
+    "doubt whatsoever — ok. Prices rose 2.5% in 2023. Wow... Really?! "
+    + "A very long clause without any punctuation at all that goes on " * 6
+    + "and finally ends. Last one"
+)
+
+
+def _rejoins(text: str, pieces: list[str]) -> bool:
+    pos = 0
+    for piece in pieces:
+        found = text.find(piece, pos)
+        if found < 0 or text[pos:found].strip():
+            return False
+        pos = found + len(piece)
+    return not text[pos:].strip()
+
+
+def _push_all(text: str, cuts: list[int], config: SegmenterConfig) -> tuple[list[str], str]:
+    segmenter = IncrementalSegmenter(config)
+    out: list[str] = []
+    edges = [0, *sorted(cuts), len(text)]
+    for i in range(len(edges) - 1):
+        out += segmenter.push(text[edges[i] : edges[i + 1]], float(i))
+    return out, segmenter.pending
+
+
+def test_split_sentences_basic() -> None:
+    assert split_sentences("Hello there. How are you? Fine!") == [
+        "Hello there.",
+        "How are you?",
+        "Fine!",
+    ]
+    assert split_sentences("  ") == []
+    assert split_sentences("Dr. Smith met Mrs. Jones at 3.14 p.m. in the U.S. Army.") == [
+        "Dr. Smith met Mrs. Jones at 3.14 p.m. in the U.S. Army."
+    ]
+    assert split_sentences('He said "hi." Then left.') == ['He said "hi."', "Then left."]
+    assert split_sentences("It is e.g. fine. ok then.") == ["It is e.g. fine. ok then."]
+
+
+def test_split_sentences_long() -> None:
+    pieces = split_sentences(TEXT, max_chars=50)
+    assert _rejoins(TEXT, pieces)
+    assert all(0 < len(p) <= 50 for p in pieces)
+    assert "Yes, it does; really, truly, completely," in pieces
+
+
+def test_split_sentences_corpus_rejoins() -> None:
+    corpus = Path(__file__).with_name("corpus_en.txt").read_text(encoding="utf-8")
+    for max_chars in (20, 80, 300):
+        pieces = split_sentences(corpus, max_chars)
+        assert _rejoins(corpus, pieces)
+        assert all(len(p) <= max_chars for p in pieces)
+
+
+def test_releases_at_sentence_end_after_next_text() -> None:
+    segmenter = IncrementalSegmenter()
+    assert segmenter.push("Hello world.", 0.0) == []
+    assert segmenter.push(" ", 0.1) == []
+    assert segmenter.push("How", 0.2) == ["Hello world. "]
+    assert segmenter.pending == "How"
+    assert segmenter.push(" are you? I", 0.3) == ["How are you? "]
+    assert segmenter.flush() == ["I"]
+    assert segmenter.pending == ""
+
+
+def test_abbreviation_and_decimal_do_not_release() -> None:
+    segmenter = IncrementalSegmenter()
+    first = "Dr. Smith paid 3.14 dollars in the U.S. Army on e.g. Monday. "
+    assert segmenter.push(first + "Then", 0.0) == [first]
+    # "left. and" is not an end (lower case follows); "then. Bye" is.
+    assert segmenter.push(" he left. and then. Bye", 0.0) == ["Then he left. and then. "]
+    assert segmenter.pending == "Bye"
+
+
+def test_clause_release_needs_min_chars() -> None:
+    config = SegmenterConfig(min_clause_chars=20)
+    segmenter = IncrementalSegmenter(config)
+    assert segmenter.push("Short, clause, ", 0.0) == []
+    assert segmenter.push("but now we have enough, and more", 0.0) == ["Short, clause, but now we have enough, "]
+
+
+def test_max_chars_split() -> None:
+    segmenter = IncrementalSegmenter(SegmenterConfig(max_chars=30))
+    out = segmenter.push("word " * 20, 0.0)
+    assert out and all(len(u) <= 30 for u in out)
+    assert "".join(out) + segmenter.pending == "word " * 20
+
+
+def test_idle_timeout() -> None:
+    segmenter = IncrementalSegmenter(SegmenterConfig(idle_timeout_s=1.0))
+    assert segmenter.poll(5.0) == []
+    segmenter.push("Thinking about it", 10.0)
+    assert segmenter.poll(10.5) == []
+    assert segmenter.poll(11.0) == ["Thinking about it"]
+    assert segmenter.pending == ""
+    assert segmenter.poll(20.0) == []
+
+
+def test_invariants_random_splits() -> None:
+    rng = random.Random(1234)
+    corpus = Path(__file__).with_name("corpus_en.txt").read_text(encoding="utf-8")
+    texts = [TEXT, corpus, corpus.replace("\n", " "), "", "   ", "...!!! ,,, — —"]
+    configs = [
+        SegmenterConfig(),
+        SegmenterConfig(min_clause_chars=10, max_chars=40),
+        SegmenterConfig(min_clause_chars=0, max_chars=7),
+        SegmenterConfig(max_chars=1),
+    ]
+    for text in texts:
+        for config in configs:
+            at_once, pending_once = _push_all(text, [], config)
+            one_char, pending_chars = _push_all(text, list(range(1, len(text))), config)
+            assert one_char == at_once and pending_chars == pending_once
+            assert "".join(at_once) + pending_once == text
+            assert all(u for u in at_once)
+            for _ in range(30):
+                cuts = rng.sample(range(1, max(len(text), 2)), k=min(len(text) // 5, 40))
+                released, pending = _push_all(text, cuts, config)
+                assert released == at_once and pending == pending_once
+                assert "".join(released) + pending == text
+
+
+def test_random_words_invariants() -> None:
+    rng = random.Random(99)
+    vocab = [
+        "Dr.",
+        "U.S.",
+        "3.14",
+        "hi",
+        "Hello",
+        "world.",
+        "ok,",
+        "yes;",
+        "no:",
+        "—",
+        "e.g.",
+        "Wow!",
+        "why?",
+        '"Quote."',
+        "the",
+        "A",
+        "…",
+        "x" * 12,
+        "\n\n",
+    ]
+    for _ in range(200):
+        text = " ".join(rng.choice(vocab) for _ in range(rng.randint(0, 60)))
+        config = SegmenterConfig(min_clause_chars=rng.randint(0, 50), max_chars=rng.randint(5, 80))
+        at_once, pending_once = _push_all(text, [], config)
+        cuts = [i for i in range(1, len(text)) if rng.random() < 0.3]
+        released, pending = _push_all(text, cuts, config)
+        assert (released, pending) == (at_once, pending_once), text
+        assert "".join(released) + pending == text
+        assert all(len(u) <= config.max_chars for u in released)
+        flushed = IncrementalSegmenter(config)
+        assert "".join(flushed.push(text, 0.0) + flushed.flush()) == text
