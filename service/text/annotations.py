@@ -113,7 +113,9 @@ def ipa_to_phonemes(ipa: str, id_map: Mapping[str, Sequence[int]]) -> list[str]:
     phonemes = list(ipa.strip())
     for phoneme in phonemes:
         if phoneme not in id_map:
-            raise AnnotationError(f"IPA symbol {phoneme!r} (U+{ord(phoneme):04X}) is not in this voice's phoneme set")
+            raise AnnotationError(
+                f"IPA symbol {phoneme!r} (U+{ord(phoneme):04X}) is not in this voice's phoneme set"
+            )
     if not phonemes:
         raise AnnotationError("empty IPA pronunciation")
     return phonemes

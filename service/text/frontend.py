@@ -31,6 +31,7 @@ from service.text.phonemize import RAW_BLOCK_PATTERN, Piece, assemble, espeak_se
 _TOKEN = re.compile(r"\S+")
 _EDGE_PUNCT = "\"'“”‘’«»„()[]{}<>,;:!?.…—–-¡¿"
 _LEADING_PUNCT = re.compile(r"\s*([.!?]+|[,;:])")
+_PLAIN_CHARS = _EDGE_PUNCT + "'’"
 _CLOSERS = "\"'“”‘’»)]}"
 _SENTENCE_END_CHARS = ".!?…"
 # espeak clause terminators Piper keeps as symbols; they belong to no word.
@@ -38,6 +39,7 @@ _PUNCT_PHONEMES = frozenset(",.;:!?")
 # Preference for sentence breaks after sentence-final punctuation, in units of "words off".
 _NO_PUNCT_PENALTY = 1.5
 _SOLO_CACHE_MAX = 20_000
+_SENTENCE_SLACK = 10  # how many words past a sentence's count its end is searched
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,9 @@ class Frontend:
         config = json.loads(Path(config_path).read_text(encoding="utf-8"))
         return cls(config["espeak"]["voice"], config["phoneme_id_map"])
 
-    def sentences(self, text: str, custom_dictionary: Mapping[str, str] | None = None) -> list[PhonemizedSentence]:
+    def sentences(
+        self, text: str, custom_dictionary: Mapping[str, str] | None = None
+    ) -> list[PhonemizedSentence]:
         """Text to sentences of phonemes, ids and word spans (``[]`` for blank text).
 
         Raises ``AnnotationError`` for unusable annotations or dictionary entries.
@@ -131,7 +135,9 @@ class Frontend:
         for i, source in enumerate(sources):
             if source.piece.raw is None:
                 after_word = (
-                    i > 0 and sources[i - 1].piece.raw is not None and not (sources[i - 1].piece.text.startswith("[["))
+                    i > 0
+                    and sources[i - 1].piece.raw is not None
+                    and not (sources[i - 1].piece.text.startswith("[["))
                 )
                 source.piece.sentences = self._text_sentences(source.piece.text, after_word)
                 locals_per_source.append(self._align_text(source))
@@ -158,8 +164,13 @@ class Frontend:
                 builder = builders[place.sentence]
                 builder.cover(sentence.char_start, sentence.char_end)
                 for word in sentence.words:
-                    builder.words.append(_Word(word.text, word.start + place.offset, word.end + place.offset))
-        return [self._finish(text, phonemes, builder) for phonemes, builder in zip(out, builders, strict=True)]
+                    builder.words.append(
+                        _Word(word.text, word.start + place.offset, word.end + place.offset)
+                    )
+        return [
+            self._finish(text, phonemes, builder)
+            for phonemes, builder in zip(out, builders, strict=True)
+        ]
 
     def _text_sentences(self, text: str, after_word: bool) -> list[list[str]]:
         """espeak sentences of a text piece.
@@ -203,7 +214,9 @@ class Frontend:
         cached = self._solo_cache.get(token)
         if cached is None:
             cached = tuple(
-                "".join(s[a:b]) for s in espeak_sentences(self.espeak_voice, token) for a, b in _phoneme_words(s)
+                "".join(s[a:b])
+                for s in espeak_sentences(self.espeak_voice, token)
+                for a, b in _phoneme_words(s)
             )
             if len(self._solo_cache) >= _SOLO_CACHE_MAX:
                 self._solo_cache.clear()
@@ -219,8 +232,11 @@ class Frontend:
         if len(sentences) <= 1:
             groups = [tokens]
         else:
-            counts = [len(self._solo_words(t.text)) for t in tokens]
-            bounds = _sentence_bounds(counts, [t.ends_sentence for t in tokens], pwords)
+            solo = [self._solo_words(t.text) for t in tokens]
+            word_texts = [
+                ["".join(s[a:b]) for a, b in w] for s, w in zip(sentences, pwords, strict=True)
+            ]
+            bounds = _sentence_bounds(solo, [t.ends_sentence for t in tokens], word_texts)
             edges = [0, *bounds, len(tokens)]
             groups = [tokens[edges[i] : edges[i + 1]] for i in range(len(sentences))]
         result: list[_LocalSentence] = []
@@ -281,7 +297,9 @@ def _split_plain(text: str, offset: int, entries: Mapping[str, list[str]]) -> li
     return sources
 
 
-def _compile_dictionary(dictionary: Mapping[str, str], id_map: Mapping[str, Sequence[int]]) -> dict[str, list[str]]:
+def _compile_dictionary(
+    dictionary: Mapping[str, str], id_map: Mapping[str, Sequence[int]]
+) -> dict[str, list[str]]:
     """Lower-cased word -> phonemes; a bad entry is an error naming the word."""
     entries: dict[str, list[str]] = {}
     for word, pronunciation in dictionary.items():
@@ -341,40 +359,34 @@ def _phoneme_words(phonemes: Sequence[str]) -> list[tuple[int, int]]:
 
 
 def _sentence_bounds(
-    counts: Sequence[int], ends_sentence: Sequence[bool], pwords: Sequence[Sequence[object]]
+    solo: Sequence[tuple[str, ...]], ends_sentence: Sequence[bool], pwords: Sequence[list[str]]
 ) -> list[int]:
     """Token boundaries between espeak sentences (len(pwords) - 1 of them).
 
-    Dynamic programme over monotone boundaries: a boundary after token k costs how far the
-    tokens' solo word counts are from the sentence's phoneme word count, plus a penalty when
-    token k does not end with sentence punctuation.
+    Greedy, sentence by sentence, so a miscount in one sentence does not shift the next:
+    the end token is the one whose solo word count best fills the sentence, preferring
+    tokens that end with sentence punctuation and whose last phoneme word is the sentence's.
     """
-    m = len(counts)
-    prefix = [0]
-    for c in counts:
-        prefix.append(prefix[-1] + c)
-    target = 0
-    cost_prev: list[float] = [0.0] + [float("inf")] * m
-    back: list[list[int]] = []
-    for s in range(len(pwords) - 1):
-        target += len(pwords[s])
-        best, best_k = float("inf"), 0
-        cost: list[float] = []
-        choice: list[int] = []
-        for k in range(m + 1):
-            if cost_prev[k] < best:
-                best, best_k = cost_prev[k], k
-            penalty = 0.0 if k > 0 and ends_sentence[k - 1] else _NO_PUNCT_PENALTY
-            cost.append(best + abs(prefix[k] - target) + penalty)
-            choice.append(best_k)
-        back.append(choice)
-        cost_prev = cost
-    k = min(range(m + 1), key=lambda i: cost_prev[i])
     bounds: list[int] = []
-    for choice in reversed(back):
-        bounds.append(k)
-        k = choice[k]
-    return bounds[::-1]
+    start = 0
+    for words in pwords[:-1]:
+        want = len(words)
+        last = _strip_stress(words[-1]) if words else ""
+        best_cost, best_k = float("inf"), start
+        have = 0
+        for k in range(start, len(solo) + 1):
+            if k > start:
+                have += len(solo[k - 1])
+                if have > want + _SENTENCE_SLACK:
+                    break
+            cost = abs(have - want) + (0.0 if k > 0 and ends_sentence[k - 1] else _NO_PUNCT_PENALTY)
+            if last and k > start and solo[k - 1] and _strip_stress(solo[k - 1][-1]) == last:
+                cost -= 1.0
+            if cost < best_cost:
+                best_cost, best_k = cost, k
+        bounds.append(best_k)
+        start = best_k
+    return bounds
 
 
 def _map_words(
@@ -391,28 +403,44 @@ def _map_words(
     if not tokens or n == 0:
         return []
     wordlike = [i for i, t in enumerate(tokens) if any(ch.isalnum() for ch in t.text)]
-    if len(wordlike) == n:
+    # Numbers and symbols expand to several words, so a count match would be a coincidence.
+    plain = all(ch.isalpha() or ch in _PLAIN_CHARS for t in tokens for ch in t.text)
+    if plain and len(wordlike) == n:
         return [(i, i + 1, k, k + 1) for k, i in enumerate(wordlike)]
     solo = [solo_words(t.text) for t in tokens]
     takes = [len(words) for words in solo]
     if sum(takes) != n:
         takes = _align_dp(solo, pwords) or _proportional(takes, wordlike, n)
-    groups: list[tuple[int, int, int, int]] = []
+    starts: list[int] = []
     pos = 0
-    orphan = -1  # a token espeak merged into the next token's word, before any group
-    for i, k in enumerate(takes):
-        if k == 0:
-            if solo[i] and groups:
-                # Merged into the previous word in context ("Main St." -> one word).
-                first_token, _, first, end = groups[-1]
-                groups[-1] = (first_token, i + 1, first, end)
-            elif solo[i] and orphan < 0:
-                orphan = i
-            continue
-        groups.append((orphan if orphan >= 0 else i, i + 1, pos, pos + k))
-        orphan = -1
+    for k in takes:
+        starts.append(pos)
         pos += k
-    return groups
+    takers = [i for i, k in enumerate(takes) if k]
+    first_token = {i: i for i in takers}
+    end_token = {i: i + 1 for i in takers}
+    for i, k in enumerate(takes):
+        if k or not solo[i]:
+            continue
+        # espeak merged this token into a neighbour's word ("Main St.", "of the"): join the
+        # neighbour whose adjacent phoneme word looks more like this token alone.
+        before = [j for j in takers if j < i]
+        after = [j for j in takers if j > i]
+        own = _strip_stress("".join(solo[i]))
+        score_before = score_after = -1.0
+        if before:
+            word = pwords[starts[before[-1]] + takes[before[-1]] - 1]
+            score_before = difflib.SequenceMatcher(None, own, _strip_stress(word)).ratio()
+        if after:
+            word = pwords[starts[after[0]]]
+            score_after = difflib.SequenceMatcher(None, own, _strip_stress(word)).ratio()
+        if score_before < 0 and score_after < 0:
+            continue
+        if score_after > score_before:
+            first_token[after[0]] = min(first_token[after[0]], i)
+        else:
+            end_token[before[-1]] = max(end_token[before[-1]], i + 1)
+    return [(first_token[i], end_token[i], starts[i], starts[i] + takes[i]) for i in takers]
 
 
 def _strip_stress(phonemes: str) -> str:

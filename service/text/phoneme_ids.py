@@ -44,7 +44,9 @@ def phonemes_to_ids(
         mapped = id_map.get(phoneme)
         if mapped is None:
             if from_user is not None and from_user[k]:
-                raise AnnotationError(f"phoneme {phoneme!r} (U+{ord(phoneme[0]):04X}) is not known to this voice")
+                raise AnnotationError(
+                    f"phoneme {phoneme!r} (U+{ord(phoneme[0]):04X}) is not known to this voice"
+                )
             _LOGGER.warning("Missing phoneme from id map: %r", phoneme)
             positions.append(-1)
             continue

@@ -113,7 +113,11 @@ def assemble(pieces: Sequence[Piece]) -> tuple[list[list[str]], list[list[Placem
                 out[-1].append(" ")
             placements.append([Placement(len(out) - 1, len(out[-1]))])
             out[-1].extend(piece.raw)
-            if i < len(pieces) - 1 and pieces[i + 1].raw is None and pieces[i + 1].text.startswith(" "):
+            if (
+                i < len(pieces) - 1
+                and pieces[i + 1].raw is None
+                and pieces[i + 1].text.startswith(" ")
+            ):
                 out[-1].append(" ")
             continue
 

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 _CLOSERS = "\"'”’»)]}"
 _OPENERS = "\"'“‘«([{"
-_ABBREVIATIONS = frozenset("mr mrs ms dr prof sr jr st vs mt ft gen col lt sgt capt rev hon fig approx dept".split())
+_ABBREVIATIONS = frozenset(
+    "mr mrs ms dr prof sr jr st vs mt ft gen col lt sgt capt rev hon fig approx dept".split()
+)
 _CANDIDATE = re.compile(rf"[.!?…]+[{re.escape(_CLOSERS)}]*|[,;:]+[{re.escape(_CLOSERS)}]*|—")
 _CLAUSE_BOUNDARY = re.compile(r"(?:[,;:]+|—)\s*")
 _WHITESPACE = re.compile(r"\s+")
@@ -157,6 +159,8 @@ def split_sentences(text: str, max_chars: int = 300) -> list[str]:
     Overlong sentences are split at clause boundaries, then at spaces. The text is the
     pieces joined with the whitespace that was between them.
     """
-    segmenter = IncrementalSegmenter(SegmenterConfig(min_clause_chars=max_chars + 1, max_chars=max_chars))
+    segmenter = IncrementalSegmenter(
+        SegmenterConfig(min_clause_chars=max_chars + 1, max_chars=max_chars)
+    )
     pieces = segmenter.push(text, 0.0) + segmenter.flush()
     return [p.strip() for p in pieces if p.strip()]

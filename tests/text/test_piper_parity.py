@@ -22,7 +22,9 @@ def test_ids_equal_piper_per_line(frontend: Frontend, piper_voice: Any, corpus: 
         assert ours == _piper_ids(piper_voice, line), line
 
 
-def test_ids_equal_piper_whole_corpus(frontend: Frontend, piper_voice: Any, corpus: list[str]) -> None:
+def test_ids_equal_piper_whole_corpus(
+    frontend: Frontend, piper_voice: Any, corpus: list[str]
+) -> None:
     text = " ".join(corpus)
     ours = [s.phoneme_ids for s in frontend.sentences(text)]
     assert ours == _piper_ids(piper_voice, text)

@@ -88,7 +88,9 @@ def test_clause_release_needs_min_chars() -> None:
     config = SegmenterConfig(min_clause_chars=20)
     segmenter = IncrementalSegmenter(config)
     assert segmenter.push("Short, clause, ", 0.0) == []
-    assert segmenter.push("but now we have enough, and more", 0.0) == ["Short, clause, but now we have enough, "]
+    assert segmenter.push("but now we have enough, and more", 0.0) == [
+        "Short, clause, but now we have enough, "
+    ]
 
 
 def test_max_chars_split() -> None:

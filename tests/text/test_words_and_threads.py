@@ -16,7 +16,10 @@ def _check_spans(sentence: PhonemizedSentence) -> None:
 
 def _word_ipa(sentence: PhonemizedSentence) -> list[tuple[str, str]]:
     # Phoneme k sits at id index 2 + 2k.
-    return [(w.text, "".join(sentence.phonemes[(w.start_id - 2) // 2 : (w.end_id - 1) // 2])) for w in sentence.words]
+    return [
+        (w.text, "".join(sentence.phonemes[(w.start_id - 2) // 2 : (w.end_id - 1) // 2]))
+        for w in sentence.words
+    ]
 
 
 def test_spans_valid_on_corpus(frontend: Frontend, corpus: list[str]) -> None:
@@ -53,6 +56,16 @@ def test_merged_words_share_a_span(frontend: Frontend) -> None:
     assert words[-1] == ("now", "nˈaʊ")
 
 
+def test_number_with_merged_words(frontend: Frontend) -> None:
+    # 1999 expands to three words while "was the" and "of the" merge: counts match 1:1 by
+    # coincidence, so the alignment must not trust it.
+    (sentence,) = frontend.sentences("The year 1999 was the end of the millennium.")
+    words = dict(_word_ipa(sentence))
+    assert words["1999"] == "nˈaɪntiːnhˈʌndɹɪd nˈaɪnti nˈaɪn"
+    assert words["millennium"] == "mɪlˈɛniəm"
+    assert words["end"] == "ˈɛnd"
+
+
 def test_words_across_sentences(frontend: Frontend) -> None:
     sentences = frontend.sentences("One. Two three! Four?")
     assert [[w.text for w in s.words] for s in sentences] == [["One"], ["Two", "three"], ["Four"]]
@@ -67,7 +80,9 @@ def test_concurrent_equals_serial(frontend: Frontend, corpus: list[str]) -> None
     def work(index: int) -> None:
         try:
             for _ in range(20):
-                results[index].append(frontend.sentences(texts[index], {"tomato": "T AH0 M AA1 T OW2"}))
+                results[index].append(
+                    frontend.sentences(texts[index], {"tomato": "T AH0 M AA1 T OW2"})
+                )
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
