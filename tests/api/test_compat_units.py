@@ -1,0 +1,251 @@
+"""Pure translation tests for the Riva and Google compatibility layers (no server, no engine)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import riva.client.proto.riva_tts_pb2 as rtts
+from google.cloud.texttospeech_v1.types import cloud_tts
+from riva.client.proto.riva_audio_pb2 import AudioEncoding as RivaEncoding
+
+from service.api import google_tts, riva
+from service.api.compat import language_matches, seed_from_metadata, voice_for_language
+from service.audio.encoding import AudioEncoding
+from service.engine.api import InvalidArgument, NotFound, SpeakerInfo, VoiceDescription, WordTiming
+
+JOE = VoiceDescription("en_US-joe-medium", "en-US", 22050, [], loaded=True)
+TINY = VoiceDescription(
+    "tiny-multi", "en-US", 16000, [SpeakerInfo(0, "alice"), SpeakerInfo(1, "bob"), SpeakerInfo(2, "carol")], False
+)
+GERMAN = VoiceDescription("de_DE-thorsten-medium", "de-DE", 22050, [], loaded=False)
+VOICES = [JOE, TINY, GERMAN]
+DEFAULT = JOE.name
+
+
+# --- shared ---------------------------------------------------------------------------------------
+
+
+def test_seed_header_overrides_default_and_random_means_none() -> None:
+    assert seed_from_metadata([], 0) == 0
+    assert seed_from_metadata([("x-cadenza-seed", "42")], 0) == 42
+    assert seed_from_metadata([("X-Cadenza-Seed", "random")], 0) is None
+    with pytest.raises(InvalidArgument, match="x-cadenza-seed"):
+        seed_from_metadata([("x-cadenza-seed", "-1")], 0)
+
+
+def test_language_matching() -> None:
+    assert language_matches("en-US", "en-US")
+    assert language_matches("en_us", "en-US")
+    assert language_matches("en", "en-US")
+    assert language_matches("", "en-US")
+    assert not language_matches("en-GB", "en-US")
+    assert voice_for_language(VOICES, "de-DE", DEFAULT, "f") is GERMAN
+    assert voice_for_language(VOICES, "en-US", DEFAULT, "f") is JOE
+    with pytest.raises(NotFound, match="fr-FR"):
+        voice_for_language(VOICES, "fr-FR", DEFAULT, "f")
+
+
+# --- Riva -----------------------------------------------------------------------------------------
+
+
+def test_riva_custom_dictionary_format() -> None:
+    # What riva.client sends for {"NVIDIA": "ˈɛ n ˈv ɪ d i ə", "tomato": "T AH0 M EY1 T OW2"}.
+    value = "NVIDIA  ˈɛ n ˈv ɪ d i ə,tomato  T AH0 M EY1 T OW2"
+    assert riva.parse_custom_dictionary(value) == {"NVIDIA": "ˈɛnˈvɪdiə", "tomato": "T AH0 M EY1 T OW2"}
+    assert riva.parse_custom_dictionary(" , ") == {}
+    with pytest.raises(InvalidArgument, match="custom_dictionary"):
+        riva.parse_custom_dictionary("lonely")
+
+
+def test_riva_voice_names() -> None:
+    assert riva.resolve_voice("", "en-US", VOICES, DEFAULT) == (JOE, None)
+    assert riva.resolve_voice("", "de-DE", VOICES, DEFAULT) == (GERMAN, None)
+    assert riva.resolve_voice("tiny-multi.bob", "en-US", VOICES, DEFAULT) == (TINY, "bob")
+    assert riva.resolve_voice("tiny-multi", "", VOICES, DEFAULT) == (TINY, None)
+    assert riva.resolve_voice("en_US-joe-medium.", "en-US", VOICES, DEFAULT) == (JOE, None)
+    with pytest.raises(InvalidArgument, match="language_code"):
+        riva.resolve_voice("en_US-joe-medium", "de-DE", VOICES, DEFAULT)
+    with pytest.raises(NotFound, match="voice_name"):
+        riva.resolve_voice("English-US.Female-1", "en-US", VOICES, DEFAULT)
+
+
+def test_riva_request_to_session_config() -> None:
+    request = rtts.SynthesizeSpeechRequest(
+        text="Hello.",
+        language_code="en-US",
+        encoding=RivaEncoding.ALAW,
+        sample_rate_hz=8000,
+        voice_name="tiny-multi.alice",
+        custom_dictionary="hello  HH AH0 L OW1",
+        enable_word_time_offsets=True,
+    )
+    request.id.value = "req-7"
+    request.custom_configuration["speaking_rate"] = "1.5"
+    config, voice = riva.session_config(request, VOICES, DEFAULT, seed=0)
+    assert voice is TINY
+    assert config.voice == "tiny-multi" and config.speaker == "alice"
+    assert config.encoding is AudioEncoding.ALAW and config.sample_rate == 8000
+    assert config.speaking_rate == 1.5 and config.seed == 0
+    assert config.custom_dictionary == {"hello": "HH AH0 L OW1"}
+    assert config.word_timings and config.request_id == "req-7"
+
+    request.custom_configuration["seed"] = "random"
+    assert riva.session_config(request, VOICES, DEFAULT, seed=0)[0].seed is None
+
+
+@pytest.mark.parametrize("encoding", [RivaEncoding.FLAC, RivaEncoding.OGGOPUS, 99])
+def test_riva_unsupported_encoding_names_the_supported_ones(encoding: int) -> None:
+    request = rtts.SynthesizeSpeechRequest(text="x", encoding=encoding)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="LINEAR_PCM, MULAW, ALAW") as info:
+        riva.session_config(request, VOICES, DEFAULT, seed=0)
+    assert info.value.field == "encoding"
+
+
+def test_riva_rejects_zero_shot_and_unknown_custom_configuration() -> None:
+    request = rtts.SynthesizeSpeechRequest(text="x")
+    request.zero_shot_data.quality = 20
+    with pytest.raises(InvalidArgument, match="zero-shot"):
+        riva.session_config(request, VOICES, DEFAULT, seed=0)
+    request = rtts.SynthesizeSpeechRequest(text="x")
+    request.custom_configuration["exaggeration_factor"] = "1.5"
+    with pytest.raises(InvalidArgument, match="seed, speaking_rate"):
+        riva.session_config(request, VOICES, DEFAULT, seed=0)
+
+
+def test_riva_word_times_are_milliseconds() -> None:
+    words = riva.riva_words([WordTiming("hi", 8000, 16000)], 16000)
+    assert (words[0].word, words[0].start_time, words[0].end_time) == ("hi", 500, 1000)
+
+
+def test_riva_config_lists_voices_and_subvoices() -> None:
+    response = riva.config_response(VOICES)
+    models = {m.model_name: dict(m.parameters) for m in response.model_config}
+    assert models["tiny-multi"]["subvoices"] == "alice:0,bob:1,carol:2"
+    assert models["en_US-joe-medium"]["language_code"] == "en-US"
+    assert len(riva.config_response(VOICES, "tiny-multi").model_config) == 1
+    with pytest.raises(NotFound):
+        riva.config_response(VOICES, "nope")
+
+
+# --- Google ---------------------------------------------------------------------------------------
+
+
+def _voice(name: str = "", language: str = "en-US") -> cloud_tts.VoiceSelectionParams:
+    return cloud_tts.VoiceSelectionParams(name=name, language_code=language)
+
+
+def test_google_voice_names() -> None:
+    names = [g.name for g in google_tts.google_voices(VOICES)]
+    assert names[:2] == ["en-US-Cadenza-joe", "en-US-Cadenza-tiny-multi"]
+    assert "en-US-Cadenza-tiny-multi-bob" in names and "de-DE-Cadenza-thorsten" in names
+    pb = cloud_tts.VoiceSelectionParams.pb
+    assert google_tts.resolve_voice(pb(_voice("en-US-Cadenza-joe")), VOICES, DEFAULT) == (JOE, None)
+    assert google_tts.resolve_voice(pb(_voice("en_US-joe-medium")), VOICES, DEFAULT) == (JOE, None)
+    assert google_tts.resolve_voice(pb(_voice("en-US-Cadenza-tiny-multi-bob")), VOICES, DEFAULT) == (TINY, "bob")
+    assert google_tts.resolve_voice(pb(_voice("", "de-DE")), VOICES, DEFAULT) == (GERMAN, None)
+    with pytest.raises(InvalidArgument, match=r"voice\.language_code"):
+        google_tts.resolve_voice(pb(_voice("en-US-Cadenza-joe", "de-DE")), VOICES, DEFAULT)
+    with pytest.raises(NotFound, match="en-US-Standard-A"):
+        google_tts.resolve_voice(pb(_voice("en-US-Standard-A")), VOICES, DEFAULT)
+
+
+def _unary(**audio: object) -> object:
+    request = cloud_tts.SynthesizeSpeechRequest(
+        input=cloud_tts.SynthesisInput(text="Hi."), voice=_voice(), audio_config=cloud_tts.AudioConfig(**audio)
+    )
+    return cloud_tts.SynthesizeSpeechRequest.pb(request)
+
+
+def test_google_unary_config() -> None:
+    config, text, header, voice = google_tts.unary_session_config(
+        _unary(audio_encoding=cloud_tts.AudioEncoding.MULAW, speaking_rate=2.0, sample_rate_hertz=8000),
+        VOICES,
+        DEFAULT,
+        seed=3,
+    )
+    assert (text, header, voice) == ("Hi.", True, JOE)
+    assert config.encoding is AudioEncoding.MULAW and config.sample_rate == 8000
+    assert config.speaking_rate == 2.0 and config.seed == 3
+    config, _, header, _ = google_tts.unary_session_config(
+        _unary(audio_encoding=cloud_tts.AudioEncoding.PCM), VOICES, DEFAULT, seed=None
+    )
+    assert not header and config.speaking_rate == 1.0 and config.sample_rate is None
+
+
+@pytest.mark.parametrize(
+    ("audio", "field"),
+    [
+        ({"audio_encoding": cloud_tts.AudioEncoding.MP3}, "audio_config.audio_encoding"),
+        ({"speaking_rate": 3.0}, "audio_config.speaking_rate"),
+        ({"speaking_rate": 0.1}, "audio_config.speaking_rate"),
+        ({"pitch": 2.0}, "audio_config.pitch"),
+        ({"volume_gain_db": 1.0}, "audio_config.volume_gain_db"),
+    ],
+)
+def test_google_unary_rejects_unsupported(audio: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        google_tts.unary_session_config(_unary(**audio), VOICES, DEFAULT, seed=0)
+    assert info.value.field == field
+
+
+def test_google_mp3_error_names_supported_encodings() -> None:
+    with pytest.raises(InvalidArgument, match="MP3 is not supported; supported encodings: LINEAR16, PCM, MULAW, ALAW"):
+        google_tts.unary_session_config(_unary(audio_encoding=cloud_tts.AudioEncoding.MP3), VOICES, DEFAULT, 0)
+
+
+def test_google_ssml_is_rejected() -> None:
+    request = cloud_tts.SynthesizeSpeechRequest(input=cloud_tts.SynthesisInput(ssml="<speak>Hi</speak>"))
+    with pytest.raises(InvalidArgument, match=r"input\.ssml"):
+        google_tts.unary_session_config(cloud_tts.SynthesizeSpeechRequest.pb(request), VOICES, DEFAULT, 0)
+
+
+def test_google_ipa_pronunciations_become_dictionary_entries() -> None:
+    pron = cloud_tts.CustomPronunciations(
+        pronunciations=[
+            cloud_tts.CustomPronunciationParams(
+                phrase="tomato",
+                phonetic_encoding=cloud_tts.CustomPronunciationParams.PhoneticEncoding.PHONETIC_ENCODING_IPA,
+                pronunciation="təmˈeɪɾoʊ",
+            )
+        ]
+    )
+    streaming = cloud_tts.StreamingSynthesizeConfig(
+        voice=_voice("en-US-Cadenza-tiny-multi-carol"),
+        streaming_audio_config=cloud_tts.StreamingAudioConfig(
+            audio_encoding=cloud_tts.AudioEncoding.LINEAR16, sample_rate_hertz=24000, speaking_rate=0.5
+        ),
+        custom_pronunciations=pron,
+    )
+    config = google_tts.streaming_session_config(
+        cloud_tts.StreamingSynthesizeConfig.pb(streaming), VOICES, DEFAULT, seed=0
+    )
+    assert config.custom_dictionary == {"tomato": "[[təmˈeɪɾoʊ]]"}
+    assert (config.voice, config.speaker, config.wav_header) == ("tiny-multi", "carol", True)
+    assert (config.sample_rate, config.speaking_rate) == (24000, 0.5)
+
+
+def test_google_unary_wav_header() -> None:
+    audio = b"\x01\x02" * 5
+    wav = google_tts.wrap_unary_audio(audio, AudioEncoding.LINEAR16, 16000, header=True)
+    assert wav[:4] == b"RIFF" and wav[-10:] == audio
+    assert struct.unpack("<I", wav[40:44])[0] == 10
+    assert google_tts.wrap_unary_audio(audio, AudioEncoding.LINEAR16, 16000, header=False) == audio
+    mulaw = google_tts.wrap_unary_audio(b"\xff" * 3, AudioEncoding.MULAW, 8000, header=True)
+    assert len(mulaw) % 2 == 0 and mulaw.endswith(b"\xff\xff\xff\x00")
+
+
+def test_google_list_voices_filters_by_language() -> None:
+    response = google_tts.list_voices_response(VOICES, "de")
+    assert [v.name for v in response.voices] == ["de-DE-Cadenza-thorsten"]
+    assert response.voices[0].natural_sample_rate_hertz == 22050
+    assert len(google_tts.list_voices_response(VOICES, "").voices) == 6
+
+
+def test_engine_field_names_are_translated_and_digit_speakers_are_indices() -> None:
+    from service.api.compat import renamed, speaker_value
+
+    error = renamed(InvalidArgument("config.sample_rate", "4000 Hz is outside 8000..48000"), {"config.sample_rate": "x"})
+    assert isinstance(error, InvalidArgument) and error.message == "x: 4000 Hz is outside 8000..48000"
+    assert speaker_value("1") == 1 and speaker_value("bob") == "bob" and speaker_value("") is None
+    assert riva.resolve_voice("tiny-multi.2", "en-US", VOICES, DEFAULT) == (TINY, 2)
