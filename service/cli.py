@@ -68,6 +68,14 @@ def _cmd_voices_check(args: argparse.Namespace) -> int:
     return run_voice_check(args.voice, args.voices_dir, args.backend, args.device, args.threads)
 
 
+def _cmd_bench_cpu(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from service.bench import run_cpu_bench
+
+    return run_cpu_bench(Path(args.corpus), args.threads, args.repeats, args.backend)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadenza", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_voice_args(vcheck)
     vcheck.set_defaults(func=_cmd_voices_check)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bcpu = bsub.add_parser("cpu", help="Cadenza vs piper-tts on this CPU: TTFA and RTF ratios")
+    bcpu.add_argument("--corpus", default="bench/corpus_cpu.txt")
+    bcpu.add_argument("--threads", type=int, default=2)
+    bcpu.add_argument("--repeats", type=int, default=3)
+    bcpu.add_argument("--backend", default="onnxruntime")
+    bcpu.set_defaults(func=_cmd_bench_cpu)
     return parser
 
 

@@ -9,6 +9,7 @@ generator, so the same seed gives the same samples on any backend."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -35,12 +36,20 @@ class SynthesisParams:
 
 @dataclass(frozen=True)
 class ChunkSchedule:
-    """Latent frames per chunk: small first (time to first audio), then growing
-    (throughput), capped."""
+    """Latent frames per vocoder chunk: small first (time to first audio), then
+    growing (throughput: every chunk pays its receptive-field context), capped.
+
+    `fast_start_chars`: when a stream's first sentence is at least this long, its
+    first clause (at a , ; : boundary, between `fast_start_min_clause` and
+    `fast_start_chars` characters in) is synthesised as its own utterance, so the
+    whole-utterance acoustic stage for the first audio only covers that clause.
+    0 turns it off."""
 
     first_frames: int = 8
-    growth: float = 2.0
-    max_frames: int = 128
+    growth: float = 4.0
+    max_frames: int = 256
+    fast_start_chars: int = 120
+    fast_start_min_clause: int = 20
 
     def __post_init__(self) -> None:
         if self.first_frames < 1 or self.max_frames < self.first_frames or self.growth < 1.0:
@@ -48,9 +57,9 @@ class ChunkSchedule:
                 "chunk schedule needs first_frames >= 1, max_frames >= first_frames, growth >= 1"
             )
 
-    def boundaries(self, total: int) -> list[int]:
+    def boundaries(self, total: int, first: int | None = None) -> list[int]:
         """Frame boundaries 0 = b0 < b1 < ... < bn = total."""
-        out, pos, size = [0], 0, float(self.first_frames)
+        out, pos, size = [0], 0, float(first or self.first_frames)
         while pos < total:
             pos = min(total, pos + int(size))
             out.append(pos)
@@ -109,10 +118,11 @@ class UtteranceDecoder:
     """Plans the flow and vocoder windows for one utterance, chunk by chunk."""
 
     def __init__(
-        self, utt: Utterance, schedule: ChunkSchedule, flow_halo: int, voc_halo: int
+        self, utt: Utterance, schedule: ChunkSchedule, flow_halo: int, voc_halo: int,
+        first_frames: int | None = None,
     ) -> None:
         self.utt = utt
-        self.bounds = schedule.boundaries(utt.frames)
+        self.bounds = schedule.boundaries(utt.frames, first_frames)
         self.flow_halo = flow_halo
         self.voc_halo = voc_halo
         self.z = np.zeros_like(utt.z_p)
@@ -130,9 +140,13 @@ class UtteranceDecoder:
         need_hi = min(t, b + self.voc_halo)
         flow = None
         if need_hi > self.z_done:
+            # The first flow window covers just the first chunk (time to first
+            # audio); the next one covers the rest of the utterance at once (the
+            # flow is cheap per frame but pays its context on every call).
+            keep_hi = need_hi if self.z_done == 0 else t
             lo = max(0, self.z_done - self.flow_halo)
-            hi = min(t, need_hi + self.flow_halo)
-            flow = Window(lo, hi, self.z_done, need_hi)
+            hi = min(t, keep_hi + self.flow_halo)
+            flow = Window(lo, hi, self.z_done, keep_hi)
         voc = Window(max(0, a - self.voc_halo), need_hi, a, b)
         return flow, voc
 
@@ -171,9 +185,9 @@ class Synthesizer:
     ) -> list[Utterance]:
         """Frontend + acoustic stage for every sentence of `text`."""
         sid = self.voice.speaker_index(params.speaker)
-        return [self._acoustic(s, sid, params, rng) for s in self._sentences(text, params)]
+        return [self.acoustic(s, sid, params, rng) for s in self._sentences(text, params)]
 
-    def _acoustic(
+    def acoustic(
         self, sent: PhonemizedSentence, sid: int | None, params: SynthesisParams,
         rng: np.random.Generator,
     ) -> Utterance:
@@ -200,9 +214,13 @@ class Synthesizer:
         words = [(wd.text, int(ends[wd.start_id]), int(ends[wd.end_id])) for wd in sent.words]
         return Utterance(sent.text, list(sent.phoneme_ids), z_p, durations, sid, words)
 
-    def decode(self, utt: Utterance, precision: str = "fp32") -> Iterator[tuple[np.ndarray, str]]:
-        """Chunked flow + vocoder for one utterance: yields (audio, precision)."""
-        dec = UtteranceDecoder(utt, self.schedule, self.flow_halo, self.voc_halo)
+    def decode(
+        self, utt: Utterance, precision: str = "fp32", first_frames: int | None = None
+    ) -> Iterator[tuple[np.ndarray, str]]:
+        """Chunked flow + vocoder for one utterance: yields (audio, precision).
+        `first_frames` overrides the schedule's first chunk (later utterances of a
+        stream start bigger: audio is already playing)."""
+        dec = UtteranceDecoder(utt, self.schedule, self.flow_halo, self.voc_halo, first_frames)
         sid = None if utt.sid is None else np.asarray([utt.sid], dtype=np.int64)
         while not dec.done:
             flow_w, voc_w = dec.next_windows()
@@ -219,10 +237,11 @@ class Synthesizer:
         rng = self.rng(params.seed)
         offset = 0
         for index, sent in enumerate(self._sentences(text, params)):
-            utt = self._acoustic(sent, self.voice.speaker_index(params.speaker), params, rng)
+            utt = self.acoustic(sent, self.voice.speaker_index(params.speaker), params, rng)
             words = [WordTiming(w, offset + s, offset + e) for w, s, e in utt.word_spans]
-            n_chunks = len(self.schedule.boundaries(utt.frames)) - 1
-            for k, (audio, precision) in enumerate(self.decode(utt, params.precision)):
+            first = None if index == 0 else self.schedule.max_frames
+            n_chunks = len(self.schedule.boundaries(utt.frames, first)) - 1
+            for k, (audio, precision) in enumerate(self.decode(utt, params.precision, first)):
                 yield AudioChunk(
                     samples=audio, sample_rate=self.sample_rate, offset=offset, utterance=index,
                     words=words if k == 0 else [], precision=precision,
@@ -231,8 +250,13 @@ class Synthesizer:
                 offset += len(audio)
 
     def _sentences(self, text: str, params: SynthesisParams) -> list[PhonemizedSentence]:
-        return [s for s in self.voice.frontend.sentences(text, params.custom_dictionary)
-                if s.phoneme_ids]
+        frontend = self.voice.frontend
+        cut = first_clause_cut(text, self.schedule)
+        parts = [text] if cut is None else [text[:cut], text[cut:]]
+        return [
+            s for part in parts for s in frontend.sentences(part, params.custom_dictionary)
+            if s.phoneme_ids
+        ]
 
     def synthesize(
         self, text: str, params: SynthesisParams | None = None
@@ -246,9 +270,35 @@ class Synthesizer:
         return audio.astype(np.float32, copy=False), words
 
 
+_CLAUSE_END = re.compile(r"[,;:](?=\s)")
+
+
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
+
+
+def first_clause_cut(text: str, schedule: ChunkSchedule) -> int | None:
+    """Character index just after the first clause boundary worth splitting at:
+    inside a first sentence of at least `fast_start_chars` characters."""
+    if not schedule.fast_start_chars:
+        return None
+    start = len(text) - len(text.lstrip())
+    end = _SENTENCE_END.search(text, start)
+    sentence_end = end.end() if end else len(text)
+    if sentence_end - start < schedule.fast_start_chars:
+        return None
+    for match in _CLAUSE_END.finditer(text, start, sentence_end):
+        if match.end() - start > schedule.fast_start_chars:
+            return None
+        if match.end() - start >= schedule.fast_start_min_clause:
+            return match.end()
+    return None
+
+
 def full_decode_frames(total: int) -> ChunkSchedule:
     """A schedule that decodes everything in one chunk (the reference)."""
-    return ChunkSchedule(first_frames=max(1, total), growth=1.0, max_frames=max(1, total))
+    return ChunkSchedule(
+        first_frames=max(1, total), growth=1.0, max_frames=max(1, total), fast_start_chars=0
+    )
 
 
 __all__ = [
@@ -275,6 +325,7 @@ def open_synthesizer(
     device: str = "cpu",
     threads: int | None = None,
     schedule: ChunkSchedule | None = None,
+    cache_dir: str | None = None,
 ) -> Synthesizer:
     """Load a voice (built-in by default) on a backend, ready to synthesise."""
     from pathlib import Path
@@ -288,4 +339,6 @@ def open_synthesizer(
     options: dict[str, object] = {}
     if threads:
         options["threads"] = threads
+    if cache_dir and name == "onnxruntime":
+        options["cache_dir"] = Path(cache_dir)
     return Synthesizer(loaded, create_backend(name, loaded, device, **options), schedule)

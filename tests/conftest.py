@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import pytest
+
+if TYPE_CHECKING:
+    from service.synthesis import Synthesizer
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -15,3 +21,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+TESTS_DIR = Path(__file__).parent
+TINY_VOICE = TESTS_DIR / "data" / "tiny-multi.onnx"
+
+
+@pytest.fixture(scope="session")
+def tiny_voice_path() -> Path:
+    """The committed tiny multi-speaker voice (scripts/make_test_voice.py)."""
+    return TINY_VOICE
+
+
+@pytest.fixture(scope="session")
+def onnx_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Stage exports for this test session only."""
+    return str(tmp_path_factory.mktemp("onnx-cache"))
+
+
+@pytest.fixture(scope="session")
+def builtin_ort(onnx_cache_dir: str) -> Synthesizer:
+    from service.synthesis import open_synthesizer
+
+    return open_synthesizer(None, backend="onnxruntime", cache_dir=onnx_cache_dir)

@@ -114,9 +114,9 @@ class VitsModel(nn.Module):
             z=z, frame_lengths=frame_lengths, durations=durations, g=self.speaker_embedding(sid)
         )
 
-    def vocode(self, z: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
+    def vocode(self, z: torch.Tensor, sid: torch.Tensor | None = None) -> torch.Tensor:
         """Latent frames [B, C, T] -> audio [B, T * hop]."""
-        return self.dec(z, g=g).squeeze(1)
+        return self.dec(z, g=self.speaker_embedding(sid)).squeeze(1)
 
 
 def _per_item(

@@ -172,11 +172,26 @@ def infer_hparams(w: OnnxWeights) -> VitsHParams:
     )
 
 
+def _known_patterns() -> set[str]:
+    """Parameter names any supported VITS variant has, with indices as '#'."""
+    names: set[str] = set()
+    for hp in (VitsHParams(n_speakers=2, gin_channels=4), VitsHParams(resblock="1")):
+        names |= {re.sub(r"\.\d+", ".#", k) for k in VitsModel(hp).state_dict()}
+    return names
+
+
 def load_vits_from_onnx(path: str | Path) -> VitsModel:
     """Build a VitsModel with the voice's weights; fail naming any tensor that does
     not fit (missing, unexpected or wrongly shaped)."""
     w = read_onnx_weights(path)
-    hp = infer_hparams(w)
+    try:
+        hp = infer_hparams(w)
+    except VoiceMappingError as exc:
+        known = _known_patterns()
+        strange = sorted(k for k in w.tensors if re.sub(r"\.\d+", ".#", k) not in known)
+        strange += sorted(w.unmapped)
+        extra = f"\n  unexpected tensors: {', '.join(strange)}" if strange else ""
+        raise VoiceMappingError(f"cannot map voice {path} onto the VITS model: {exc}{extra}") from exc
     model = VitsModel(hp)
     own = model.state_dict()
     missing = sorted(k for k in own if k not in w.tensors)

@@ -1,0 +1,82 @@
+"""ONNX Runtime backend: runs the per-stage ONNX exports of our own modules.
+The default on CPU (faster than eager PyTorch there)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from service.backends.base import EncodeOut, VocodeOut
+from service.backends.stage_export import cached_stage_exports
+from service.voices import Voice
+
+
+def default_cache_dir() -> Path:
+    """Where stage exports are kept; XDG cache by default."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cadenza" / "onnx"
+
+
+class OrtBackend:
+    name = "onnxruntime"
+
+    def __init__(
+        self, voice: Voice, device: str = "cpu", threads: int | None = None,
+        cache_dir: Path | None = None,
+    ) -> None:
+        import onnxruntime as ort
+
+        if device != "cpu":
+            raise ValueError(
+                f"the onnxruntime backend runs on cpu only here; got device {device!r} "
+                "(use --backend torch for cuda)"
+            )
+        self.device = device
+        self.voice = voice
+        paths = cached_stage_exports(voice.model, voice.info.onnx_path, cache_dir or default_cache_dir())
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+        self._sessions = {
+            name: ort.InferenceSession(str(p), sess_options=opts, providers=["CPUExecutionProvider"])
+            for name, p in paths.items()
+        }
+
+    def supported_precisions(self) -> tuple[str, ...]:
+        return ("fp32",)
+
+    @staticmethod
+    def _sid(sid: np.ndarray | None, batch: int) -> np.ndarray:
+        return np.zeros(batch, dtype=np.int64) if sid is None else np.asarray(sid, dtype=np.int64)
+
+    def _run(self, stage: str, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        sess = self._sessions[stage]
+        wanted = {i.name for i in sess.get_inputs()}
+        return sess.run(None, {k: v for k, v in feed.items() if k in wanted})
+
+    def encode(
+        self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None
+    ) -> EncodeOut:
+        m_p, logs_p, logw = self._run("prior", {
+            "ids": np.asarray(ids, dtype=np.int64), "lengths": np.asarray(lengths, dtype=np.int64),
+            "dp_noise": np.asarray(dp_noise, dtype=np.float32), "sid": self._sid(sid, ids.shape[0]),
+        })
+        return EncodeOut(m_p, logs_p, logw)
+
+    def flow(self, z_p: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> np.ndarray:
+        (z,) = self._run("latent", {"z_p": np.ascontiguousarray(z_p, dtype=np.float32),
+                                    "sid": self._sid(sid, z_p.shape[0])})
+        return z
+
+    def vocode(self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> VocodeOut:
+        (audio,) = self._run("audio", {"z": np.ascontiguousarray(z, dtype=np.float32),
+                                       "sid": self._sid(sid, z.shape[0])})
+        finite = np.isfinite(audio)
+        nonfinite = (~finite).sum(axis=1)
+        clean = np.where(finite, audio, np.float32(0.0)).astype(np.float32, copy=False)
+        peak = np.abs(clean).max(axis=1) if clean.shape[1] else np.zeros(clean.shape[0], np.float32)
+        return VocodeOut(audio=clean, nonfinite=nonfinite, peak=peak, precision="fp32")

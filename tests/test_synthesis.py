@@ -1,0 +1,142 @@
+"""Chunked streaming synthesis: exactness against a full decode, seams, seeds,
+controls and word timings, on both CPU backends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, first_clause_cut, open_synthesizer
+
+TEXT = "Hello there, this is a test of chunked decoding. It has two sentences!"
+SCHEDULES = [
+    ChunkSchedule(first_frames=1, growth=1.0, max_frames=1, fast_start_chars=0),
+    ChunkSchedule(first_frames=3, growth=2.0, max_frames=16, fast_start_chars=0),
+    ChunkSchedule(first_frames=8, growth=4.0, max_frames=256, fast_start_chars=0),
+    ChunkSchedule(first_frames=5, growth=1.5, max_frames=7, fast_start_chars=0),
+]
+FULL = ChunkSchedule(first_frames=1 << 20, growth=1.0, max_frames=1 << 20, fast_start_chars=0)
+
+
+def synth(path: Path | None, backend: str, schedule: ChunkSchedule, cache: str) -> Synthesizer:
+    return open_synthesizer(str(path) if path else None, backend=backend, schedule=schedule, cache_dir=cache)
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_chunked_equals_full_decode(tiny_voice_path: Path, onnx_cache_dir: str, backend: str) -> None:
+    params = SynthesisParams(seed=7, speaker=1)
+    full, _ = synth(tiny_voice_path, backend, FULL, onnx_cache_dir).synthesize(TEXT, params)
+    for schedule in SCHEDULES:
+        chunked, _ = synth(tiny_voice_path, backend, schedule, onnx_cache_dir).synthesize(TEXT, params)
+        assert chunked.shape == full.shape
+        # Scale-free check: the tiny voice is quiet, so compare relative to its peak.
+        peak = float(np.abs(full).max())
+        assert float(np.abs(chunked - full).max()) <= 1e-4 * max(peak, 1e-3), schedule
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_builtin_voice_chunks_equal_full_decode(onnx_cache_dir: str, backend: str) -> None:
+    params = SynthesisParams(seed=3)
+    text = "Streaming keeps the seams invisible."
+    full_syn = synth(None, backend, FULL, onnx_cache_dir)
+    full, _ = full_syn.synthesize(text, params)
+    syn = synth(None, backend, ChunkSchedule(first_frames=8, growth=2.0, max_frames=32), onnx_cache_dir)
+    pieces = [c.samples for c in syn.stream(text, params)]
+    chunked = np.concatenate(pieces)
+    assert len(pieces) > 3
+    assert float(np.abs(chunked - full).max()) <= 1e-4
+    # No clicks: the jump between neighbouring samples at every seam is what the
+    # full decode has at the same place (up to the exactness tolerance).
+    seams = np.cumsum([len(p) for p in pieces])[:-1]
+    for s in seams:
+        assert abs(abs(chunked[s] - chunked[s - 1]) - abs(full[s] - full[s - 1])) <= 2e-4
+
+
+def test_onnxruntime_stages_reproduce_torch(onnx_cache_dir: str) -> None:
+    from service.quality import psnr_db
+
+    params = SynthesisParams(seed=11)
+    text = "The exported stage graphs compute the same function."
+    a, _ = synth(None, "torch", ChunkSchedule(), onnx_cache_dir).synthesize(text, params)
+    b, _ = synth(None, "onnxruntime", ChunkSchedule(), onnx_cache_dir).synthesize(text, params)
+    assert len(a) == len(b)
+    assert psnr_db(a, b) >= 60.0
+
+
+def test_same_seed_same_samples_other_seed_differs(tiny_voice_path: Path, onnx_cache_dir: str) -> None:
+    syn = synth(tiny_voice_path, "onnxruntime", ChunkSchedule(), onnx_cache_dir)
+    a, _ = syn.synthesize(TEXT, SynthesisParams(seed=1))
+    b, _ = syn.synthesize(TEXT, SynthesisParams(seed=1))
+    c, _ = syn.synthesize(TEXT, SynthesisParams(seed=2))
+    assert np.array_equal(a, b)
+    assert len(a) != len(c) or not np.array_equal(a, c)
+
+
+def test_length_scale_changes_duration(builtin_ort: Synthesizer) -> None:
+    text = "Speaking rate is a length scale."
+    normal, _ = builtin_ort.synthesize(text, SynthesisParams(seed=4, noise_w=0.0))
+    slow, _ = builtin_ort.synthesize(text, SynthesisParams(seed=4, noise_w=0.0, length_scale=1.5))
+    assert 1.3 < len(slow) / len(normal) < 1.7
+
+
+def test_unknown_speaker_is_an_error(tiny_voice_path: Path, onnx_cache_dir: str) -> None:
+    syn = synth(tiny_voice_path, "onnxruntime", ChunkSchedule(), onnx_cache_dir)
+    with pytest.raises(LookupError, match="speakers 0..2"):
+        syn.synthesize("hi", SynthesisParams(speaker=7))
+    with pytest.raises(LookupError, match="no speaker 'dave'"):
+        syn.synthesize("hi", SynthesisParams(speaker="dave"))
+    a, _ = syn.synthesize("hi", SynthesisParams(speaker="bob", seed=1))
+    b, _ = syn.synthesize("hi", SynthesisParams(speaker=1, seed=1))
+    assert np.array_equal(a, b)
+
+
+def test_word_timings_follow_durations(builtin_ort: Synthesizer) -> None:
+    text = "One two three. Four five!"
+    audio, words = builtin_ort.synthesize(text, SynthesisParams(seed=5))
+    assert [w.word for w in words] == ["One", "two", "three", "Four", "five"]
+    ends = [0]
+    for w in words:
+        assert ends[-1] <= w.start < w.end <= len(audio)
+        ends.append(w.end)
+    # The second sentence's words start after the first sentence's audio.
+    assert words[3].start > words[2].end
+
+
+def test_first_clause_cut() -> None:
+    sched = ChunkSchedule(fast_start_chars=40, fast_start_min_clause=10)
+    long = "When the call connects, we greet the caller and ask how we can help today."
+    assert first_clause_cut(long, sched) == len("When the call connects,")
+    assert first_clause_cut("Short, sentence.", sched) is None
+    assert first_clause_cut("No clause boundary in this rather long sentence at all, really.", sched) is None
+
+
+def test_builtin_voice_end_to_end_is_speech(builtin_ort: Synthesizer) -> None:
+    """Real voice: non-silent, plausible length, and recognisable by an ASR."""
+    import soxr
+    from pocketsphinx import Decoder
+
+    text = "The weather today is sunny and warm."
+    audio, _ = builtin_ort.synthesize(text, SynthesisParams(seed=1))
+    seconds = len(audio) / builtin_ort.sample_rate
+    assert 1.2 < seconds < 4.5  # ~ 8-9 phonemes per second of speech
+    assert float(np.sqrt(np.mean(audio**2))) > 0.02
+    pcm = (np.clip(soxr.resample(audio, builtin_ort.sample_rate, 16000), -1, 1) * 32767).astype(np.int16)
+    decoder = Decoder(samprate=16000)
+    decoder.start_utt()
+    decoder.process_raw(pcm.tobytes(), full_utt=True)
+    decoder.end_utt()
+    hyp = decoder.hyp().hypstr.lower().split() if decoder.hyp() else []
+    ref = text.lower().rstrip(".").split()
+    assert word_error_rate(ref, hyp) < 0.5, hyp
+
+
+def word_error_rate(ref: list[str], hyp: list[str]) -> float:
+    d = np.zeros((len(ref) + 1, len(hyp) + 1), dtype=int)
+    d[:, 0] = np.arange(len(ref) + 1)
+    d[0, :] = np.arange(len(hyp) + 1)
+    for i in range(1, len(ref) + 1):
+        for j in range(1, len(hyp) + 1):
+            d[i, j] = min(d[i - 1, j] + 1, d[i, j - 1] + 1, d[i - 1, j - 1] + (ref[i - 1] != hyp[j - 1]))
+    return float(d[-1, -1]) / max(len(ref), 1)
