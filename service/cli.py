@@ -76,6 +76,84 @@ def _cmd_bench_cpu(args: argparse.Namespace) -> int:
     return run_cpu_bench(Path(args.corpus), args.threads, args.repeats, args.backend)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    from pathlib import Path
+
+    from service.api.server import ServerConfig, serve
+    from service.engine.config import BatchConfig, EngineConfig, Limits
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(
+        host=args.host, port=args.port, drain_grace_s=args.drain_grace,
+        engine=EngineConfig(
+            voice=args.voice, voices_dir=Path(args.voices_dir) if args.voices_dir else None,
+            backend=args.backend, device=args.device, threads=args.threads,
+            batch=BatchConfig(max_batch=args.max_batch, max_wait_s=args.max_wait_ms / 1000),
+            cache_bytes=args.cache_mb << 20,
+        ),
+        limits=Limits(
+            max_sessions=args.max_sessions, max_text_chars=args.max_text_chars,
+            max_message_bytes=args.max_message_bytes, idle_timeout_s=args.idle_timeout,
+        ),
+    )
+
+    def ready(server: object) -> None:
+        print(f"cadenza: serving on {args.host}:{getattr(server, 'port', args.port)}", flush=True)
+
+    asyncio.run(serve(config, on_ready=ready))
+    return 0
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    from collections.abc import Iterator
+
+    import grpc
+
+    from service.api.client import connect, stream
+    from service.api.gen.cadenza.v1 import tts_pb2 as pb
+    from service.audio.encoding import AudioEncoding
+    from service.audio.wav import wav_header
+
+    encoding = AudioEncoding(args.encoding)
+    config = pb.SessionConfig(
+        voice=args.voice or "", speaker=args.speaker or "", encoding=pb.AudioEncoding.Value(encoding.name),
+        sample_rate_hz=args.rate or 0, speaking_rate=args.speaking_rate, word_timings=args.words,
+    )
+    if args.seed is not None:
+        config.seed = args.seed
+
+    if args.stdin:
+        pieces: list[str] | Iterator[str] = iter(sys.stdin.readline, "")  # each line as soon as it is typed
+    elif args.text:
+        pieces = [args.text]
+    else:
+        print("cadenza: error: give the text or --stdin", file=sys.stderr)
+        return 2
+    channel, stub = connect(args.addr)
+    try:
+        result = stream(stub, config, pieces, flush_each=args.stdin)
+    except grpc.RpcError as exc:
+        print(f"cadenza: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()
+    rate = result.sample_rate
+    n = len(result.audio) // encoding.bytes_per_sample
+    with open(args.output, "wb") as f:
+        f.write(wav_header(rate, encoding, n) + result.audio)
+    for chunk, at in zip(result.chunks, result.arrivals_s, strict=True):
+        note = ", fallback" if chunk.fallback else ""
+        print(f"  chunk {chunk.seq:3d} at {at * 1000:8.1f} ms: {chunk.duration_seconds * 1000:7.1f} ms of audio "
+              f"(utterance {chunk.utterance}, {pb.Precision.Name(chunk.precision)}{note})")
+    for w in result.words:
+        print(f"  {w.start_sample / rate:7.3f} {w.end_sample / rate:7.3f}  {w.word}")
+    ttfa = f"{result.ttfa_s * 1000:.1f} ms" if result.ttfa_s is not None else "n/a"
+    print(f"wrote {args.output}: {n / max(rate, 1):.2f} s at {rate} Hz {encoding.value}; time to first audio: {ttfa}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadenza", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,6 +189,34 @@ def build_parser() -> argparse.ArgumentParser:
     bcpu.add_argument("--repeats", type=int, default=3)
     bcpu.add_argument("--backend", default="onnxruntime")
     bcpu.set_defaults(func=_cmd_bench_cpu)
+    serve = sub.add_parser("serve", help="run the gRPC server")
+    serve.add_argument("--host", default="[::]")
+    serve.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    _add_voice_args(serve)
+    serve.set_defaults(device="auto")
+    serve.add_argument("--max-batch", type=int, default=8, help="rows per batched flow/vocoder call")
+    serve.add_argument("--max-wait-ms", type=float, default=2.0, help="how long an underfull batch waits")
+    serve.add_argument("--cache-mb", type=int, default=64, help="result cache size (seeded requests)")
+    serve.add_argument("--max-sessions", type=int, default=64)
+    serve.add_argument("--max-text-chars", type=int, default=100_000, help="characters per session")
+    serve.add_argument("--max-message-bytes", type=int, default=4 << 20)
+    serve.add_argument("--idle-timeout", type=float, default=60.0, help="seconds without a client message")
+    serve.add_argument("--drain-grace", type=float, default=30.0, help="seconds open sessions get after SIGTERM")
+    serve.set_defaults(func=_cmd_serve)
+
+    client = sub.add_parser("client", help="stream text to a server, write a WAV, print TTFA and chunk timings")
+    client.add_argument("text", nargs="?", default=None)
+    client.add_argument("-o", "--output", default="out.wav")
+    client.add_argument("--addr", default="localhost:50051")
+    client.add_argument("--stdin", action="store_true", help="stream stdin line by line (each line flushed)")
+    client.add_argument("--encoding", default="linear16", choices=["linear16", "mulaw", "alaw", "float32"])
+    client.add_argument("--rate", type=int, default=None, help="output sample rate (Hz)")
+    client.add_argument("--seed", type=int, default=None)
+    client.add_argument("--voice", default=None)
+    client.add_argument("--speaker", default=None)
+    client.add_argument("--speaking-rate", type=float, default=1.0)
+    client.add_argument("--words", action="store_true", help="print word timings")
+    client.set_defaults(func=_cmd_client)
     return parser
 
 

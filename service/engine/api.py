@@ -34,6 +34,7 @@ __all__ = [
     "SessionEvent",
     "SessionSummary",
     "SpeakerInfo",
+    "Unavailable",
     "VoiceDescription",
     "WordTiming",
 ]
@@ -132,6 +133,10 @@ class ResourceExhausted(EngineError):
 
 class FailedPrecondition(EngineError):
     """The request is valid but the server cannot take it now (draining, not ready, closed session)."""
+
+
+class Unavailable(FailedPrecondition):
+    """The server is loading or draining: retry, possibly on another instance (gRPC UNAVAILABLE)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,74 @@
+"""A small synchronous client for the native API (used by `cadenza client` and the tests)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from service.api.gen.cadenza.v1 import tts_pb2 as pb
+from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
+
+
+@dataclass
+class StreamResult:
+    """Everything one streaming session returned, with client-side timings."""
+
+    audio: bytes = b""
+    chunks: list[pb.AudioChunk] = field(default_factory=list)
+    words: list[pb.WordTiming] = field(default_factory=list)
+    summary: pb.SessionSummary | None = None
+    ttfa_s: float | None = None  # first text sent -> first audio received
+    arrivals_s: list[float] = field(default_factory=list)  # per chunk, since the first text was sent
+
+    @property
+    def sample_rate(self) -> int:
+        return self.chunks[0].sample_rate_hz if self.chunks else 0
+
+
+def requests(config: pb.SessionConfig, pieces: Iterable[str], clock: list[float],
+             flush_each: bool = False) -> Iterator[pb.StreamingSynthesizeRequest]:
+    """Config, then each text piece (optionally flushed), then end of input.
+    `clock[0]` is set when the first text leaves."""
+    yield pb.StreamingSynthesizeRequest(config=config)
+    for piece in pieces:
+        if not clock:
+            clock.append(time.perf_counter())
+        yield pb.StreamingSynthesizeRequest(text=piece)
+        if flush_each:
+            yield pb.StreamingSynthesizeRequest(flush=True)
+    yield pb.StreamingSynthesizeRequest(end_input=True)
+
+
+def collect(responses: Iterable[pb.StreamingSynthesizeResponse], clock: list[float]) -> StreamResult:
+    out = StreamResult()
+    pieces = []
+    for msg in responses:
+        kind = msg.WhichOneof("response")
+        if kind == "audio":
+            now = time.perf_counter() - (clock[0] if clock else 0.0)
+            if out.ttfa_s is None and msg.audio.num_samples > 0:
+                out.ttfa_s = now
+            out.arrivals_s.append(now)
+            out.chunks.append(msg.audio)
+            pieces.append(msg.audio.audio)
+        elif kind == "words":
+            out.words.extend(msg.words.words)
+        elif kind == "summary":
+            out.summary = msg.summary
+    out.audio = b"".join(pieces)
+    return out
+
+
+def stream(stub: pb_grpc.TextToSpeechStub, config: pb.SessionConfig, pieces: Iterable[str],
+           flush_each: bool = False, timeout: float | None = None) -> StreamResult:
+    """One StreamingSynthesize session: send `pieces` as text deltas, collect everything."""
+    clock: list[float] = []
+    return collect(stub.StreamingSynthesize(requests(config, pieces, clock, flush_each), timeout=timeout), clock)
+
+
+def connect(addr: str) -> tuple[grpc.Channel, pb_grpc.TextToSpeechStub]:
+    channel = grpc.insecure_channel(addr)
+    return channel, pb_grpc.TextToSpeechStub(channel)

@@ -1,0 +1,220 @@
+"""The native cadenza.v1 servicer: proto <-> domain translation only."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator
+
+import grpc
+
+from service.api.errors import IdleTimeout, abort_with
+from service.api.gen.cadenza.v1 import tts_pb2 as pb
+from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
+from service.audio.encoding import AudioEncoding
+from service.engine.api import (
+    AudioOut,
+    Engine,
+    EngineError,
+    InvalidArgument,
+    Precision,
+    Session,
+    SessionConfig,
+    SessionEvent,
+    SessionSummary,
+)
+
+_ENCODINGS = {
+    pb.AUDIO_ENCODING_UNSPECIFIED: AudioEncoding.LINEAR16,
+    pb.LINEAR16: AudioEncoding.LINEAR16,
+    pb.MULAW: AudioEncoding.MULAW,
+    pb.ALAW: AudioEncoding.ALAW,
+    pb.FLOAT32: AudioEncoding.FLOAT32,
+}
+_PRECISIONS = {
+    pb.PRECISION_UNSPECIFIED: Precision.AUTO,
+    pb.AUTO: Precision.AUTO,
+    pb.FP16: Precision.FP16,
+    pb.FP32: Precision.FP32,
+}
+_PRECISION_OUT = {Precision.AUTO: pb.AUTO, Precision.FP16: pb.FP16, Precision.FP32: pb.FP32}
+
+
+def session_config(msg: pb.SessionConfig) -> SessionConfig:
+    """Proto config -> domain config (0 / empty = default)."""
+    if msg.encoding not in _ENCODINGS:
+        raise InvalidArgument("config.encoding", f"unknown value {msg.encoding}; use LINEAR16, MULAW, ALAW or FLOAT32")
+    if msg.precision not in _PRECISIONS:
+        raise InvalidArgument("config.precision", f"unknown value {msg.precision}; use AUTO, FP16 or FP32")
+    if msg.sample_rate_hz < 0:
+        raise InvalidArgument("config.sample_rate_hz", f"{msg.sample_rate_hz} is negative (0 = the voice's rate)")
+    for name in ("first_chunk_frames", "max_chunk_frames"):
+        if getattr(msg, name) < 0:
+            raise InvalidArgument(f"config.{name}", "must be >= 0 (0 = server default)")
+    speaker: int | str | None = msg.speaker or None
+    if isinstance(speaker, str) and speaker.isdigit():
+        speaker = int(speaker)
+    rate = msg.speaking_rate if msg.speaking_rate != 0 else 1.0
+    if not math.isfinite(rate):
+        raise InvalidArgument("config.speaking_rate", f"{rate} is not a number")
+    return SessionConfig(
+        voice=msg.voice or None,
+        speaker=speaker,
+        language=msg.language or None,
+        encoding=_ENCODINGS[msg.encoding],
+        sample_rate=msg.sample_rate_hz or None,
+        speaking_rate=rate,
+        noise_scale=msg.noise_scale if msg.HasField("noise_scale") else None,
+        noise_w=msg.noise_w if msg.HasField("noise_w") else None,
+        seed=msg.seed if msg.HasField("seed") else None,
+        precision=_PRECISIONS[msg.precision],
+        first_chunk_frames=msg.first_chunk_frames or None,
+        max_chunk_frames=msg.max_chunk_frames or None,
+        custom_dictionary=dict(msg.custom_dictionary) or None,
+        wav_header=msg.wav_header,
+        word_timings=msg.word_timings,
+        request_id=msg.request_id,
+    )
+
+
+def responses(event: SessionEvent) -> list[pb.StreamingSynthesizeResponse]:
+    """Domain event -> response messages (word timings go right before their audio)."""
+    if isinstance(event, SessionSummary):
+        return [pb.StreamingSynthesizeResponse(summary=pb.SessionSummary(
+            characters=event.characters, audio_seconds=event.audio_seconds,
+            ttfa_seconds=event.ttfa_seconds or 0.0, fallbacks=event.fallbacks, utterances=event.utterances,
+            chunks=event.chunks, cache_hits=event.cache_hits, precision=_PRECISION_OUT[event.precision],
+        ))]
+    out = []
+    if event.words:
+        out.append(pb.StreamingSynthesizeResponse(words=pb.WordTimings(words=[
+            pb.WordTiming(word=w.word, start_sample=w.start, end_sample=w.end) for w in event.words
+        ])))
+    out.append(pb.StreamingSynthesizeResponse(audio=_chunk(event)))
+    return out
+
+
+def _chunk(a: AudioOut) -> pb.AudioChunk:
+    return pb.AudioChunk(
+        audio=a.audio, seq=a.seq, offset_samples=a.offset_samples, num_samples=a.num_samples,
+        duration_seconds=a.num_samples / a.sample_rate, sample_rate_hz=a.sample_rate, utterance=a.utterance,
+        precision=_PRECISION_OUT[a.precision], fallback=a.fallback,
+    )
+
+
+class NativeServicer(pb_grpc.TextToSpeechServicer):
+    def __init__(self, engine: Engine, idle_timeout_s: float) -> None:
+        self.engine = engine
+        self.idle_timeout_s = idle_timeout_s
+
+    async def StreamingSynthesize(
+        self, request_iterator: AsyncIterator[pb.StreamingSynthesizeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StreamingSynthesizeResponse]:
+        session: Session | None = None
+        reader: asyncio.Task[None] | None = None
+        try:
+            requests = aiter(request_iterator)
+            first = await self._next(requests)
+            if first is None:
+                return
+            if first.WhichOneof("request") != "config":
+                raise InvalidArgument("config", f"the first message must carry the session config, not "
+                                      f"{first.WhichOneof('request') or 'nothing'}")
+            session = await self.engine.open_session(session_config(first.config))
+            reader = asyncio.create_task(self._read(requests, session))
+            async for event in _relay(session, reader):
+                for msg in responses(event):
+                    yield msg
+        except EngineError as exc:
+            await abort_with(context, exc)
+        finally:
+            if reader is not None:
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+            if session is not None:
+                session.cancel()
+
+    async def _next(self, requests: AsyncIterator[pb.StreamingSynthesizeRequest]
+                    ) -> pb.StreamingSynthesizeRequest | None:
+        try:
+            return await asyncio.wait_for(anext(requests), self.idle_timeout_s)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise IdleTimeout(f"no message for {self.idle_timeout_s:g} s; send end_input when the text is complete")\
+                from None
+
+    async def _read(self, requests: AsyncIterator[pb.StreamingSynthesizeRequest], session: Session) -> None:
+        """Client messages -> session calls; a half-close without end_input ends the input too."""
+        while (req := await self._next(requests)) is not None:
+            kind = req.WhichOneof("request")
+            if kind == "text":
+                session.push_text(req.text)
+            elif kind == "flush":
+                session.flush()
+            elif kind == "end_input":
+                session.end_input()
+                return
+            elif kind == "config":
+                raise InvalidArgument("config", "sent twice; the config goes only in the first message")
+            else:
+                raise InvalidArgument("request", "empty message; set text, flush or end_input")
+        session.end_input()
+
+    async def Synthesize(
+        self, request: pb.SynthesizeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StreamingSynthesizeResponse]:
+        session: Session | None = None
+        try:
+            session = await self.engine.open_session(session_config(request.config))
+            session.push_text(request.text)
+            session.end_input()
+            async for event in session.events():
+                for msg in responses(event):
+                    yield msg
+        except EngineError as exc:
+            await abort_with(context, exc)
+        finally:
+            if session is not None:
+                session.cancel()
+
+    async def ListVoices(
+        self, request: pb.ListVoicesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListVoicesResponse:
+        return pb.ListVoicesResponse(voices=[
+            pb.Voice(name=v.name, language=v.language, sample_rate_hz=v.sample_rate, loaded=v.loaded,
+                     speakers=[pb.Speaker(id=s.id, name=s.name) for s in v.speakers])
+            for v in self.engine.voices()
+        ])
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerInfo:
+        info = self.engine.server_info()
+        return pb.ServerInfo(
+            backend=info.backend, device=info.device, precisions=[_PRECISION_OUT[p] for p in info.precisions],
+            default_voice=info.default_voice, fp32_pins=info.fp32_pins, versions=dict(info.versions),
+        )
+
+
+async def _relay(session: Session, reader: asyncio.Task[None]) -> AsyncIterator[SessionEvent]:
+    """Session events, failing as soon as the reader fails (a bad message must not wait behind audio)."""
+    events = aiter(session.events())
+    while True:
+        pending = asyncio.ensure_future(anext(events))
+        if not reader.done():
+            await asyncio.wait({pending, reader}, return_when=asyncio.FIRST_COMPLETED)
+        if reader.done() and not reader.cancelled() and reader.exception() is not None:
+            pending.cancel()
+            raise reader.exception()  # type: ignore[misc]
+        try:
+            event = await pending
+        except StopAsyncIteration:
+            return
+        yield event
+
+
+def add_native(server: grpc.aio.Server, engine: Engine, idle_timeout_s: float) -> None:
+    pb_grpc.add_TextToSpeechServicer_to_server(NativeServicer(engine, idle_timeout_s), server)

@@ -1,0 +1,42 @@
+"""Engine and limit settings, built once (CLI / tests) and passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.synthesis import ChunkSchedule
+from service.text.segment import SegmenterConfig
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-server limits; every one is documented in the README's Server section."""
+
+    max_sessions: int = 64  # open sessions; one more -> RESOURCE_EXHAUSTED
+    max_text_chars: int = 100_000  # characters one session may send; more -> RESOURCE_EXHAUSTED
+    max_message_bytes: int = 4 << 20  # largest gRPC message either way
+    idle_timeout_s: float = 60.0  # a stream with no client message for this long is closed
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Dynamic batching of flow/vocoder windows across sessions."""
+
+    max_batch: int = 8  # rows per backend call
+    max_wait_s: float = 0.002  # how long an underfull batch may wait for company
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    voice: str | None = None  # default voice name; None = the built-in voice
+    voices_dir: Path | None = None  # extra Piper voices served by name
+    backend: str = "auto"  # torch | onnxruntime | tensorrt | auto (by device)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int | None = None  # CPU inference threads
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
+    segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
+    limits: Limits = field(default_factory=Limits)
+    cache_bytes: int = 64 << 20  # result cache bound (float32 model-rate audio); 0 disables
+    warmup_text: str = "Hello there."

@@ -1,0 +1,280 @@
+"""The TTS engine: validates session configs, loads voices, and runs the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import threading
+from importlib import metadata
+
+from service.audio.encoding import AudioEncoding
+from service.backends.registry import create_backend
+from service.engine.api import (
+    MAX_SAMPLE_RATE,
+    MAX_SPEAKING_RATE,
+    MIN_SAMPLE_RATE,
+    MIN_SPEAKING_RATE,
+    AudioOut,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Precision,
+    ResourceExhausted,
+    ServerInfo,
+    SessionConfig,
+    SessionSummary,
+    SpeakerInfo,
+    Unavailable,
+    VoiceDescription,
+    WordTiming,
+)
+from service.engine.cache import ResultCache
+from service.engine.config import EngineConfig
+from service.engine.scheduler import EngineLoop, WorkSpec
+from service.engine.session import EngineSession, SessionSetup
+from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, default_backend
+from service.voices import Voice, VoiceInfo, VoiceNotFoundError, list_voices
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNK_FRAMES = 1024
+
+
+def resolve_device(device: str) -> str:
+    """"auto" picks CUDA when torch sees a GPU, else the CPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class TtsEngine:
+    """Implements `service.engine.api.Engine`. Call `await start()` before opening sessions."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.backend_name = default_backend(self.device) if config.backend == "auto" else config.backend
+        self.cache = ResultCache(config.cache_bytes)
+        self._loop = EngineLoop(config.batch, self.cache)
+        self._voices: dict[str, VoiceInfo] = {}
+        self._default: VoiceInfo | None = None
+        self._runtimes: dict[str, Synthesizer] = {}
+        self._load_lock = threading.Lock()
+        self._sessions: dict[int, EngineSession] = {}
+        self._ids = itertools.count(1)
+        self.ready = False
+        self.draining = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load and warm up the default voice, then start the engine thread."""
+        await asyncio.get_running_loop().run_in_executor(None, self._start_sync)
+        self._loop.start()
+        self.ready = True
+
+    def _start_sync(self) -> None:
+        voices_dir = self.config.voices_dir
+        infos = list_voices(voices_dir)
+        self._voices = {v.name: v for v in infos}
+        if self.config.voice is None:
+            self._default = infos[0]
+        elif self.config.voice in self._voices:
+            self._default = self._voices[self.config.voice]
+        else:
+            raise VoiceNotFoundError(
+                f"unknown default voice {self.config.voice!r}; available: {', '.join(sorted(self._voices))} (--voice)"
+            )
+        runtime = self._runtime(self._default)
+        runtime.synthesize(self.config.warmup_text, SynthesisParams(seed=0))
+
+    async def stop(self) -> None:
+        for session in list(self._sessions.values()):
+            session.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, self._loop.stop)
+
+    def drain(self) -> None:
+        """Refuse new sessions from now on; open ones continue."""
+        self.draining = True
+
+    @property
+    def live_sessions(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def engine_sessions(self) -> int:
+        """Sessions the engine thread still holds state for."""
+        return self._loop.active_work
+
+    def stats(self) -> dict[str, float]:
+        s = self._loop.stats
+        return {
+            "live_sessions": self.live_sessions, "cache_hits": self.cache.hits, "cache_misses": self.cache.misses,
+            "cache_bytes": self.cache.bytes, "batches": s.batches, "batch_rows": s.rows, "max_batch_rows": s.max_rows,
+            "acoustic_jobs": s.acoustic_jobs, "fp32_fallbacks": s.fallbacks,
+        }
+
+    # --- voices ------------------------------------------------------------------------------
+
+    def _runtime(self, info: VoiceInfo) -> Synthesizer:
+        """The loaded voice + backend (loaded once; the engine thread is the only caller after)."""
+        with self._load_lock:
+            runtime = self._runtimes.get(info.name)
+            if runtime is None:
+                voice = Voice(info)
+                options: dict[str, object] = {"threads": self.config.threads} if self.config.threads else {}
+                backend = create_backend(self.backend_name, voice, self.device, **options)
+                runtime = Synthesizer(voice, backend, self.config.schedule)
+                self._runtimes[info.name] = runtime
+                log.info("loaded voice %s on %s/%s", info.name, self.backend_name, self.device)
+            return runtime
+
+    def voices(self) -> list[VoiceDescription]:
+        out = []
+        ordered = sorted(self._voices.values(), key=lambda v: (v is not self._default, v.name))
+        for v in ordered:
+            names = {i: n for n, i in v.speaker_id_map.items()}
+            speakers = [SpeakerInfo(i, names.get(i, "")) for i in range(v.num_speakers)] if v.num_speakers > 1 else []
+            out.append(VoiceDescription(v.name, v.language, v.sample_rate, speakers, v.name in self._runtimes))
+        return out
+
+    def server_info(self) -> ServerInfo:
+        versions = {}
+        for pkg in ("cadenza", "grpcio", "protobuf", "numpy", "torch", "onnxruntime"):
+            try:
+                versions[pkg] = metadata.version(pkg)
+            except metadata.PackageNotFoundError:
+                continue
+        backend = self._runtimes[self._default.name].backend if self._default and self._default.name in self._runtimes \
+            else None
+        precisions = [Precision(p) for p in backend.supported_precisions()] if backend else [Precision.FP32]
+        pins = list(getattr(backend, "fp32_pins", []) or [])
+        return ServerInfo(self.backend_name, self.device, precisions,
+                          self._default.name if self._default else "", pins, versions)
+
+    # --- sessions ----------------------------------------------------------------------------
+
+    async def open_session(self, config: SessionConfig) -> EngineSession:
+        if not self.ready:
+            raise Unavailable("the server is still loading its voice; retry shortly")
+        if self.draining:
+            raise Unavailable("the server is draining (shutting down); connect to another instance")
+        if len(self._sessions) >= self.config.limits.max_sessions:
+            raise ResourceExhausted(
+                f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"
+            )
+        info = self._resolve_voice(config)
+        sid = self._resolve_speaker(info, config.speaker)
+        params, schedule = self._resolve_params(info, config)
+        precision = self._resolve_precision(config.precision)
+        if info.name not in self._runtimes:
+            await asyncio.get_running_loop().run_in_executor(None, self._runtime, info)
+        if len(self._sessions) >= self.config.limits.max_sessions:  # others opened while we loaded
+            raise ResourceExhausted(f"too many open sessions (limit {self.config.limits.max_sessions}); retry later")
+        runtime = self._runtimes[info.name]
+        setup = SessionSetup(
+            session_id=next(self._ids), config=config, in_rate=info.sample_rate,
+            out_rate=config.sample_rate or info.sample_rate, precision=precision,
+            segmenter=self.config.segmenter, max_text_chars=self.config.limits.max_text_chars,
+        )
+        session = EngineSession(setup, self._loop, self._forget)
+        self._sessions[session.id] = session
+        self._loop.submit_open(WorkSpec(
+            session_id=session.id, runtime=runtime, voice_name=info.name, sid=sid, params=params,
+            schedule=schedule, precision=precision.value, custom_dictionary=config.custom_dictionary,
+            sink=session, loop=asyncio.get_running_loop(),
+        ))
+        return session
+
+    def _forget(self, session: EngineSession) -> None:
+        self._sessions.pop(session.id, None)
+
+    def _resolve_voice(self, config: SessionConfig) -> VoiceInfo:
+        assert self._default is not None
+        lang = (config.language or "").lower()
+        if config.voice:
+            info = self._voices.get(config.voice)
+            if info is None:
+                raise NotFound(f"unknown voice {config.voice!r}; available: {', '.join(sorted(self._voices))}")
+            if lang and not info.language.lower().startswith(lang):
+                raise InvalidArgument(
+                    "config.language", f"voice {info.name} speaks {info.language}, not {config.language}"
+                )
+            return info
+        if not lang or self._default.language.lower().startswith(lang):
+            return self._default
+        for info in self._voices.values():
+            if info.language.lower().startswith(lang):
+                return info
+        raise NotFound(f"no voice for language {config.language!r}; available: "
+                       f"{', '.join(sorted({v.language for v in self._voices.values()}))}")
+
+    @staticmethod
+    def _resolve_speaker(info: VoiceInfo, speaker: int | str | None) -> int | None:
+        try:
+            return Voice(info).speaker_index(speaker)
+        except VoiceNotFoundError as exc:
+            raise NotFound(str(exc)) from exc
+
+    def _resolve_params(self, info: VoiceInfo, c: SessionConfig) -> tuple[SynthesisParams, ChunkSchedule]:
+        if not isinstance(c.encoding, AudioEncoding):
+            raise InvalidArgument("config.encoding", f"unknown encoding {c.encoding!r}; use LINEAR16, MULAW, ALAW or "
+                                  "FLOAT32")
+        if c.sample_rate is not None and not MIN_SAMPLE_RATE <= c.sample_rate <= MAX_SAMPLE_RATE:
+            raise InvalidArgument("config.sample_rate", f"{c.sample_rate} Hz is outside {MIN_SAMPLE_RATE}.."
+                                  f"{MAX_SAMPLE_RATE} Hz (0 or unset = the voice's rate, {info.sample_rate} Hz)")
+        rate = c.speaking_rate
+        if not (math.isfinite(rate) and MIN_SPEAKING_RATE <= rate <= MAX_SPEAKING_RATE):
+            raise InvalidArgument("config.speaking_rate",
+                                  f"{rate} is outside {MIN_SPEAKING_RATE}..{MAX_SPEAKING_RATE} (1.0 = normal)")
+        for name, value in (("noise_scale", c.noise_scale), ("noise_w", c.noise_w)):
+            if value is not None and not (math.isfinite(value) and 0.0 <= value <= 2.0):
+                raise InvalidArgument(f"config.{name}", f"{value} is outside 0..2 (unset = the voice's default)")
+        if c.seed is not None and not 0 <= c.seed < 2**64:
+            raise InvalidArgument("config.seed", f"{c.seed} is outside 0..2^64-1")
+        base = self.config.schedule
+        first = c.first_chunk_frames or base.first_frames
+        largest = c.max_chunk_frames or max(base.max_frames, first)
+        if not 1 <= first <= MAX_CHUNK_FRAMES:
+            raise InvalidArgument("config.first_chunk_frames", f"{first} is outside 1..{MAX_CHUNK_FRAMES}")
+        if not first <= largest <= MAX_CHUNK_FRAMES:
+            raise InvalidArgument("config.max_chunk_frames",
+                                  f"{largest} must be between first_chunk_frames ({first}) and {MAX_CHUNK_FRAMES}")
+        if c.custom_dictionary and any(not k.strip() or not v.strip() for k, v in c.custom_dictionary.items()):
+            raise InvalidArgument("config.custom_dictionary", "entries need a non-empty word and pronunciation")
+        schedule = ChunkSchedule(first_frames=first, growth=base.growth, max_frames=largest)
+        params = SynthesisParams(
+            length_scale=info.length_scale / rate, noise_scale=c.noise_scale, noise_w=c.noise_w, seed=c.seed,
+        )
+        return params, schedule
+
+    def _resolve_precision(self, asked: Precision) -> Precision:
+        default = self._runtimes[self._default.name] if self._default else None
+        supported = default.backend.supported_precisions() if default else ("fp32",)
+        if asked is Precision.AUTO:
+            return Precision.FP16 if "fp16" in supported and self.device.startswith("cuda") else Precision.FP32
+        if asked.value not in supported:
+            raise InvalidArgument("config.precision", f"the {self.backend_name} backend on {self.device} runs "
+                                  f"{', '.join(supported)} only; ask for AUTO or FP32")
+        return asked
+
+    async def synthesize_all(self, config: SessionConfig, text: str) -> tuple[bytes, list[WordTiming], SessionSummary]:
+        session = await self.open_session(config)
+        try:
+            session.push_text(text)
+            session.end_input()
+            pieces: list[bytes] = []
+            words: list[WordTiming] = []
+            async for event in session.events():
+                if isinstance(event, AudioOut):
+                    pieces.append(event.audio)
+                    words.extend(event.words)
+                else:
+                    return b"".join(pieces), words, event
+        finally:
+            session.cancel()
+        raise FailedPrecondition("the session ended without a summary")

@@ -1,0 +1,407 @@
+"""The engine thread: the only code that calls the backends.
+
+Sessions hand it utterance texts; it runs the frontend and the acoustic stage one utterance
+at a time (batch 1: padding the encoder would change seeded results), then decodes chunks,
+batching flow/vocoder windows of equal length from different sessions into one backend call
+(no padding, so a row's result does not depend on its batch mates beyond kernel rounding).
+Work is picked most urgent first: acoustic jobs and first chunks of an utterance, then the
+chunk whose session is closest to running out of audio. Results go back to each session's
+event loop with call_soon_threadsafe; nothing mutable is shared with the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from service.engine.cache import CachedUtterance, ResultCache
+from service.engine.config import BatchConfig
+from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, UtteranceDecoder, Window
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChunkResult:
+    """One decoded chunk, handed to the session on its event loop."""
+
+    samples: np.ndarray  # float32 at the voice's rate
+    utterance: int
+    word_spans: list[tuple[str, int, int]]  # on an utterance's first chunk; utterance-relative samples
+    precision: str
+    fallback: bool
+    cached: bool
+
+
+class Sink(Protocol):
+    """Loop-side receiver of one session's results (called on its event loop)."""
+
+    def on_chunk(self, chunk: ChunkResult) -> None: ...
+
+    def on_done(self) -> None: ...
+
+    def on_error(self, exc: BaseException) -> None: ...
+
+
+@dataclass(frozen=True)
+class WorkSpec:
+    """Everything the engine thread needs to synthesise for one session."""
+
+    session_id: int
+    runtime: Synthesizer
+    voice_name: str
+    sid: int | None
+    params: SynthesisParams  # length_scale, noise scales, seed resolved by the engine
+    schedule: ChunkSchedule
+    precision: str  # "fp16" | "fp32"
+    custom_dictionary: Mapping[str, str] | None
+    sink: Sink
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Decoding:
+    """One utterance in flight: either decoded chunk by chunk, or replayed from the cache."""
+
+    index: int
+    word_spans: list[tuple[str, int, int]]
+    decoder: UtteranceDecoder | None
+    cached: CachedUtterance | None = None
+    cache_key: Hashable | None = None
+    chunks: list[np.ndarray] = field(default_factory=list)
+    precisions: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Work:
+    """Engine-thread state of one session."""
+
+    spec: WorkSpec
+    rng: np.random.Generator | None  # unseeded sessions: one random generator
+    texts: deque[str] = field(default_factory=deque)
+    decodings: deque[_Decoding] = field(default_factory=deque)
+    ended: bool = False
+    utterances: int = 0
+    samples_out: int = 0  # model-rate samples produced (playback deadline)
+    first_audio_at: float | None = None
+    ready_since: float = 0.0
+
+    def slack(self, now: float) -> float:
+        """Seconds of audio the client still has buffered (-inf before the first chunk)."""
+        if self.first_audio_at is None:
+            return -math.inf
+        return self.first_audio_at + self.samples_out / self.spec.runtime.sample_rate - now
+
+
+@dataclass
+class EngineStats:
+    batches: int = 0
+    rows: int = 0
+    max_rows: int = 0
+    acoustic_jobs: int = 0
+    fallbacks: int = 0
+    nonfinite_fp32: int = 0
+
+
+class EngineLoop:
+    """Owns the backends from its own thread; sessions talk to it through `submit_*`."""
+
+    def __init__(self, batch: BatchConfig, cache: ResultCache) -> None:
+        self.batch = batch
+        self.cache = cache
+        self.stats = EngineStats()
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[str, int, object]] = []
+        self._work: dict[int, _Work] = {}  # engine thread only
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="cadenza-engine", daemon=True)
+
+    # --- any thread --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def _post(self, kind: str, session_id: int, payload: object = None) -> None:
+        with self._cv:
+            self._inbox.append((kind, session_id, payload))
+            self._cv.notify()
+
+    def submit_open(self, spec: WorkSpec) -> None:
+        self._post("open", spec.session_id, spec)
+
+    def submit_text(self, session_id: int, text: str) -> None:
+        self._post("text", session_id, text)
+
+    def submit_end(self, session_id: int) -> None:
+        self._post("end", session_id)
+
+    def submit_cancel(self, session_id: int) -> None:
+        self._post("cancel", session_id)
+
+    @property
+    def active_work(self) -> int:
+        """Sessions the engine thread still holds state for (0 once all are finished or cancelled)."""
+        with self._cv:
+            return len(self._work) + sum(1 for k, _, _ in self._inbox if k == "open")
+
+    # --- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self._has_work() and not self._stopping:
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, []
+                stopping = self._stopping
+            self._apply(inbox)
+            if stopping:
+                for work in list(self._work.values()):
+                    self._fail(work, RuntimeError("engine stopped"))
+                return
+            try:
+                self._step()
+            except Exception:  # a bug here must not kill the thread silently
+                log.exception("engine step failed")
+
+    def _apply(self, inbox: list[tuple[str, int, object]]) -> None:
+        now = time.monotonic()
+        for kind, sid, payload in inbox:
+            if kind == "open":
+                assert isinstance(payload, WorkSpec)
+                seed = payload.params.seed
+                rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little")) if seed is None else None
+                self._work[sid] = _Work(payload, rng, ready_since=now)
+                continue
+            work = self._work.get(sid)
+            if work is None:
+                continue
+            if kind == "text":
+                assert isinstance(payload, str)
+                work.texts.append(payload)
+                work.ready_since = now
+            elif kind == "end":
+                work.ended = True
+            elif kind == "cancel":
+                del self._work[sid]
+        for work in list(self._work.values()):
+            self._finish_if_done(work)
+
+    def _has_work(self) -> bool:
+        return any(w.texts or w.decodings for w in self._work.values())
+
+    def _deliver(self, work: _Work, method: str, *args: object) -> None:
+        work.spec.loop.call_soon_threadsafe(getattr(work.spec.sink, method), *args)
+
+    def _fail(self, work: _Work, exc: BaseException) -> None:
+        self._work.pop(work.spec.session_id, None)
+        self._deliver(work, "on_error", exc)
+
+    def _finish_if_done(self, work: _Work) -> None:
+        if work.ended and not work.texts and not work.decodings and work.spec.session_id in self._work:
+            del self._work[work.spec.session_id]
+            self._deliver(work, "on_done")
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        self._replay_cached(now)
+        best: tuple[tuple[int, float, float], _Work, str] | None = None
+        for work in self._work.values():
+            head_dec = work.decodings[0].decoder if work.decodings else None
+            if head_dec is not None:
+                first = head_dec.index == 0
+                key = (0 if first else 1, work.slack(now), work.ready_since)
+                if best is None or key < best[0]:
+                    best = (key, work, "chunk")
+            if work.texts:
+                key = (0, work.slack(now), work.ready_since)
+                if best is None or key < best[0]:
+                    best = (key, work, "acoustic")
+        if best is None:
+            return
+        _, work, kind = best
+        if kind == "acoustic":
+            self._acoustic(work, work.texts.popleft())
+        else:
+            self._chunks(work, now)
+        self._finish_if_done(work)
+
+    def _replay_cached(self, now: float) -> None:
+        """Send cached utterances that reached the head of their session's queue."""
+        for work in list(self._work.values()):
+            while work.decodings and work.decodings[0].cached is not None:
+                item = work.decodings.popleft()
+                entry = item.cached
+                assert entry is not None
+                for k, (samples, precision) in enumerate(zip(entry.chunks, entry.precisions, strict=True)):
+                    spans = list(entry.word_spans) if k == 0 else []
+                    self._emit(work, ChunkResult(samples, item.index, spans, precision, False, True), now)
+            self._finish_if_done(work)
+
+    def _emit(self, work: _Work, chunk: ChunkResult, now: float) -> None:
+        if work.first_audio_at is None:
+            work.first_audio_at = now
+        work.samples_out += len(chunk.samples)
+        work.ready_since = now
+        self._deliver(work, "on_chunk", chunk)
+
+    # --- acoustic stage ----------------------------------------------------------------------
+
+    def _acoustic(self, work: _Work, text: str) -> None:
+        spec = work.spec
+        try:
+            sentences = spec.runtime.voice.frontend.sentences(text, spec.custom_dictionary)
+        except Exception as exc:
+            from service.engine.api import InvalidArgument
+
+            self._fail(work, InvalidArgument("text", f"cannot phonemise {text[:40]!r}: {exc}"))
+            return
+        try:
+            for sent in sentences:
+                if not sent.phoneme_ids:
+                    continue
+                index = work.utterances
+                work.utterances += 1
+                key = self._cache_key(spec, sent.text, sent.phoneme_ids)
+                entry = self.cache.get(key) if key is not None else None
+                if entry is not None:
+                    work.decodings.append(_Decoding(index, list(entry.word_spans), None, cached=entry))
+                    continue
+                rng = work.rng if work.rng is not None else self._utterance_rng(spec, sent.phoneme_ids)
+                utt = spec.runtime.acoustic(sent, spec.sid, spec.params, rng)
+                self.stats.acoustic_jobs += 1
+                dec = UtteranceDecoder(utt, spec.schedule, spec.runtime.flow_halo, spec.runtime.voc_halo)
+                work.decodings.append(_Decoding(index, utt.word_spans, dec, cache_key=key))
+        except Exception as exc:
+            log.exception("acoustic stage failed (session %d)", spec.session_id)
+            self._fail(work, exc)
+            return
+        work.ready_since = time.monotonic()
+
+    @staticmethod
+    def _utterance_rng(spec: WorkSpec, phoneme_ids: list[int]) -> np.random.Generator:
+        """Seeded sessions draw each utterance's noise from (seed, phonemes): the same sentence
+        with the same seed sounds the same wherever it occurs, which makes it cacheable."""
+        digest = hashlib.blake2b(np.asarray(phoneme_ids, dtype=np.int64).tobytes(), digest_size=8).digest()
+        assert spec.params.seed is not None
+        return np.random.default_rng([spec.params.seed, int.from_bytes(digest, "little")])
+
+    def _cache_key(self, spec: WorkSpec, text: str, phoneme_ids: list[int]) -> Hashable | None:
+        p = spec.params
+        if p.seed is None or self.cache.max_bytes <= 0:
+            return None
+        return (spec.voice_name, text, tuple(phoneme_ids), spec.sid, p.length_scale, p.noise_scale, p.noise_w,
+                p.seed, spec.precision, spec.schedule)
+
+    # --- flow + vocoder, batched -------------------------------------------------------------
+
+    def _chunks(self, head: _Work, now: float) -> None:
+        """Decode the next chunk of `head` together with same-shaped chunks of other sessions."""
+        signature = self._signature(head)
+        rows = [head]
+        mates = sorted(
+            (w for w in self._work.values() if w is not head and self._signature(w) == signature),
+            key=lambda w: (w.decodings[0].decoder.index > 0, w.slack(now), w.ready_since),  # type: ignore[union-attr]
+        )
+        rows += mates[: self.batch.max_batch - 1]
+        if len(rows) < self.batch.max_batch and self.batch.max_wait_s > 0:
+            waited = now - head.ready_since
+            if waited < self.batch.max_wait_s:
+                with self._cv:
+                    if not self._inbox:
+                        self._cv.wait(self.batch.max_wait_s - waited)
+                if self._inbox:
+                    return  # new work arrived: plan again with it
+        try:
+            self._decode_rows(rows, now)
+        except Exception as exc:
+            log.exception("decode failed")
+            for w in rows:
+                self._fail(w, exc)
+            return
+        for w in rows[1:]:
+            self._finish_if_done(w)
+
+    def _signature(self, work: _Work) -> tuple[object, ...] | None:
+        if not work.decodings or work.decodings[0].decoder is None:
+            return None
+        dec = work.decodings[0].decoder
+        flow_w, voc_w = dec.next_windows()
+        flow_len = 0 if flow_w is None else flow_w.hi - flow_w.lo
+        return (id(work.spec.runtime), work.spec.precision, flow_len, voc_w.hi - voc_w.lo)
+
+    def _decode_rows(self, rows: list[_Work], now: float) -> None:
+        runtime = rows[0].spec.runtime
+        backend = runtime.backend
+        precision = rows[0].spec.precision
+        items = [w.decodings[0] for w in rows]
+        decs: list[UtteranceDecoder] = []
+        for it in items:
+            assert it.decoder is not None
+            decs.append(it.decoder)
+        windows = [d.next_windows() for d in decs]
+        sids = self._sids(rows)
+        if windows[0][0] is not None:
+            flow_ws = [fw for fw, _ in windows if fw is not None]
+            z_p = np.stack([d.utt.z_p[:, fw.lo : fw.hi] for d, fw in zip(decs, flow_ws, strict=True)])
+            z = backend.flow(z_p, sids, precision)
+            for i, (d, fw) in enumerate(zip(decs, flow_ws, strict=True)):
+                zi = z[i]
+                if not np.isfinite(zi).all() and precision != "fp32":
+                    zi = backend.flow(z_p[i : i + 1], self._row(sids, i), "fp32")[0]
+                d.accept_flow(fw, zi)
+        voc_ws: list[Window] = [vw for _, vw in windows]
+        z_in = np.stack([d.z[:, vw.lo : vw.hi] for d, vw in zip(decs, voc_ws, strict=True)])
+        out = backend.vocode(z_in, sids, precision)
+        self.stats.batches += 1
+        self.stats.rows += len(rows)
+        self.stats.max_rows = max(self.stats.max_rows, len(rows))
+        for i, (work, item) in enumerate(zip(rows, items, strict=True)):
+            audio, used, fallback = out.audio[i], out.precision, False
+            if int(out.nonfinite[i]) > 0:
+                if out.precision != "fp32":
+                    redo = backend.vocode(z_in[i : i + 1], self._row(sids, i), "fp32")
+                    audio, used, fallback = redo.audio[0], redo.precision, True
+                    self.stats.fallbacks += 1
+                    log.warning("guard tripped (session %d): chunk recomputed in fp32", work.spec.session_id)
+                else:
+                    self.stats.nonfinite_fp32 += 1  # the backend already zeroed them
+            dec = item.decoder
+            assert dec is not None
+            samples = np.ascontiguousarray(dec.trim_audio(voc_ws[i], audio, runtime.hop), dtype=np.float32)
+            spans = item.word_spans if dec.index == 0 else []
+            dec.index += 1
+            self._emit(work, ChunkResult(samples, item.index, spans, used, fallback, False), now)
+            if item.cache_key is not None:
+                item.chunks.append(samples)
+                item.precisions.append(used)
+            if dec.done:
+                work.decodings.popleft()
+                if item.cache_key is not None:
+                    self.cache.put(item.cache_key, CachedUtterance(
+                        tuple(item.chunks), tuple(item.precisions), tuple(item.word_spans)))
+
+    @staticmethod
+    def _sids(rows: list[_Work]) -> np.ndarray | None:
+        if rows[0].spec.sid is None:
+            return None
+        return np.asarray([w.spec.sid for w in rows], dtype=np.int64)
+
+    @staticmethod
+    def _row(sids: np.ndarray | None, i: int) -> np.ndarray | None:
+        return None if sids is None else sids[i : i + 1]

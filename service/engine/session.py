@@ -1,0 +1,209 @@
+"""Loop-side half of a session: segmenter, audio output and the event queue.
+
+Everything here runs on the asyncio event loop that opened the session; the engine thread
+only reaches it through call_soon_threadsafe, so no state needs a lock."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from service.audio.output import AudioOutput
+from service.engine.api import (
+    AudioOut,
+    FailedPrecondition,
+    Precision,
+    ResourceExhausted,
+    SessionConfig,
+    SessionEvent,
+    SessionSummary,
+    WordTiming,
+)
+from service.engine.scheduler import ChunkResult, EngineLoop
+from service.text.segment import IncrementalSegmenter, SegmenterConfig
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class SessionSetup:
+    """What the engine resolved for a session before it starts."""
+
+    session_id: int
+    config: SessionConfig
+    in_rate: int
+    out_rate: int
+    precision: Precision
+    segmenter: SegmenterConfig
+    max_text_chars: int
+
+
+class EngineSession:
+    """One stream. Implements `service.engine.api.Session`."""
+
+    def __init__(self, setup: SessionSetup, loop: EngineLoop, on_close: Callable[[EngineSession], None]) -> None:
+        self.setup = setup
+        self.id = setup.session_id
+        self._engine_loop = loop
+        self._on_close = on_close
+        self._aloop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._segmenter = IncrementalSegmenter(setup.segmenter)
+        cfg = setup.config
+        self._output = AudioOutput(setup.in_rate, setup.out_rate, cfg.encoding, cfg.wav_header)
+        self._state = "open"  # open -> ending (end_input) -> closed
+        self._chars = 0
+        self._seq = 0
+        self._model_offset = 0  # model-rate samples received so far
+        self._utterances: set[int] = set()
+        self._fallbacks = 0
+        self._cache_hits = 0
+        self._first_text_at: float | None = None
+        self._ttfa: float | None = None
+        self._idle: asyncio.TimerHandle | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._state == "closed"
+
+    # --- client side -------------------------------------------------------------------------
+
+    def push_text(self, delta: str) -> None:
+        self._check_open("push text")
+        if self._chars + len(delta) > self.setup.max_text_chars:
+            raise ResourceExhausted(
+                f"session text limit is {self.setup.max_text_chars} characters; open a new session for more"
+            )
+        self._chars += len(delta)
+        now = time.monotonic()
+        if self._first_text_at is None and delta:
+            self._first_text_at = now
+        self._submit(self._segmenter.push(delta, now))
+        self._arm_idle()
+
+    def flush(self) -> None:
+        self._check_open("flush")
+        self._submit(self._segmenter.flush())
+
+    def end_input(self) -> None:
+        self._check_open("end input")
+        self._submit(self._segmenter.flush())
+        self._state = "ending"
+        self._disarm_idle()
+        self._engine_loop.submit_end(self.id)
+
+    def cancel(self) -> None:
+        if self._state == "closed":
+            return
+        self._close()
+        self._engine_loop.submit_cancel(self.id)
+        self._queue.put_nowait(_END)
+
+    async def events(self) -> AsyncIterator[SessionEvent]:
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, AudioOut | SessionSummary)
+            yield item
+            if isinstance(item, SessionSummary):
+                return
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._state != "open":
+            raise FailedPrecondition(f"cannot {what}: the session's input has ended or it was cancelled")
+
+    def _submit(self, texts: list[str]) -> None:
+        for text in texts:
+            if text.strip():
+                self._engine_loop.submit_text(self.id, text)
+
+    def _arm_idle(self) -> None:
+        self._disarm_idle()
+        if self._segmenter.pending:
+            self._idle = self._aloop.call_later(self.setup.segmenter.idle_timeout_s, self._poll)
+
+    def _disarm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def _poll(self) -> None:
+        self._idle = None
+        if self._state == "open":
+            self._submit(self._segmenter.poll(time.monotonic()))
+            self._arm_idle()
+
+    def _close(self) -> None:
+        self._state = "closed"
+        self._disarm_idle()
+        self._on_close(self)
+
+    def _emit_audio(self, samples_bytes: bytes, count: int, utterance: int, precision: str, fallback: bool,
+                    words: list[WordTiming]) -> None:
+        if not samples_bytes and not words:
+            return
+        if self._ttfa is None and self._first_text_at is not None:
+            self._ttfa = time.monotonic() - self._first_text_at
+        offset = self._output.samples_out - count
+        self._queue.put_nowait(AudioOut(
+            audio=samples_bytes, seq=self._seq, offset_samples=offset, num_samples=count,
+            sample_rate=self.setup.out_rate, utterance=utterance, precision=Precision(precision),
+            fallback=fallback, words=words,
+        ))
+        self._seq += 1
+
+    # --- engine callbacks (on the event loop) ------------------------------------------------
+
+    def on_chunk(self, chunk: ChunkResult) -> None:
+        if self._state == "closed":
+            return
+        words: list[WordTiming] = []
+        ratio = self.setup.out_rate / self.setup.in_rate
+        if chunk.utterance not in self._utterances:
+            self._utterances.add(chunk.utterance)
+            self._cache_hits += int(chunk.cached)
+            if self.setup.config.word_timings:
+                words = [WordTiming(w, round((self._model_offset + s) * ratio), round((self._model_offset + e) * ratio))
+                         for w, s, e in chunk.word_spans]
+        self._model_offset += len(chunk.samples)
+        self._fallbacks += int(chunk.fallback)
+        before = self._output.samples_out
+        data = self._output.convert(chunk.samples)
+        self._emit_audio(data, self._output.samples_out - before, chunk.utterance, chunk.precision,
+                         chunk.fallback, words)
+
+    def on_done(self) -> None:
+        if self._state == "closed":
+            return
+        before = self._output.samples_out
+        tail = self._output.finish()
+        count = self._output.samples_out - before
+        if count or (tail and self._seq == 0):
+            self._emit_audio(tail, count, -1, self.setup.precision.value, False, [])
+        self._queue.put_nowait(SessionSummary(
+            characters=self._chars,
+            audio_seconds=self._output.samples_out / self.setup.out_rate,
+            ttfa_seconds=self._ttfa,
+            fallbacks=self._fallbacks,
+            utterances=len(self._utterances),
+            chunks=self._seq,
+            cache_hits=self._cache_hits,
+            precision=self.setup.precision,
+        ))
+        self._close()
+
+    def on_error(self, exc: BaseException) -> None:
+        if self._state == "closed":
+            return
+        self._queue.put_nowait(exc)
+        self._close()
+
+
+__all__ = ["EngineSession", "SessionSetup"]

@@ -1,0 +1,235 @@
+"""Engine: segmenter integration, batching exactness, cancel, cache, guard fallback, validation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from service.audio.encoding import AudioEncoding
+from service.backends.base import VocodeOut
+from service.engine.api import (
+    AudioOut,
+    InvalidArgument,
+    NotFound,
+    Precision,
+    ResourceExhausted,
+    SessionConfig,
+    SessionSummary,
+)
+from tests.engine.conftest import EngineHarness, tiny_engine_config
+
+TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day, and everyone was happy!"
+FLOAT = AudioEncoding.FLOAT32
+
+
+def _samples(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.float32)
+
+
+async def _drive(session, deltas: list[str]) -> tuple[bytes, list[AudioOut], SessionSummary]:  # type: ignore[no-untyped-def]
+    for d in deltas:
+        session.push_text(d)
+    session.end_input()
+    events: list[AudioOut] = []
+    async for e in session.events():
+        if isinstance(e, SessionSummary):
+            return b"".join(a.audio for a in events), events, e
+        events.append(e)
+    raise AssertionError("no summary")
+
+
+def test_tiny_deltas_equal_text_at_once(harness: EngineHarness) -> None:
+    cfg = SessionConfig(seed=7, encoding=FLOAT, word_timings=True)
+
+    async def run(deltas: list[str]) -> tuple[bytes, list[AudioOut], SessionSummary]:
+        return await _drive(await harness.engine.open_session(cfg), deltas)
+
+    whole, ev1, s1 = harness.run(run([TEXT]))
+    tiny, ev2, s2 = harness.run(run([TEXT[i : i + 2] for i in range(0, len(TEXT), 2)]))
+    assert whole == tiny and len(whole) > 0
+    assert [w for e in ev1 for w in e.words] == [w for e in ev2 for w in e.words]
+    assert s1.utterances == s2.utterances == 2 and s1.characters == len(TEXT)
+    assert [e.seq for e in ev2] == list(range(len(ev2)))
+    offsets = [e.offset_samples for e in ev2]
+    assert offsets == [sum(e.num_samples for e in ev2[:i]) for i in range(len(ev2))]
+
+
+def _cfg(i: int) -> SessionConfig:
+    return SessionConfig(
+        seed=100 + i, speaker=["alice", "bob", "carol"][i % 3], encoding=FLOAT,
+        speaking_rate=[1.0, 1.3, 0.8, 2.0][i % 4], sample_rate=[None, 8000, 22050][i % 3],
+    )
+
+
+def test_batching_keeps_each_session_result(harness: EngineHarness) -> None:
+    """20 concurrent sessions with different settings: each equals its solo run.
+
+    Measured on torch CPU: not bit-exact (batch-size-dependent conv kernels), max |diff| ~3e-10."""
+    alone = [harness.run(harness.engine.synthesize_all(_cfg(i), TEXT))[0] for i in range(20)]
+    rows_before = harness.engine.stats()["batch_rows"] - harness.engine.stats()["batches"]
+
+    async def together() -> list[tuple[bytes, object, SessionSummary]]:
+        return await asyncio.gather(*[harness.engine.synthesize_all(_cfg(i), TEXT) for i in range(20)])
+
+    results = harness.run(together())
+    assert harness.engine.stats()["batch_rows"] - harness.engine.stats()["batches"] > rows_before  # batched
+    for i, (data, _, _) in enumerate(results):
+        a, b = _samples(alone[i]), _samples(data)
+        assert a.shape == b.shape, i
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    # different settings really differ (no shared state leaking one session into another)
+    assert len({r[0] for r in results}) == 20
+
+
+def test_cancel_frees_the_session(harness: EngineHarness) -> None:
+    async def run() -> None:
+        session = await harness.engine.open_session(SessionConfig(seed=1))
+        session.push_text(TEXT * 5)
+        session.end_input()
+        async for _ in session.events():
+            break
+        session.cancel()
+        deadline = time.monotonic() + 5
+        while harness.engine.engine_sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    harness.run(run())
+    assert harness.engine.live_sessions == 0
+    assert harness.engine.engine_sessions == 0
+
+
+def test_idle_timeout_and_flush_release_text() -> None:
+    from service.text.segment import SegmenterConfig
+
+    h = EngineHarness(tiny_engine_config(segmenter=SegmenterConfig(idle_timeout_s=0.05)))
+    try:
+        async def run() -> tuple[AudioOut, AudioOut]:
+            session = await h.engine.open_session(SessionConfig(seed=2))
+            session.push_text("no sentence end here")  # released by the idle timeout
+            events = aiter(session.events())
+            first = await asyncio.wait_for(anext(events), 10)
+            session.push_text("and then a flush")
+            session.flush()
+            while (e := await asyncio.wait_for(anext(events), 10)).utterance == 0:
+                pass
+            session.cancel()
+            assert isinstance(first, AudioOut) and isinstance(e, AudioOut)
+            return first, e
+
+        first, later = h.run(run())
+        assert first.utterance == 0 and later.utterance == 1
+    finally:
+        h.close()
+
+
+def test_cache_hits_for_seeded_repeats_only() -> None:
+    h = EngineHarness(tiny_engine_config(cache_bytes=8 << 20))
+    try:
+        seeded = SessionConfig(seed=5, encoding=FLOAT)
+        a, _, s1 = h.run(h.engine.synthesize_all(seeded, TEXT))
+        b, _, s2 = h.run(h.engine.synthesize_all(seeded, TEXT))
+        assert a == b and s1.cache_hits == 0 and s2.cache_hits == 2
+        # other rate/encoding reuses the model-rate entry
+        _, _, s3 = h.run(h.engine.synthesize_all(SessionConfig(seed=5, sample_rate=8000), TEXT))
+        assert s3.cache_hits == 2
+        hits = h.engine.cache.hits
+        u1, _, _ = h.run(h.engine.synthesize_all(SessionConfig(encoding=FLOAT), TEXT))
+        u2, _, _ = h.run(h.engine.synthesize_all(SessionConfig(encoding=FLOAT), TEXT))
+        assert h.engine.cache.hits == hits and u1 != u2
+        assert 0 < h.engine.cache.bytes <= 8 << 20
+    finally:
+        h.close()
+
+
+def test_cache_is_bounded_lru() -> None:
+    from service.engine.cache import CachedUtterance, ResultCache
+
+    cache = ResultCache(max_bytes=10_000)
+    entry = CachedUtterance((np.zeros(1000, np.float32),), ("fp32",), ())
+    for k in range(5):
+        cache.put(k, entry)
+    assert cache.bytes <= 10_000 and len(cache) == 2
+    assert cache.get(0) is None and cache.get(4) is entry
+    assert (cache.hits, cache.misses) == (1, 1)
+
+
+class _NanOnFp16:
+    """Wraps a backend: claims fp16 and returns NaNs from every fp16 vocoder call."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def supported_precisions(self) -> tuple[str, ...]:
+        return ("fp32", "fp16")
+
+    def flow(self, z_p: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> np.ndarray:
+        return self.inner.flow(z_p, sid, "fp32")  # type: ignore[attr-defined, no-any-return]
+
+    def vocode(self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> VocodeOut:
+        out: VocodeOut = self.inner.vocode(z, sid, "fp32")  # type: ignore[attr-defined]
+        if precision == "fp16":
+            n = np.full(out.audio.shape[0], 3)
+            return VocodeOut(np.zeros_like(out.audio), n, out.peak, "fp16")
+        return out
+
+
+def test_guard_trip_recomputes_in_fp32() -> None:
+    h = EngineHarness(tiny_engine_config())
+    try:
+        runtime = h.engine._runtimes["tiny-multi"]
+        runtime.backend = _NanOnFp16(runtime.backend)  # type: ignore[assignment]
+        cfg = SessionConfig(seed=3, encoding=FLOAT, precision=Precision.FP16)
+        data, _, summary = h.run(h.engine.synthesize_all(cfg, "Hello there."))
+        ref, _, _ = h.run(h.engine.synthesize_all(SessionConfig(seed=3, encoding=FLOAT), "Hello there."))
+        assert summary.fallbacks == summary.chunks > 0  # native rate: no resampler tail chunk
+        assert data == ref and np.isfinite(_samples(data)).all()
+        assert h.engine.stats()["fp32_fallbacks"] == summary.fallbacks
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("cfg, error, field", [
+    (SessionConfig(voice="nobody"), NotFound, None),
+    (SessionConfig(speaker="zed"), NotFound, None),
+    (SessionConfig(speaker=9), NotFound, None),
+    (SessionConfig(sample_rate=4000), InvalidArgument, "config.sample_rate"),
+    (SessionConfig(speaking_rate=9.0), InvalidArgument, "config.speaking_rate"),
+    (SessionConfig(speaking_rate=float("nan")), InvalidArgument, "config.speaking_rate"),
+    (SessionConfig(noise_scale=-1.0), InvalidArgument, "config.noise_scale"),
+    (SessionConfig(precision=Precision.FP16), InvalidArgument, "config.precision"),
+    (SessionConfig(first_chunk_frames=5000), InvalidArgument, "config.first_chunk_frames"),
+    (SessionConfig(voice="tiny-multi", language="de"), InvalidArgument, "config.language"),
+    (SessionConfig(language="de"), NotFound, None),
+    (SessionConfig(encoding="wav"), InvalidArgument, "config.encoding"),  # type: ignore[arg-type]
+])
+def test_bad_configs_are_rejected(harness: EngineHarness, cfg: SessionConfig, error: type, field: str | None) -> None:
+    with pytest.raises(error) as info:
+        harness.run(harness.engine.open_session(cfg))
+    if field:
+        assert info.value.field == field
+    assert harness.engine.live_sessions == 0
+
+
+def test_limits_sessions_and_text() -> None:
+    from service.engine.config import Limits
+
+    h = EngineHarness(tiny_engine_config(limits=Limits(max_sessions=2, max_text_chars=20)))
+    try:
+        a = h.run(h.engine.open_session(SessionConfig()))
+        b = h.run(h.engine.open_session(SessionConfig()))
+        with pytest.raises(ResourceExhausted):
+            h.run(h.engine.open_session(SessionConfig()))
+        with pytest.raises(ResourceExhausted):
+            a.push_text("x" * 21)
+        a.cancel()
+        b.cancel()
+        data, _, _ = h.run(h.engine.synthesize_all(SessionConfig(), "Still serving."))
+        assert data
+    finally:
+        h.close()
