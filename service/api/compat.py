@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from typing import NoReturn
+from typing import TypeVar
 
-import grpc
-
+from service.api.errors import IdleTimeout
 from service.engine.api import (
     EngineError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
     Session,
     SessionEvent,
     VoiceDescription,
@@ -26,15 +24,15 @@ from service.engine.api import (
 
 __all__ = [
     "DEFAULT_COMPAT_SEED",
+    "DEFAULT_IDLE_TIMEOUT_S",
     "SEED_METADATA_KEY",
-    "abort_for",
     "language_matches",
+    "next_request",
     "normalize_language",
     "relay_events",
     "renamed",
     "seed_from_metadata",
     "speaker_value",
-    "status_code_for",
     "voice_for_language",
 ]
 
@@ -42,6 +40,8 @@ SEED_METADATA_KEY = "x-cadenza-seed"
 DEFAULT_COMPAT_SEED = 0
 _RANDOM_SEED_WORDS = frozenset({"random", "none"})
 _MAX_SEED = 2**64 - 1
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+T = TypeVar("T")
 
 
 def seed_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None, default: int | None) -> int | None:
@@ -117,26 +117,14 @@ def check_language(voice: VoiceDescription, language: str, field: str) -> None:
         )
 
 
-_STATUS: tuple[tuple[type[EngineError], grpc.StatusCode], ...] = (
-    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-)
-
-
-def status_code_for(error: EngineError) -> grpc.StatusCode:
-    """The gRPC status a typed engine error becomes."""
-    for kind, code in _STATUS:
-        if isinstance(error, kind):
-            return code
-    return grpc.StatusCode.INVALID_ARGUMENT
-
-
-async def abort_for(context: grpc.aio.ServicerContext, error: EngineError) -> NoReturn:
-    """End the RPC with the status and message the error carries."""
-    await context.abort(status_code_for(error), error.message)
-    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+async def next_request(requests: AsyncIterator[T], idle_timeout_s: float) -> T | None:
+    """The client's next message, None once it half-closes; IdleTimeout if it goes quiet too long."""
+    try:
+        return await asyncio.wait_for(anext(requests), idle_timeout_s)
+    except StopAsyncIteration:
+        return None
+    except TimeoutError:
+        raise IdleTimeout(f"no message for {idle_timeout_s:g} s; close the stream when the text is complete") from None
 
 
 async def relay_events(session: Session, reader: asyncio.Task[None] | None = None) -> AsyncIterator[SessionEvent]:

@@ -23,15 +23,17 @@ from google.cloud.texttospeech_v1.types import cloud_tts
 
 from service.api.compat import (
     DEFAULT_COMPAT_SEED,
-    abort_for,
+    DEFAULT_IDLE_TIMEOUT_S,
     check_language,
     language_matches,
+    next_request,
     relay_events,
     renamed,
     seed_from_metadata,
     speaker_value,
     voice_for_language,
 )
+from service.api.errors import abort_with
 from service.audio.encoding import AudioEncoding
 from service.audio.wav import wav_header
 from service.engine.api import (
@@ -270,9 +272,9 @@ def _input_text(request: Any) -> str:
     return str(request.input.text)
 
 
-async def _push_inputs(requests: AsyncIterator[Any], session: Session) -> None:
+async def _push_inputs(requests: AsyncIterator[Any], session: Session, idle_timeout_s: float) -> None:
     """Feed the stream's texts to the session; the client closing its side ends the input."""
-    async for request in requests:
+    while (request := await next_request(requests, idle_timeout_s)) is not None:
         session.push_text(_input_text(request))
     session.end_input()
 
@@ -280,9 +282,15 @@ async def _push_inputs(requests: AsyncIterator[Any], session: Session) -> None:
 class GoogleTextToSpeechServicer:
     """Google's three TTS RPCs, each a translation onto `Engine` calls."""
 
-    def __init__(self, engine: Engine, default_seed: int | None = DEFAULT_COMPAT_SEED) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        default_seed: int | None = DEFAULT_COMPAT_SEED,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    ) -> None:
         self._engine = engine
         self._default_seed = default_seed
+        self._idle_timeout_s = idle_timeout_s
 
     def _seed(self, context: grpc.aio.ServicerContext) -> int | None:
         return seed_from_metadata(context.invocation_metadata(), self._default_seed)
@@ -300,7 +308,7 @@ class GoogleTextToSpeechServicer:
             )
             audio, _, _ = await self._engine.synthesize_all(config, text)
         except EngineError as error:
-            await abort_for(context, renamed(error, _UNARY_FIELDS))
+            await abort_with(context, renamed(error, _UNARY_FIELDS))
         rate = config.sample_rate or voice.sample_rate
         return SynthesizeSpeechResponse(audio_content=wrap_unary_audio(audio, config.encoding, rate, header))
 
@@ -312,7 +320,7 @@ class GoogleTextToSpeechServicer:
         session: Session | None = None
         reader: asyncio.Task[None] | None = None
         try:
-            first = await anext(requests, None)
+            first = await next_request(requests, self._idle_timeout_s)
             if first is None:
                 return
             if first.WhichOneof("streaming_request") != "streaming_config":
@@ -322,14 +330,14 @@ class GoogleTextToSpeechServicer:
                 first.streaming_config, self._engine.voices(), default, self._seed(context)
             )
             session = await self._engine.open_session(config)
-            reader = asyncio.create_task(_push_inputs(requests, session))
+            reader = asyncio.create_task(_push_inputs(requests, session, self._idle_timeout_s))
             async for event in relay_events(session, reader):
                 if isinstance(event, AudioOut) and event.audio:
                     yield StreamingSynthesizeResponse(audio_content=event.audio)
             await reader
             session = None
         except EngineError as error:
-            await abort_for(context, renamed(error, _STREAMING_FIELDS))
+            await abort_with(context, renamed(error, _STREAMING_FIELDS))
         finally:
             if reader is not None and not reader.done():
                 reader.cancel()
@@ -337,9 +345,14 @@ class GoogleTextToSpeechServicer:
                 session.cancel()
 
 
-def add_google(server: grpc.aio.Server, engine: Engine, default_seed: int | None = DEFAULT_COMPAT_SEED) -> None:
+def add_google(
+    server: grpc.aio.Server,
+    engine: Engine,
+    default_seed: int | None = DEFAULT_COMPAT_SEED,
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+) -> None:
     """Serve ``google.cloud.texttospeech.v1.TextToSpeech`` on `server` under Google's method paths."""
-    servicer = GoogleTextToSpeechServicer(engine, default_seed)
+    servicer = GoogleTextToSpeechServicer(engine, default_seed, idle_timeout_s)
     handlers = {
         "ListVoices": grpc.unary_unary_rpc_method_handler(
             servicer.ListVoices,

@@ -22,8 +22,9 @@ from riva.client.proto.riva_audio_pb2 import AudioEncoding as RivaEncoding
 
 from service.api.compat import (
     DEFAULT_COMPAT_SEED,
-    abort_for,
+    DEFAULT_IDLE_TIMEOUT_S,
     check_language,
+    next_request,
     parse_seed,
     relay_events,
     renamed,
@@ -31,6 +32,7 @@ from service.api.compat import (
     speaker_value,
     voice_for_language,
 )
+from service.api.errors import abort_with
 from service.audio.encoding import AudioEncoding
 from service.engine.api import (
     MAX_SPEAKING_RATE,
@@ -199,9 +201,15 @@ def config_response(voices: Sequence[VoiceDescription], model_name: str = "") ->
 class RivaSynthesisServicer(rtts_grpc.RivaSpeechSynthesisServicer):
     """Riva's three TTS RPCs, each a translation onto `Engine` calls."""
 
-    def __init__(self, engine: Engine, default_seed: int | None = DEFAULT_COMPAT_SEED) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        default_seed: int | None = DEFAULT_COMPAT_SEED,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    ) -> None:
         self._engine = engine
         self._default_seed = default_seed
+        self._idle_timeout_s = idle_timeout_s
 
     def _config(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[SessionConfig, VoiceDescription]:
         seed = seed_from_metadata(context.invocation_metadata(), self._default_seed)
@@ -214,7 +222,7 @@ class RivaSynthesisServicer(rtts_grpc.RivaSpeechSynthesisServicer):
             config, voice = self._config(request, context)
             audio, words, _ = await self._engine.synthesize_all(config, request.text)
         except EngineError as error:
-            await abort_for(context, renamed(error, _FIELDS))
+            await abort_with(context, renamed(error, _FIELDS))
         response = rtts.SynthesizeSpeechResponse(audio=audio)
         response.meta.text = request.text
         response.meta.processed_text = request.text
@@ -228,9 +236,13 @@ class RivaSynthesisServicer(rtts_grpc.RivaSpeechSynthesisServicer):
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         """Each request is one utterance, spoken in order; its audio streams back as it is made."""
-        async for request in request_iterator:
+        requests = aiter(request_iterator)
+        while True:
             session = None
             try:
+                request = await next_request(requests, self._idle_timeout_s)
+                if request is None:
+                    return
                 config, _ = self._config(request, context)
                 session = await self._engine.open_session(config)
                 session.push_text(request.text)
@@ -246,7 +258,7 @@ class RivaSynthesisServicer(rtts_grpc.RivaSpeechSynthesisServicer):
                     yield response
                 session = None
             except EngineError as error:
-                await abort_for(context, renamed(error, _FIELDS))
+                await abort_with(context, renamed(error, _FIELDS))
             finally:
                 if session is not None:
                     session.cancel()
@@ -256,9 +268,15 @@ class RivaSynthesisServicer(rtts_grpc.RivaSpeechSynthesisServicer):
         try:
             return config_response(self._engine.voices(), request.model_name)
         except EngineError as error:
-            await abort_for(context, renamed(error, _FIELDS))
+            await abort_with(context, renamed(error, _FIELDS))
 
 
-def add_riva(server: grpc.aio.Server, engine: Engine, default_seed: int | None = DEFAULT_COMPAT_SEED) -> None:
+def add_riva(
+    server: grpc.aio.Server,
+    engine: Engine,
+    default_seed: int | None = DEFAULT_COMPAT_SEED,
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+) -> None:
     """Serve ``nvidia.riva.tts.RivaSpeechSynthesis`` on `server`."""
-    rtts_grpc.add_RivaSpeechSynthesisServicer_to_server(RivaSynthesisServicer(engine, default_seed), server)
+    servicer = RivaSynthesisServicer(engine, default_seed, idle_timeout_s)
+    rtts_grpc.add_RivaSpeechSynthesisServicer_to_server(servicer, server)

@@ -14,7 +14,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service.api.gen.cadenza.v1 import tts_pb2
+from service.api.google_tts import add_google
 from service.api.native import add_native
+from service.api.riva import add_riva
 from service.engine.api import Engine
 from service.engine.config import EngineConfig, Limits
 from service.engine.engine import TtsEngine
@@ -46,6 +48,8 @@ class CadenzaServer:
             ("grpc.max_send_message_length", size),
         ])
         add_native(self.server, self.engine, config.limits.idle_timeout_s)
+        add_riva(self.server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)  # same port, same engine
+        add_google(self.server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)
         for add in extra_servicers:
             add(self.server, self.engine)
         self.health = health.aio.HealthServicer()

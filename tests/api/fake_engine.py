@@ -23,6 +23,7 @@ from service.engine.api import (
     WordTiming,
 )
 
+IDLE_TIMEOUT_S = 0.5
 VOICES = [
     VoiceDescription("en_US-joe-medium", "en-US", 22050, [], loaded=True),
     VoiceDescription("tiny-multi", "en-US", 16000, [SpeakerInfo(0, "alice"), SpeakerInfo(1, "bob")], loaded=True),
@@ -117,8 +118,8 @@ def serve_fake(engine: FakeEngine) -> Iterator[str]:
 
     async def main() -> None:
         server = grpc.aio.server()
-        add_riva(server, engine)  # type: ignore[arg-type]
-        add_google(server, engine)  # type: ignore[arg-type]
+        add_riva(server, engine, idle_timeout_s=IDLE_TIMEOUT_S)  # type: ignore[arg-type]
+        add_google(server, engine, idle_timeout_s=IDLE_TIMEOUT_S)  # type: ignore[arg-type]
         state["port"] = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         stop = asyncio.Event()

@@ -245,7 +245,8 @@ def test_google_list_voices_filters_by_language() -> None:
 def test_engine_field_names_are_translated_and_digit_speakers_are_indices() -> None:
     from service.api.compat import renamed, speaker_value
 
-    error = renamed(InvalidArgument("config.sample_rate", "4000 Hz is outside 8000..48000"), {"config.sample_rate": "x"})
+    original = InvalidArgument("config.sample_rate", "4000 Hz is outside 8000..48000")
+    error = renamed(original, {"config.sample_rate": "x"})
     assert isinstance(error, InvalidArgument) and error.message == "x: 4000 Hz is outside 8000..48000"
     assert speaker_value("1") == 1 and speaker_value("bob") == "bob" and speaker_value("") is None
     assert riva.resolve_voice("tiny-multi.2", "en-US", VOICES, DEFAULT) == (TINY, 2)

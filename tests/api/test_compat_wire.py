@@ -6,11 +6,13 @@ test_riva_compat.py and test_google_compat.py repeat the essentials on the real 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 import riva.client
+import riva.client.proto.riva_tts_pb2 as rtts
 from google.api_core import exceptions as gexc
 from google.cloud import texttospeech
 from google.cloud.texttospeech_v1.services.text_to_speech.transports import TextToSpeechGrpcTransport
@@ -18,7 +20,7 @@ from riva.client.proto.riva_audio_pb2 import AudioEncoding as RivaEncoding
 
 from service.audio.encoding import AudioEncoding
 from service.engine.api import SessionConfig
-from tests.api.fake_engine import FakeEngine, fake_audio, serve_fake
+from tests.api.fake_engine import IDLE_TIMEOUT_S, FakeEngine, fake_audio, serve_fake
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +127,20 @@ def test_google_list_voices(google: texttospeech.TextToSpeechClient) -> None:
         "en-US-Cadenza-tiny-multi-alice",
         "en-US-Cadenza-tiny-multi-bob",
     ]
+
+
+def _stall_after(first: object) -> Iterator[object]:
+    yield first
+    time.sleep(5 * IDLE_TIMEOUT_S)  # a client that keeps the stream open and sends nothing
+
+
+def test_idle_streams_are_closed(
+    google: texttospeech.TextToSpeechClient, tts: riva.client.SpeechSynthesisService
+) -> None:
+    config = texttospeech.StreamingSynthesizeRequest(streaming_config=texttospeech.StreamingSynthesizeConfig())
+    with pytest.raises(gexc.DeadlineExceeded, match="no message for"):
+        list(google.streaming_synthesize(_stall_after(config)))  # type: ignore[arg-type]
+    request = rtts.SynthesizeSpeechRequest(text="Hi.", language_code="en-US", sample_rate_hz=22050)
+    with pytest.raises(grpc.RpcError) as info:
+        list(tts.stub.SynthesizeOnline(_stall_after(request)))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
