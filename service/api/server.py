@@ -77,6 +77,7 @@ class CadenzaServer:
 
     async def drain(self) -> None:
         """No new sessions; open ones get `drain_grace_s` to finish; then stop."""
+        log.info("draining: %d open session(s), grace %.0f s", self.engine.live_sessions, self.config.drain_grace_s)
         self.engine.drain()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()

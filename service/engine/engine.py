@@ -180,6 +180,7 @@ class TtsEngine:
             session_id=next(self._ids), config=config, in_rate=info.sample_rate,
             out_rate=config.sample_rate or info.sample_rate, precision=precision,
             segmenter=self.config.segmenter, max_text_chars=self.config.limits.max_text_chars,
+            max_audio_bytes=max(1024, self.config.limits.max_message_bytes - 1024),
         )
         session = EngineSession(setup, self._loop, self._forget)
         self._sessions[session.id] = session

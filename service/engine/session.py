@@ -38,6 +38,7 @@ class SessionSetup:
     precision: Precision
     segmenter: SegmenterConfig
     max_text_chars: int
+    max_audio_bytes: int = 1 << 20  # larger chunks are split (they must fit one gRPC message)
 
 
 class EngineSession:
@@ -145,19 +146,32 @@ class EngineSession:
         self._disarm_idle()
         self._on_close(self)
 
-    def _emit_audio(self, samples_bytes: bytes, count: int, utterance: int, precision: str, fallback: bool,
+    def _emit_audio(self, data: bytes, count: int, utterance: int, precision: str, fallback: bool,
                     words: list[WordTiming]) -> None:
-        if not samples_bytes and not words:
+        """Queue `count` samples of encoded `data` (plus a WAV header on the very first bytes),
+        split into events of at most `max_audio_bytes`."""
+        if not data and not words:
             return
         if self._ttfa is None and self._first_text_at is not None:
             self._ttfa = time.monotonic() - self._first_text_at
+        width = self.setup.config.encoding.bytes_per_sample
+        header = len(data) - count * width
+        step = max(1, (self.setup.max_audio_bytes - max(header, 0)) // width)
         offset = self._output.samples_out - count
-        self._queue.put_nowait(AudioOut(
-            audio=samples_bytes, seq=self._seq, offset_samples=offset, num_samples=count,
-            sample_rate=self.setup.out_rate, utterance=utterance, precision=Precision(precision),
-            fallback=fallback, words=words,
-        ))
-        self._seq += 1
+        start = 0
+        while True:
+            n = min(step, count - start)
+            lo = 0 if start == 0 else header + start * width
+            piece = data[lo : header + (start + n) * width]
+            self._queue.put_nowait(AudioOut(
+                audio=piece, seq=self._seq, offset_samples=offset + start, num_samples=n,
+                sample_rate=self.setup.out_rate, utterance=utterance, precision=Precision(precision),
+                fallback=fallback, words=words if start == 0 else [],
+            ))
+            self._seq += 1
+            start += n
+            if start >= count:
+                return
 
     # --- engine callbacks (on the event loop) ------------------------------------------------
 

@@ -202,7 +202,7 @@ def test_guard_trip_recomputes_in_fp32() -> None:
     (SessionConfig(speaking_rate=9.0), InvalidArgument, "config.speaking_rate"),
     (SessionConfig(speaking_rate=float("nan")), InvalidArgument, "config.speaking_rate"),
     (SessionConfig(noise_scale=-1.0), InvalidArgument, "config.noise_scale"),
-    (SessionConfig(precision=Precision.FP16), InvalidArgument, "config.precision"),
+    (SessionConfig(first_chunk_frames=16, max_chunk_frames=8), InvalidArgument, "config.max_chunk_frames"),
     (SessionConfig(first_chunk_frames=5000), InvalidArgument, "config.first_chunk_frames"),
     (SessionConfig(voice="tiny-multi", language="de"), InvalidArgument, "config.language"),
     (SessionConfig(language="de"), NotFound, None),

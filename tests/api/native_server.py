@@ -1,0 +1,33 @@
+"""A real CadenzaServer on a free local port, run on its own event loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+
+from service.api.server import CadenzaServer, ServerConfig
+
+
+class ServerThread:
+    def __init__(self, config: ServerConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server: CadenzaServer = self.call(self._start(config))
+        self.addr = f"127.0.0.1:{self.server.port}"
+
+    @staticmethod
+    async def _start(config: ServerConfig) -> CadenzaServer:
+        server = CadenzaServer(config)  # grpc.aio servers bind to the loop they are created on
+        await server.start()
+        return server
+
+    def call(self, coro, timeout: float = 60):  # type: ignore[no-untyped-def]
+        fut: Future[object] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout)
+
+    def close(self) -> None:
+        self.call(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
