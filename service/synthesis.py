@@ -8,10 +8,11 @@ generator, so the same seed gives the same samples on any backend."""
 
 from __future__ import annotations
 
-import os
+import hashlib
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -50,12 +51,20 @@ class ChunkSchedule:
     max_frames: int = 256
     fast_start_chars: int = 120
     fast_start_min_clause: int = 20
+    later_first_frames: int = 32  # first chunk of a stream's later utterances (audio is playing)
 
     def __post_init__(self) -> None:
         if self.first_frames < 1 or self.max_frames < self.first_frames or self.growth < 1.0:
             raise ValueError(
                 "chunk schedule needs first_frames >= 1, max_frames >= first_frames, growth >= 1"
             )
+
+    def first_chunk(self, utterance_index: int) -> int:
+        """Frames in an utterance's first chunk: small for the stream's first
+        utterance (time to first audio), larger later (throughput)."""
+        if utterance_index == 0:
+            return self.first_frames
+        return max(self.first_frames, min(self.later_first_frames, self.max_frames))
 
     def boundaries(self, total: int, first: int | None = None) -> list[int]:
         """Frame boundaries 0 = b0 < b1 < ... < bn = total."""
@@ -119,9 +128,10 @@ class UtteranceDecoder:
 
     def __init__(
         self, utt: Utterance, schedule: ChunkSchedule, flow_halo: int, voc_halo: int,
-        first_frames: int | None = None,
+        first_frames: int | None = None, hop: int = 256,
     ) -> None:
         self.utt = utt
+        self.hop = hop
         self.bounds = schedule.boundaries(utt.frames, first_frames)
         self.flow_halo = flow_halo
         self.voc_halo = voc_halo
@@ -162,9 +172,11 @@ class Synthesizer:
     """Text -> audio chunks on one backend, for one caller at a time."""
 
     def __init__(
-        self, voice: Voice, backend: Backend, schedule: ChunkSchedule | None = None
+        self, voice: Voice, backend: Backend, schedule: ChunkSchedule | None = None,
+        shadow: ShadowSampler | None = None,
     ) -> None:
         self.voice = voice
+        self.shadow = shadow
         self.backend = backend
         self.schedule = schedule or ChunkSchedule()
         self.hop = voice.hop_length
@@ -175,17 +187,13 @@ class Synthesizer:
     def sample_rate(self) -> int:
         return self.voice.info.sample_rate
 
-    def rng(self, seed: int | None) -> np.random.Generator:
-        if seed is None:
-            seed = int.from_bytes(os.urandom(8), "little")
-        return np.random.default_rng(seed)
-
-    def prepare(
-        self, text: str, params: SynthesisParams, rng: np.random.Generator
-    ) -> list[Utterance]:
+    def prepare(self, text: str, params: SynthesisParams) -> list[Utterance]:
         """Frontend + acoustic stage for every sentence of `text`."""
         sid = self.voice.speaker_index(params.speaker)
-        return [self.acoustic(s, sid, params, rng) for s in self._sentences(text, params)]
+        return [
+            self.acoustic(s, sid, params, utterance_rng(params.seed, s.phoneme_ids))
+            for s in self._sentences(text, params)
+        ]
 
     def acoustic(
         self, sent: PhonemizedSentence, sid: int | None, params: SynthesisParams,
@@ -215,36 +223,57 @@ class Synthesizer:
         return Utterance(sent.text, list(sent.phoneme_ids), z_p, durations, sid, words)
 
     def decode(
-        self, utt: Utterance, precision: str = "fp32", first_frames: int | None = None
-    ) -> Iterator[tuple[np.ndarray, str]]:
-        """Chunked flow + vocoder for one utterance: yields (audio, precision).
-        `first_frames` overrides the schedule's first chunk (later utterances of a
-        stream start bigger: audio is already playing)."""
-        dec = UtteranceDecoder(utt, self.schedule, self.flow_halo, self.voc_halo, first_frames)
+        self, utt: Utterance, precision: str = "fp32", first_frames: int | None = None,
+        shadow: ShadowSampler | None = None,
+    ) -> Iterator[tuple[np.ndarray, str, bool]]:
+        """Chunked flow + vocoder for one utterance: yields (audio, precision used,
+        fallback). `first_frames` overrides the schedule's first chunk (later
+        utterances of a stream start bigger: audio is already playing).
+
+        A chunk whose FP16 result holds NaN/Inf (latent or audio) is recomputed in
+        FP32 from the same prior sample and context, and the rest of the utterance
+        stays FP32."""
+        dec = UtteranceDecoder(utt, self.schedule, self.flow_halo, self.voc_halo, first_frames, self.hop)
         sid = None if utt.sid is None else np.asarray([utt.sid], dtype=np.int64)
+        current = precision
         while not dec.done:
             flow_w, voc_w = dec.next_windows()
+            tripped = False
             if flow_w is not None:
-                z = self.backend.flow(utt.z_p[None, :, flow_w.lo : flow_w.hi], sid, precision)
+                z = self.backend.flow(utt.z_p[None, :, flow_w.lo : flow_w.hi], sid, current)
+                tripped = not bool(np.isfinite(z).all())
                 dec.accept_flow(flow_w, z[0])
-            out = self.backend.vocode(dec.z[None, :, voc_w.lo : voc_w.hi], sid, precision)
+            out = None
+            if not tripped:
+                out = self.backend.vocode(dec.z[None, :, voc_w.lo : voc_w.hi], sid, current)
+                tripped = int(out.nonfinite[0]) > 0
+            fallback = False
+            if tripped and current != "fp32":
+                audio = redo_chunk_fp32(self.backend, dec, voc_w, sid)
+                current, fallback = "fp32", True
+            else:
+                assert out is not None
+                audio = dec.trim_audio(voc_w, out.audio[0], self.hop)
+                if shadow is not None and current != "fp32":
+                    shadow.offer(self.backend, dec, voc_w, sid, audio)
             dec.index += 1
-            yield dec.trim_audio(voc_w, out.audio[0], self.hop), out.precision
+            yield audio, current, fallback
 
     def stream(self, text: str, params: SynthesisParams | None = None) -> Iterator[AudioChunk]:
         """Text -> audio chunks as soon as each is decoded."""
         params = params or SynthesisParams()
-        rng = self.rng(params.seed)
         offset = 0
         for index, sent in enumerate(self._sentences(text, params)):
+            rng = utterance_rng(params.seed, sent.phoneme_ids)
             utt = self.acoustic(sent, self.voice.speaker_index(params.speaker), params, rng)
             words = [WordTiming(w, offset + s, offset + e) for w, s, e in utt.word_spans]
-            first = None if index == 0 else self.schedule.max_frames
+            first = self.schedule.first_chunk(index)
             n_chunks = len(self.schedule.boundaries(utt.frames, first)) - 1
-            for k, (audio, precision) in enumerate(self.decode(utt, params.precision, first)):
+            decoded = self.decode(utt, params.precision, first, self.shadow)
+            for k, (audio, precision, fallback) in enumerate(decoded):
                 yield AudioChunk(
                     samples=audio, sample_rate=self.sample_rate, offset=offset, utterance=index,
-                    words=words if k == 0 else [], precision=precision,
+                    words=words if k == 0 else [], precision=precision, fallback=fallback,
                     last_in_utterance=k == n_chunks - 1,
                 )
                 offset += len(audio)
@@ -268,6 +297,53 @@ class Synthesizer:
             words.extend(chunk.words)
         audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
         return audio.astype(np.float32, copy=False), words
+
+
+def utterance_rng(seed: int | None, phoneme_ids: list[int]) -> np.random.Generator:
+    """Noise for one utterance. Seeded: drawn from (seed, phoneme ids), so the same
+    sentence with the same seed sounds the same wherever it occurs (and results
+    can be cached); unseeded: fresh entropy."""
+    if seed is None:
+        return np.random.default_rng()
+    digest = hashlib.blake2b(np.asarray(phoneme_ids, dtype=np.int64).tobytes(), digest_size=8).digest()
+    return np.random.default_rng([seed, int.from_bytes(digest, "little")])
+
+
+def fp32_latent(backend: Backend, dec: UtteranceDecoder, lo: int, hi: int, sid: np.ndarray | None) -> np.ndarray:
+    """FP32 latent frames [lo, hi) straight from the prior sample, with full flow context."""
+    t = dec.utt.frames
+    a, b = max(0, lo - dec.flow_halo), min(t, hi + dec.flow_halo)
+    z = backend.flow(dec.utt.z_p[None, :, a:b], sid, "fp32")[0]
+    return z[:, lo - a : hi - a]
+
+
+def fp32_chunk(
+    backend: Backend, dec: UtteranceDecoder, voc: Window, sid: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The chunk `voc` computed wholly in FP32: (latent window, trimmed audio)."""
+    z = fp32_latent(backend, dec, voc.lo, voc.hi, sid)
+    out = backend.vocode(z[None], sid, "fp32")
+    audio = out.audio[0]
+    if int(out.nonfinite[0]):
+        audio = np.nan_to_num(audio, nan=0.0, posinf=0.0, neginf=0.0)  # never send non-finite samples
+    return z, dec.trim_audio(voc, audio, dec.hop)
+
+
+def redo_chunk_fp32(backend: Backend, dec: UtteranceDecoder, voc: Window, sid: np.ndarray | None) -> np.ndarray:
+    """Guard tripped: recompute this chunk in FP32 and make the decoder continue in
+    FP32 from here (later latent frames are recomputed, not reused)."""
+    z, audio = fp32_chunk(backend, dec, voc, sid)
+    dec.z[:, voc.lo : voc.hi] = z
+    dec.z_done = voc.hi
+    return audio
+
+
+class ShadowSampler(Protocol):
+    """Receives a sample of FP16 chunks to re-run in FP32 off the hot path."""
+
+    def offer(
+        self, backend: Backend, dec: UtteranceDecoder, voc: Window, sid: np.ndarray | None, audio: np.ndarray
+    ) -> None: ...
 
 
 _CLAUSE_END = re.compile(r"[,;:](?=\s)")

@@ -30,3 +30,15 @@ def test_voices_check_builtin_psnr(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unknown_voice_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["say", "hi", "--voice", "nope", "-o", "/dev/null"]) == 2
     assert "unknown voice 'nope'" in capsys.readouterr().err
+
+
+def test_compare_fp16_reports_psnr_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    out = tmp_path / "cmp"
+    assert main(["compare", "--precision", "fp16", "--limit", "1", "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("min_psnr_db=") and float(last.split("=")[1]) >= 45.0
+    report = json.loads((out / "compare.json").read_text())
+    assert report["precision"] == "fp16" and len(report["sentences"]) == 1
+    assert (out / "compare.png").stat().st_size > 10_000

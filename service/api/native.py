@@ -85,6 +85,7 @@ def responses(event: SessionEvent) -> list[pb.StreamingSynthesizeResponse]:
             characters=event.characters, audio_seconds=event.audio_seconds,
             ttfa_seconds=event.ttfa_seconds or 0.0, fallbacks=event.fallbacks, utterances=event.utterances,
             chunks=event.chunks, cache_hits=event.cache_hits, precision=_PRECISION_OUT[event.precision],
+            precision_reason=event.precision_reason,
         ))]
     out = []
     if event.words:

@@ -5,6 +5,7 @@ durations, chunking) is shared by all backends and results are comparable."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,8 +42,12 @@ class Backend(Protocol):
         """Prior sample window [B, C, W] -> latent window [B, C, W]."""
         ...
 
-    def vocode(self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> VocodeOut:
-        """Latent window [B, C, W] -> guarded audio [B, W * hop]."""
+    def vocode(
+        self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32",
+        sessions: Sequence[int] | None = None,
+    ) -> VocodeOut:
+        """Latent window [B, C, W] -> guarded audio [B, W * hop]. `sessions` names
+        each row's session (backends with per-session streams use it)."""
         ...
 
     def supported_precisions(self) -> tuple[str, ...]: ...

@@ -4,6 +4,7 @@ The default on CPU (faster than eager PyTorch there)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +73,10 @@ class OrtBackend:
                                     "sid": self._sid(sid, z_p.shape[0])})
         return z
 
-    def vocode(self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> VocodeOut:
+    def vocode(
+        self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32",
+        sessions: Sequence[int] | None = None,
+    ) -> VocodeOut:
         (audio,) = self._run("audio", {"z": np.ascontiguousarray(z, dtype=np.float32),
                                        "sid": self._sid(sid, z.shape[0])})
         finite = np.isfinite(audio)

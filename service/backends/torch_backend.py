@@ -1,66 +1,158 @@
-"""PyTorch backend: runs our VitsModel on CPU or CUDA."""
+"""PyTorch backend: our VitsModel on CPU or CUDA, FP32 or FP16 with FP32 pins.
+
+On CUDA the batch runs on the engine's stream; each session's guard and
+device-to-host copy run on that session's own stream from a bounded pool,
+ordered after the batch by an event, so one session's copy never waits for
+another's."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from service.backends.base import EncodeOut, VocodeOut
+from service.engine.guard import guard
+from service.models.vits.model import VitsModel
+from service.models.vits.precision import VITS_FP32_PINS, to_mixed_precision
 from service.voices import Voice
 
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
-def _sid(sid: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
-    return None if sid is None else torch.as_tensor(sid, dtype=torch.long, device=device)
+
+class StreamPool:
+    """A bounded set of CUDA streams handed out by session key (round-robin on
+    first sight), so sessions keep their stream and the pool never grows."""
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        self.streams = [torch.cuda.Stream(device=device) for _ in range(max(1, size))]
+        self._by_key: dict[int, torch.cuda.Stream] = {}
+        self._next = 0
+
+    def for_session(self, key: int) -> torch.cuda.Stream:
+        stream = self._by_key.get(key)
+        if stream is None:
+            stream = self.streams[self._next % len(self.streams)]
+            self._next += 1
+            if len(self._by_key) > 4 * len(self.streams):
+                self._by_key.clear()  # forget departed sessions; streams are reused anyway
+            self._by_key[key] = stream
+        return stream
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, voice: Voice, device: str = "cpu", threads: int | None = None) -> None:
+    def __init__(
+        self,
+        voice: Voice,
+        device: str = "cpu",
+        threads: int | None = None,
+        pins: Sequence[str] = VITS_FP32_PINS,
+        stream_pool_size: int = 8,
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU (use --device cpu)")
         self.device = device
         self._device = torch.device(device)
         self.voice = voice
-        self.model = voice.model.to(self._device).eval()
+        self.pins = tuple(pins)
+        self.models: dict[str, VitsModel] = {"fp32": voice.model.to(self._device).eval()}
+        self._streams = StreamPool(self._device, stream_pool_size) if self._device.type == "cuda" else None
 
     def supported_precisions(self) -> tuple[str, ...]:
-        return ("fp32",)
+        return ("fp32", "fp16")
+
+    def model_for(self, precision: str) -> VitsModel:
+        """The FP32 model, or its FP16 twin with FP32 pins (made on first use)."""
+        if precision not in DTYPES:
+            raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(DTYPES)}")
+        if precision not in self.models:
+            self.models[precision] = to_mixed_precision(self.models["fp32"], self.pins, DTYPES[precision])
+        return self.models[precision]
+
+    def weight_bytes(self, precision: str) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model_for(precision).parameters())
+
+    def _sid(self, sid: np.ndarray | None) -> torch.Tensor | None:
+        return None if sid is None else torch.as_tensor(sid, dtype=torch.long, device=self._device)
+
+    def _input(self, x: np.ndarray, precision: str) -> torch.Tensor:
+        return torch.as_tensor(np.ascontiguousarray(x), device=self._device).to(DTYPES[precision])
 
     @torch.inference_mode()
     def encode(
         self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None
     ) -> EncodeOut:
+        # The acoustic stage is pinned to FP32 as a whole (see precision.py).
         dev = self._device
-        m_p, logs_p, logw, _ = self.model.encode(
+        m_p, logs_p, logw, _ = self.models["fp32"].encode(
             torch.as_tensor(ids, device=dev), torch.as_tensor(lengths, device=dev),
-            torch.as_tensor(dp_noise, device=dev), _sid(sid, dev),
+            torch.as_tensor(dp_noise, device=dev), self._sid(sid),
         )
-        return EncodeOut(m_p.float().cpu().numpy(), logs_p.float().cpu().numpy(),
-                         logw.float().cpu().numpy())
+        return EncodeOut(m_p.float().cpu().numpy(), logs_p.float().cpu().numpy(), logw.float().cpu().numpy())
 
     @torch.inference_mode()
     def flow(self, z_p: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> np.ndarray:
-        dev = self._device
-        z = torch.as_tensor(z_p, device=dev)
-        mask = torch.ones(z.shape[0], 1, z.shape[2], device=dev)
-        return self.model.flow_reverse(z, mask, _sid(sid, dev)).float().cpu().numpy()
+        model = self.model_for(precision)
+        z = self._input(z_p, precision)
+        mask = torch.ones(z.shape[0], 1, z.shape[2], device=self._device, dtype=z.dtype)
+        return model.flow_reverse(z, mask, self._sid(sid)).float().cpu().numpy()
 
     @torch.inference_mode()
-    def vocode(self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> VocodeOut:
-        dev = self._device
-        audio = self.model.vocode(torch.as_tensor(z, device=dev), _sid(sid, dev))
-        return guard_to_numpy(audio, "fp32")
+    def vocode(
+        self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32",
+        sessions: Sequence[int] | None = None,
+    ) -> VocodeOut:
+        """Vocode a batch; `sessions` (one key per row) picks each row's CUDA stream."""
+        model = self.model_for(precision)
+        audio = model.vocode(self._input(z, precision), self._sid(sid))
+        if self._streams is None:
+            return _to_host(audio, precision)
+        return self._guard_on_session_streams(audio, precision, sessions)
+
+    def _guard_on_session_streams(
+        self, audio: torch.Tensor, precision: str, sessions: Sequence[int] | None
+    ) -> VocodeOut:
+        assert self._streams is not None
+        done = torch.cuda.Event()
+        done.record()  # the batch, on the engine's (current) stream
+        keys = list(sessions) if sessions is not None else list(range(audio.shape[0]))
+        rows = []
+        for i, key in enumerate(keys):
+            stream = self._streams.for_session(key)
+            stream.wait_event(done)
+            with torch.cuda.stream(stream):
+                row = audio[i : i + 1]
+                row.record_stream(stream)
+                result = guard(row)
+                host = torch.empty(row.shape, dtype=torch.float32, pin_memory=True)
+                host.copy_(row.float(), non_blocking=True)
+                finished = torch.cuda.Event()
+                finished.record(stream)
+            rows.append((host, result, finished))
+        out_audio = np.empty((audio.shape[0], audio.shape[1]), dtype=np.float32)
+        nonfinite = np.zeros(audio.shape[0], dtype=np.int64)
+        peak = np.zeros(audio.shape[0], dtype=np.float32)
+        for i, (host, result, finished) in enumerate(rows):
+            finished.synchronize()
+            out_audio[i] = host.numpy()[0]
+            nonfinite[i] = int(result.nonfinite[0])
+            peak[i] = float(result.peak[0])
+        bad = nonfinite > 0
+        if bad.any():
+            out_audio[bad] = np.nan_to_num(out_audio[bad], nan=0.0, posinf=0.0, neginf=0.0)
+        return VocodeOut(audio=out_audio, nonfinite=nonfinite, peak=peak, precision=precision)
 
 
-def guard_to_numpy(audio: torch.Tensor, precision: str) -> VocodeOut:
-    """Count non-finite samples per row, zero them, find the peak, copy to host."""
-    audio = audio.float()
-    finite = torch.isfinite(audio)
-    nonfinite = (~finite).sum(dim=1)
-    clean = torch.where(finite, audio, torch.zeros_like(audio))
-    peak = clean.abs().amax(dim=1) if clean.shape[1] else torch.zeros(clean.shape[0])
+def _to_host(audio: torch.Tensor, precision: str) -> VocodeOut:
+    """CPU path: the torch reference guard, non-finite samples zeroed."""
+    result = guard(audio)
+    clean = torch.nan_to_num(audio.float(), nan=0.0, posinf=0.0, neginf=0.0)
     return VocodeOut(
-        audio=clean.cpu().numpy(), nonfinite=nonfinite.cpu().numpy(), peak=peak.cpu().numpy(),
-        precision=precision,
+        audio=clean.cpu().numpy(), nonfinite=result.nonfinite.cpu().numpy().astype(np.int64),
+        peak=result.peak.cpu().numpy(), precision=precision,
     )

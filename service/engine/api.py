@@ -102,6 +102,7 @@ class SessionSummary:
     chunks: int
     cache_hits: int = 0  # utterances served from the result cache
     precision: Precision = Precision.FP32  # what AUTO resolved to (or what was asked)
+    precision_reason: str = ""  # why: requested, hardware, load or the voice's guard-trip history
 
 
 SessionEvent = AudioOut | SessionSummary

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service.engine.precision import PrecisionPolicyConfig
 from service.synthesis import ChunkSchedule
 from service.text.segment import SegmenterConfig
 
@@ -39,4 +40,6 @@ class EngineConfig:
     segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
     limits: Limits = field(default_factory=Limits)
     cache_bytes: int = 64 << 20  # result cache bound (float32 model-rate audio); 0 disables
+    precision: PrecisionPolicyConfig = field(default_factory=PrecisionPolicyConfig)  # how AUTO decides
+    shadow_fraction: float = 0.0  # share of FP16 chunks re-run in FP32 off the hot path (PSNR histogram)
     warmup_text: str = "Hello there."

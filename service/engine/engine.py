@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -32,8 +33,10 @@ from service.engine.api import (
 )
 from service.engine.cache import ResultCache
 from service.engine.config import EngineConfig
+from service.engine.precision import Hardware, PrecisionDecision, PrecisionPolicy
 from service.engine.scheduler import EngineLoop, WorkSpec
 from service.engine.session import EngineSession, SessionSetup
+from service.engine.shadow import ShadowVerifier
 from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, default_backend
 from service.voices import Voice, VoiceInfo, VoiceNotFoundError, list_voices
 
@@ -59,7 +62,9 @@ class TtsEngine:
         self.device = resolve_device(config.device)
         self.backend_name = default_backend(self.device) if config.backend == "auto" else config.backend
         self.cache = ResultCache(config.cache_bytes)
-        self._loop = EngineLoop(config.batch, self.cache)
+        self.shadow = ShadowVerifier(config.shadow_fraction) if config.shadow_fraction > 0 else None
+        self._loop = EngineLoop(config.batch, self.cache, on_trip=self._on_trip, shadow=self.shadow)
+        self._policy: PrecisionPolicy | None = None
         self._voices: dict[str, VoiceInfo] = {}
         self._default: VoiceInfo | None = None
         self._runtimes: dict[str, Synthesizer] = {}
@@ -116,6 +121,8 @@ class TtsEngine:
             "live_sessions": self.live_sessions, "cache_hits": self.cache.hits, "cache_misses": self.cache.misses,
             "cache_bytes": self.cache.bytes, "batches": s.batches, "batch_rows": s.rows, "max_batch_rows": s.max_rows,
             "acoustic_jobs": s.acoustic_jobs, "fp32_fallbacks": s.fallbacks,
+            "shadow_verified": self.shadow.verified if self.shadow else 0,
+            "shadow_min_psnr_db": (self.shadow.psnr.minimum if self.shadow and self.shadow.verified else math.inf),
         }
 
     # --- voices ------------------------------------------------------------------------------
@@ -170,15 +177,17 @@ class TtsEngine:
         info = self._resolve_voice(config)
         sid = self._resolve_speaker(info, config.speaker)
         params, schedule = self._resolve_params(info, config)
-        precision = self._resolve_precision(config.precision)
         if info.name not in self._runtimes:
             await asyncio.get_running_loop().run_in_executor(None, self._runtime, info)
+        decision = self._resolve_precision(config.precision, info.name)
+        precision = Precision(decision.precision)
         if len(self._sessions) >= self.config.limits.max_sessions:  # others opened while we loaded
             raise ResourceExhausted(f"too many open sessions (limit {self.config.limits.max_sessions}); retry later")
         runtime = self._runtimes[info.name]
         setup = SessionSetup(
             session_id=next(self._ids), config=config, in_rate=info.sample_rate,
             out_rate=config.sample_rate or info.sample_rate, precision=precision,
+            precision_reason=decision.reason,
             segmenter=self.config.segmenter, max_text_chars=self.config.limits.max_text_chars,
             max_audio_bytes=max(1024, self.config.limits.max_message_bytes - 1024),
         )
@@ -247,21 +256,28 @@ class TtsEngine:
                                   f"{largest} must be between first_chunk_frames ({first}) and {MAX_CHUNK_FRAMES}")
         if c.custom_dictionary and any(not k.strip() or not v.strip() for k, v in c.custom_dictionary.items()):
             raise InvalidArgument("config.custom_dictionary", "entries need a non-empty word and pronunciation")
-        schedule = ChunkSchedule(first_frames=first, growth=base.growth, max_frames=largest)
+        schedule = dataclasses.replace(base, first_frames=first, max_frames=largest)
         params = SynthesisParams(
             length_scale=info.length_scale / rate, noise_scale=c.noise_scale, noise_w=c.noise_w, seed=c.seed,
         )
         return params, schedule
 
-    def _resolve_precision(self, asked: Precision) -> Precision:
-        default = self._runtimes[self._default.name] if self._default else None
-        supported = default.backend.supported_precisions() if default else ("fp32",)
-        if asked is Precision.AUTO:
-            return Precision.FP16 if "fp16" in supported and self.device.startswith("cuda") else Precision.FP32
-        if asked.value not in supported:
+    def _resolve_precision(self, asked: Precision, voice: str) -> PrecisionDecision:
+        """Explicit requests must be supported by the backend; AUTO asks the policy
+        (hardware, load, the voice's guard-trip history) and keeps its reason."""
+        runtime = self._runtimes.get(voice) or (self._runtimes[self._default.name] if self._default else None)
+        supported = runtime.backend.supported_precisions() if runtime else ("fp32",)
+        if asked is not Precision.AUTO and asked.value not in supported:
             raise InvalidArgument("config.precision", f"the {self.backend_name} backend on {self.device} runs "
                                   f"{', '.join(supported)} only; ask for AUTO or FP32")
-        return asked
+        if self._policy is None:
+            self._policy = PrecisionPolicy(Hardware.detect(self.device), tuple(supported), self.config.precision)
+        return self._policy.resolve(asked.value, voice, self.live_sessions)
+
+    def _on_trip(self, voice: str) -> None:
+        """Called from the engine thread when a chunk fell back to FP32."""
+        if self._policy is not None:
+            self._policy.record_trip(voice)
 
     async def synthesize_all(self, config: SessionConfig, text: str) -> tuple[bytes, list[WordTiming], SessionSummary]:
         session = await self.open_session(config)

@@ -11,14 +11,13 @@ event loop with call_soon_threadsafe; nothing mutable is shared with the loop.""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,7 +25,16 @@ import numpy as np
 
 from service.engine.cache import CachedUtterance, ResultCache
 from service.engine.config import BatchConfig
-from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, UtteranceDecoder, Window
+from service.synthesis import (
+    ChunkSchedule,
+    ShadowSampler,
+    SynthesisParams,
+    Synthesizer,
+    UtteranceDecoder,
+    Window,
+    redo_chunk_fp32,
+    utterance_rng,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,7 @@ class _Decoding:
     cache_key: Hashable | None = None
     chunks: list[np.ndarray] = field(default_factory=list)
     precisions: list[str] = field(default_factory=list)
+    precision: str = "fp32"  # current: starts at the session's, FP32 for the rest after a guard trip
 
 
 @dataclass
@@ -116,9 +125,14 @@ class EngineStats:
 class EngineLoop:
     """Owns the backends from its own thread; sessions talk to it through `submit_*`."""
 
-    def __init__(self, batch: BatchConfig, cache: ResultCache) -> None:
+    def __init__(
+        self, batch: BatchConfig, cache: ResultCache, on_trip: Callable[[str], None] | None = None,
+        shadow: ShadowSampler | None = None,
+    ) -> None:
         self.batch = batch
         self.cache = cache
+        self.on_trip = on_trip
+        self.shadow = shadow
         self.stats = EngineStats()
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, int, object]] = []
@@ -282,24 +296,21 @@ class EngineLoop:
                 if entry is not None:
                     work.decodings.append(_Decoding(index, list(entry.word_spans), None, cached=entry))
                     continue
-                rng = work.rng if work.rng is not None else self._utterance_rng(spec, sent.phoneme_ids)
+                rng = work.rng if work.rng is not None else utterance_rng(spec.params.seed, sent.phoneme_ids)
                 utt = spec.runtime.acoustic(sent, spec.sid, spec.params, rng)
                 self.stats.acoustic_jobs += 1
-                dec = UtteranceDecoder(utt, spec.schedule, spec.runtime.flow_halo, spec.runtime.voc_halo)
-                work.decodings.append(_Decoding(index, utt.word_spans, dec, cache_key=key))
+                # Chunk sizes depend only on the utterance's place in the stream, never on
+                # timing, so the same input always gives the same samples.
+                first = spec.schedule.first_chunk(index)
+                dec = UtteranceDecoder(utt, spec.schedule, spec.runtime.flow_halo, spec.runtime.voc_halo,
+                                       first, spec.runtime.hop)
+                work.decodings.append(_Decoding(index, utt.word_spans, dec, cache_key=key,
+                                                precision=spec.precision))
         except Exception as exc:
             log.exception("acoustic stage failed (session %d)", spec.session_id)
             self._fail(work, exc)
             return
         work.ready_since = time.monotonic()
-
-    @staticmethod
-    def _utterance_rng(spec: WorkSpec, phoneme_ids: list[int]) -> np.random.Generator:
-        """Seeded sessions draw each utterance's noise from (seed, phonemes): the same sentence
-        with the same seed sounds the same wherever it occurs, which makes it cacheable."""
-        digest = hashlib.blake2b(np.asarray(phoneme_ids, dtype=np.int64).tobytes(), digest_size=8).digest()
-        assert spec.params.seed is not None
-        return np.random.default_rng([spec.params.seed, int.from_bytes(digest, "little")])
 
     def _cache_key(self, spec: WorkSpec, text: str, phoneme_ids: list[int]) -> Hashable | None:
         p = spec.params
@@ -343,47 +354,53 @@ class EngineLoop:
         dec = work.decodings[0].decoder
         flow_w, voc_w = dec.next_windows()
         flow_len = 0 if flow_w is None else flow_w.hi - flow_w.lo
-        return (id(work.spec.runtime), work.spec.precision, flow_len, voc_w.hi - voc_w.lo)
+        return (id(work.spec.runtime), work.decodings[0].precision, flow_len, voc_w.hi - voc_w.lo)
 
     def _decode_rows(self, rows: list[_Work], now: float) -> None:
         runtime = rows[0].spec.runtime
         backend = runtime.backend
-        precision = rows[0].spec.precision
         items = [w.decodings[0] for w in rows]
+        precision = items[0].precision  # equal across rows: part of the batch signature
         decs: list[UtteranceDecoder] = []
         for it in items:
             assert it.decoder is not None
             decs.append(it.decoder)
         windows = [d.next_windows() for d in decs]
         sids = self._sids(rows)
+        tripped = [False] * len(rows)
         if windows[0][0] is not None:
             flow_ws = [fw for fw, _ in windows if fw is not None]
             z_p = np.stack([d.utt.z_p[:, fw.lo : fw.hi] for d, fw in zip(decs, flow_ws, strict=True)])
             z = backend.flow(z_p, sids, precision)
             for i, (d, fw) in enumerate(zip(decs, flow_ws, strict=True)):
-                zi = z[i]
-                if not np.isfinite(zi).all() and precision != "fp32":
-                    zi = backend.flow(z_p[i : i + 1], self._row(sids, i), "fp32")[0]
-                d.accept_flow(fw, zi)
+                tripped[i] = not bool(np.isfinite(z[i]).all())
+                d.accept_flow(fw, z[i])
         voc_ws: list[Window] = [vw for _, vw in windows]
         z_in = np.stack([d.z[:, vw.lo : vw.hi] for d, vw in zip(decs, voc_ws, strict=True)])
-        out = backend.vocode(z_in, sids, precision)
+        sessions = [w.spec.session_id for w in rows]
+        out = backend.vocode(z_in, sids, precision, sessions=sessions)
         self.stats.batches += 1
         self.stats.rows += len(rows)
         self.stats.max_rows = max(self.stats.max_rows, len(rows))
         for i, (work, item) in enumerate(zip(rows, items, strict=True)):
-            audio, used, fallback = out.audio[i], out.precision, False
-            if int(out.nonfinite[i]) > 0:
-                if out.precision != "fp32":
-                    redo = backend.vocode(z_in[i : i + 1], self._row(sids, i), "fp32")
-                    audio, used, fallback = redo.audio[0], redo.precision, True
-                    self.stats.fallbacks += 1
-                    log.warning("guard tripped (session %d): chunk recomputed in fp32", work.spec.session_id)
-                else:
+            dec = decs[i]
+            fallback = False
+            if (tripped[i] or int(out.nonfinite[i]) > 0) and precision != "fp32":
+                # Same prior sample and context, all in FP32; the utterance stays FP32 from here.
+                samples = redo_chunk_fp32(backend, dec, voc_ws[i], self._row(sids, i))
+                item.precision, fallback = "fp32", True
+                self.stats.fallbacks += 1
+                log.warning("guard tripped (session %d): chunk recomputed in fp32", work.spec.session_id)
+                if self.on_trip is not None:
+                    self.on_trip(work.spec.voice_name)
+            else:
+                if int(out.nonfinite[i]) > 0:
                     self.stats.nonfinite_fp32 += 1  # the backend already zeroed them
-            dec = item.decoder
-            assert dec is not None
-            samples = np.ascontiguousarray(dec.trim_audio(voc_ws[i], audio, runtime.hop), dtype=np.float32)
+                samples = dec.trim_audio(voc_ws[i], out.audio[i], runtime.hop)
+                if self.shadow is not None and precision != "fp32":
+                    self.shadow.offer(backend, dec, voc_ws[i], self._row(sids, i), samples)
+            samples = np.ascontiguousarray(samples, dtype=np.float32)
+            used = "fp32" if fallback else precision
             spans = item.word_spans if dec.index == 0 else []
             dec.index += 1
             self._emit(work, ChunkResult(samples, item.index, spans, used, fallback, False), now)

@@ -39,6 +39,7 @@ class SessionSetup:
     segmenter: SegmenterConfig
     max_text_chars: int
     max_audio_bytes: int = 1 << 20  # larger chunks are split (they must fit one gRPC message)
+    precision_reason: str = ""
 
 
 class EngineSession:
@@ -210,6 +211,7 @@ class EngineSession:
             chunks=self._seq,
             cache_hits=self._cache_hits,
             precision=self.setup.precision,
+            precision_reason=self.setup.precision_reason,
         ))
         self._close()
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63\x61\x64\x65nza/v1/tts.proto\x12\ncadenza.v1\"\xa8\x04\n\rSessionConfig\x12\r\n\x05voice\x18\x01 \x01(\t\x12\x0f\n\x07speaker\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12+\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x19.cadenza.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x05 \x01(\x05\x12\x15\n\rspeaking_rate\x18\x06 \x01(\x02\x12\x18\n\x0bnoise_scale\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x14\n\x07noise_w\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12(\n\tprecision\x18\n \x01(\x0e\x32\x15.cadenza.v1.Precision\x12\x1a\n\x12\x66irst_chunk_frames\x18\x0b \x01(\x05\x12\x18\n\x10max_chunk_frames\x18\x0c \x01(\x05\x12J\n\x11\x63ustom_dictionary\x18\r \x03(\x0b\x32/.cadenza.v1.SessionConfig.CustomDictionaryEntry\x12\x12\n\nwav_header\x18\x0e \x01(\x08\x12\x14\n\x0cword_timings\x18\x0f \x01(\x08\x12\x12\n\nrequest_id\x18\x10 \x01(\t\x1a\x37\n\x15\x43ustomDictionaryEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0e\n\x0c_noise_scaleB\n\n\x08_noise_wB\x07\n\x05_seed\"\x8a\x01\n\x1aStreamingSynthesizeRequest\x12+\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.cadenza.v1.SessionConfigH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x0f\n\x05\x66lush\x18\x03 \x01(\x08H\x00\x12\x13\n\tend_input\x18\x04 \x01(\x08H\x00\x42\t\n\x07request\"L\n\x11SynthesizeRequest\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.cadenza.v1.SessionConfig\x12\x0c\n\x04text\x18\x02 \x01(\t\"D\n\nWordTiming\x12\x0c\n\x04word\x18\x01 \x01(\t\x12\x14\n\x0cstart_sample\x18\x02 \x01(\x03\x12\x12\n\nend_sample\x18\x03 \x01(\x03\"\xd6\x01\n\nAudioChunk\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x16\n\x0eoffset_samples\x18\x03 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x03\x12\x18\n\x10\x64uration_seconds\x18\x05 \x01(\x01\x12\x16\n\x0esample_rate_hz\x18\x06 \x01(\x05\x12\x11\n\tutterance\x18\x07 \x01(\x05\x12(\n\tprecision\x18\x08 \x01(\x0e\x32\x15.cadenza.v1.Precision\x12\x10\n\x08\x66\x61llback\x18\t \x01(\x08\"4\n\x0bWordTimings\x12%\n\x05words\x18\x01 \x03(\x0b\x32\x16.cadenza.v1.WordTiming\"\xc6\x01\n\x0eSessionSummary\x12\x12\n\ncharacters\x18\x01 \x01(\x03\x12\x15\n\raudio_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cttfa_seconds\x18\x03 \x01(\x01\x12\x11\n\tfallbacks\x18\x04 \x01(\x05\x12\x12\n\nutterances\x18\x05 \x01(\x05\x12\x0e\n\x06\x63hunks\x18\x06 \x01(\x05\x12\x12\n\ncache_hits\x18\x07 \x01(\x05\x12(\n\tprecision\x18\x08 \x01(\x0e\x32\x15.cadenza.v1.Precision\"\xab\x01\n\x1bStreamingSynthesizeResponse\x12\'\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x16.cadenza.v1.AudioChunkH\x00\x12(\n\x05words\x18\x02 \x01(\x0b\x32\x17.cadenza.v1.WordTimingsH\x00\x12-\n\x07summary\x18\x03 \x01(\x0b\x32\x1a.cadenza.v1.SessionSummaryH\x00\x42\n\n\x08response\"\x13\n\x11ListVoicesRequest\"#\n\x07Speaker\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\"v\n\x05Voice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\x12%\n\x08speakers\x18\x04 \x03(\x0b\x32\x13.cadenza.v1.Speaker\x12\x0e\n\x06loaded\x18\x05 \x01(\x08\"7\n\x12ListVoicesResponse\x12!\n\x06voices\x18\x01 \x03(\x0b\x32\x11.cadenza.v1.Voice\"\x16\n\x14GetServerInfoRequest\"\xeb\x01\n\nServerInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12)\n\nprecisions\x18\x03 \x03(\x0e\x32\x15.cadenza.v1.Precision\x12\x15\n\rdefault_voice\x18\x04 \x01(\t\x12\x11\n\tfp32_pins\x18\x05 \x03(\t\x12\x36\n\x08versions\x18\x06 \x03(\x0b\x32$.cadenza.v1.ServerInfo.VersionsEntry\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*_\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x0c\n\x08LINEAR16\x10\x01\x12\t\n\x05MULAW\x10\x02\x12\x08\n\x04\x41LAW\x10\x03\x12\x0b\n\x07\x46LOAT32\x10\x04*D\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x08\n\x04\x41UTO\x10\x01\x12\x08\n\x04\x46P16\x10\x02\x12\x08\n\x04\x46P32\x10\x03\x32\xea\x02\n\x0cTextToSpeech\x12j\n\x13StreamingSynthesize\x12&.cadenza.v1.StreamingSynthesizeRequest\x1a\'.cadenza.v1.StreamingSynthesizeResponse(\x01\x30\x01\x12V\n\nSynthesize\x12\x1d.cadenza.v1.SynthesizeRequest\x1a\'.cadenza.v1.StreamingSynthesizeResponse0\x01\x12K\n\nListVoices\x12\x1d.cadenza.v1.ListVoicesRequest\x1a\x1e.cadenza.v1.ListVoicesResponse\x12I\n\rGetServerInfo\x12 .cadenza.v1.GetServerInfoRequest\x1a\x16.cadenza.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63\x61\x64\x65nza/v1/tts.proto\x12\ncadenza.v1\"\xa8\x04\n\rSessionConfig\x12\r\n\x05voice\x18\x01 \x01(\t\x12\x0f\n\x07speaker\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12+\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x19.cadenza.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x05 \x01(\x05\x12\x15\n\rspeaking_rate\x18\x06 \x01(\x02\x12\x18\n\x0bnoise_scale\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x14\n\x07noise_w\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12(\n\tprecision\x18\n \x01(\x0e\x32\x15.cadenza.v1.Precision\x12\x1a\n\x12\x66irst_chunk_frames\x18\x0b \x01(\x05\x12\x18\n\x10max_chunk_frames\x18\x0c \x01(\x05\x12J\n\x11\x63ustom_dictionary\x18\r \x03(\x0b\x32/.cadenza.v1.SessionConfig.CustomDictionaryEntry\x12\x12\n\nwav_header\x18\x0e \x01(\x08\x12\x14\n\x0cword_timings\x18\x0f \x01(\x08\x12\x12\n\nrequest_id\x18\x10 \x01(\t\x1a\x37\n\x15\x43ustomDictionaryEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0e\n\x0c_noise_scaleB\n\n\x08_noise_wB\x07\n\x05_seed\"\x8a\x01\n\x1aStreamingSynthesizeRequest\x12+\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.cadenza.v1.SessionConfigH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x0f\n\x05\x66lush\x18\x03 \x01(\x08H\x00\x12\x13\n\tend_input\x18\x04 \x01(\x08H\x00\x42\t\n\x07request\"L\n\x11SynthesizeRequest\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.cadenza.v1.SessionConfig\x12\x0c\n\x04text\x18\x02 \x01(\t\"D\n\nWordTiming\x12\x0c\n\x04word\x18\x01 \x01(\t\x12\x14\n\x0cstart_sample\x18\x02 \x01(\x03\x12\x12\n\nend_sample\x18\x03 \x01(\x03\"\xd6\x01\n\nAudioChunk\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x16\n\x0eoffset_samples\x18\x03 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x03\x12\x18\n\x10\x64uration_seconds\x18\x05 \x01(\x01\x12\x16\n\x0esample_rate_hz\x18\x06 \x01(\x05\x12\x11\n\tutterance\x18\x07 \x01(\x05\x12(\n\tprecision\x18\x08 \x01(\x0e\x32\x15.cadenza.v1.Precision\x12\x10\n\x08\x66\x61llback\x18\t \x01(\x08\"4\n\x0bWordTimings\x12%\n\x05words\x18\x01 \x03(\x0b\x32\x16.cadenza.v1.WordTiming\"\xe0\x01\n\x0eSessionSummary\x12\x12\n\ncharacters\x18\x01 \x01(\x03\x12\x15\n\raudio_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cttfa_seconds\x18\x03 \x01(\x01\x12\x11\n\tfallbacks\x18\x04 \x01(\x05\x12\x12\n\nutterances\x18\x05 \x01(\x05\x12\x0e\n\x06\x63hunks\x18\x06 \x01(\x05\x12\x12\n\ncache_hits\x18\x07 \x01(\x05\x12(\n\tprecision\x18\x08 \x01(\x0e\x32\x15.cadenza.v1.Precision\x12\x18\n\x10precision_reason\x18\t \x01(\t\"\xab\x01\n\x1bStreamingSynthesizeResponse\x12\'\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x16.cadenza.v1.AudioChunkH\x00\x12(\n\x05words\x18\x02 \x01(\x0b\x32\x17.cadenza.v1.WordTimingsH\x00\x12-\n\x07summary\x18\x03 \x01(\x0b\x32\x1a.cadenza.v1.SessionSummaryH\x00\x42\n\n\x08response\"\x13\n\x11ListVoicesRequest\"#\n\x07Speaker\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\"v\n\x05Voice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\x12%\n\x08speakers\x18\x04 \x03(\x0b\x32\x13.cadenza.v1.Speaker\x12\x0e\n\x06loaded\x18\x05 \x01(\x08\"7\n\x12ListVoicesResponse\x12!\n\x06voices\x18\x01 \x03(\x0b\x32\x11.cadenza.v1.Voice\"\x16\n\x14GetServerInfoRequest\"\xeb\x01\n\nServerInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12)\n\nprecisions\x18\x03 \x03(\x0e\x32\x15.cadenza.v1.Precision\x12\x15\n\rdefault_voice\x18\x04 \x01(\t\x12\x11\n\tfp32_pins\x18\x05 \x03(\t\x12\x36\n\x08versions\x18\x06 \x03(\x0b\x32$.cadenza.v1.ServerInfo.VersionsEntry\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*_\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x0c\n\x08LINEAR16\x10\x01\x12\t\n\x05MULAW\x10\x02\x12\x08\n\x04\x41LAW\x10\x03\x12\x0b\n\x07\x46LOAT32\x10\x04*D\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x08\n\x04\x41UTO\x10\x01\x12\x08\n\x04\x46P16\x10\x02\x12\x08\n\x04\x46P32\x10\x03\x32\xea\x02\n\x0cTextToSpeech\x12j\n\x13StreamingSynthesize\x12&.cadenza.v1.StreamingSynthesizeRequest\x1a\'.cadenza.v1.StreamingSynthesizeResponse(\x01\x30\x01\x12V\n\nSynthesize\x12\x1d.cadenza.v1.SynthesizeRequest\x1a\'.cadenza.v1.StreamingSynthesizeResponse0\x01\x12K\n\nListVoices\x12\x1d.cadenza.v1.ListVoicesRequest\x1a\x1e.cadenza.v1.ListVoicesResponse\x12I\n\rGetServerInfo\x12 .cadenza.v1.GetServerInfoRequest\x1a\x16.cadenza.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONCONFIG_CUSTOMDICTIONARYENTRY']._serialized_options = b'8\001'
   _globals['_SERVERINFO_VERSIONSENTRY']._loaded_options = None
   _globals['_SERVERINFO_VERSIONSENTRY']._serialized_options = b'8\001'
-  _globals['_AUDIOENCODING']._serialized_start=2023
-  _globals['_AUDIOENCODING']._serialized_end=2118
-  _globals['_PRECISION']._serialized_start=2120
-  _globals['_PRECISION']._serialized_end=2188
+  _globals['_AUDIOENCODING']._serialized_start=2049
+  _globals['_AUDIOENCODING']._serialized_end=2144
+  _globals['_PRECISION']._serialized_start=2146
+  _globals['_PRECISION']._serialized_end=2214
   _globals['_SESSIONCONFIG']._serialized_start=37
   _globals['_SESSIONCONFIG']._serialized_end=589
   _globals['_SESSIONCONFIG_CUSTOMDICTIONARYENTRY']._serialized_start=497
@@ -55,23 +55,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORDTIMINGS']._serialized_start=1097
   _globals['_WORDTIMINGS']._serialized_end=1149
   _globals['_SESSIONSUMMARY']._serialized_start=1152
-  _globals['_SESSIONSUMMARY']._serialized_end=1350
-  _globals['_STREAMINGSYNTHESIZERESPONSE']._serialized_start=1353
-  _globals['_STREAMINGSYNTHESIZERESPONSE']._serialized_end=1524
-  _globals['_LISTVOICESREQUEST']._serialized_start=1526
-  _globals['_LISTVOICESREQUEST']._serialized_end=1545
-  _globals['_SPEAKER']._serialized_start=1547
-  _globals['_SPEAKER']._serialized_end=1582
-  _globals['_VOICE']._serialized_start=1584
-  _globals['_VOICE']._serialized_end=1702
-  _globals['_LISTVOICESRESPONSE']._serialized_start=1704
-  _globals['_LISTVOICESRESPONSE']._serialized_end=1759
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1761
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1783
-  _globals['_SERVERINFO']._serialized_start=1786
-  _globals['_SERVERINFO']._serialized_end=2021
-  _globals['_SERVERINFO_VERSIONSENTRY']._serialized_start=1974
-  _globals['_SERVERINFO_VERSIONSENTRY']._serialized_end=2021
-  _globals['_TEXTTOSPEECH']._serialized_start=2191
-  _globals['_TEXTTOSPEECH']._serialized_end=2553
+  _globals['_SESSIONSUMMARY']._serialized_end=1376
+  _globals['_STREAMINGSYNTHESIZERESPONSE']._serialized_start=1379
+  _globals['_STREAMINGSYNTHESIZERESPONSE']._serialized_end=1550
+  _globals['_LISTVOICESREQUEST']._serialized_start=1552
+  _globals['_LISTVOICESREQUEST']._serialized_end=1571
+  _globals['_SPEAKER']._serialized_start=1573
+  _globals['_SPEAKER']._serialized_end=1608
+  _globals['_VOICE']._serialized_start=1610
+  _globals['_VOICE']._serialized_end=1728
+  _globals['_LISTVOICESRESPONSE']._serialized_start=1730
+  _globals['_LISTVOICESRESPONSE']._serialized_end=1785
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1787
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1809
+  _globals['_SERVERINFO']._serialized_start=1812
+  _globals['_SERVERINFO']._serialized_end=2047
+  _globals['_SERVERINFO_VERSIONSENTRY']._serialized_start=2000
+  _globals['_SERVERINFO_VERSIONSENTRY']._serialized_end=2047
+  _globals['_TEXTTOSPEECH']._serialized_start=2217
+  _globals['_TEXTTOSPEECH']._serialized_end=2579
 # @@protoc_insertion_point(module_scope)

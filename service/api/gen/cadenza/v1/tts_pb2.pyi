@@ -134,7 +134,7 @@ class WordTimings(_message.Message):
     def __init__(self, words: _Optional[_Iterable[_Union[WordTiming, _Mapping]]] = ...) -> None: ...
 
 class SessionSummary(_message.Message):
-    __slots__ = ("characters", "audio_seconds", "ttfa_seconds", "fallbacks", "utterances", "chunks", "cache_hits", "precision")
+    __slots__ = ("characters", "audio_seconds", "ttfa_seconds", "fallbacks", "utterances", "chunks", "cache_hits", "precision", "precision_reason")
     CHARACTERS_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TTFA_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class SessionSummary(_message.Message):
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_REASON_FIELD_NUMBER: _ClassVar[int]
     characters: int
     audio_seconds: float
     ttfa_seconds: float
@@ -151,7 +152,8 @@ class SessionSummary(_message.Message):
     chunks: int
     cache_hits: int
     precision: Precision
-    def __init__(self, characters: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., ttfa_seconds: _Optional[float] = ..., fallbacks: _Optional[int] = ..., utterances: _Optional[int] = ..., chunks: _Optional[int] = ..., cache_hits: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ...) -> None: ...
+    precision_reason: str
+    def __init__(self, characters: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., ttfa_seconds: _Optional[float] = ..., fallbacks: _Optional[int] = ..., utterances: _Optional[int] = ..., chunks: _Optional[int] = ..., cache_hits: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., precision_reason: _Optional[str] = ...) -> None: ...
 
 class StreamingSynthesizeResponse(_message.Message):
     __slots__ = ("audio", "words", "summary")

@@ -1,0 +1,53 @@
+"""Fault injection for tests and drills: make a layer emit NaN/Inf, as a broken
+FP16 kernel or an overflow would, to prove the guard and the FP32 fallback work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+@dataclass
+class FaultInjector:
+    """Forward hook that overwrites part of a module's output with `value`.
+
+    `every`: fire on every n-th call (1 = always); `fraction`: share of each
+    output's last axis (from its start) that is overwritten."""
+
+    value: float = float("nan")
+    every: int = 1
+    fraction: float = 0.25
+    calls: int = 0
+    fired: int = 0
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+    def __call__(self, module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % self.every:
+            return output
+        self.fired += 1
+        out = output.clone()
+        width = max(1, int(out.shape[-1] * self.fraction))
+        out[..., :width] = self.value
+        return out
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def inject_nonfinite(
+    model: nn.Module, module_name: str, value: float = float("nan"), every: int = 1, fraction: float = 0.25
+) -> FaultInjector:
+    """Attach a FaultInjector to `model.<module_name>`; call .remove() to undo."""
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError as exc:
+        raise ValueError(f"no module {module_name!r} to inject a fault into") from exc
+    injector = FaultInjector(value=value, every=every, fraction=fraction)
+    injector.handles.append(module.register_forward_hook(injector))
+    return injector

@@ -1,0 +1,44 @@
+"""AUTO precision: hardware, load and trip history decide, and say why."""
+
+from __future__ import annotations
+
+from service.engine.precision import Hardware, PrecisionPolicy, PrecisionPolicyConfig
+
+GPU = Hardware("cuda", True, "H200 (sm_90)")
+OLD_GPU = Hardware("cuda", False, "P100 (sm_60)")
+CPU = Hardware("cpu", False, "cpu")
+
+
+def policy(hw: Hardware, supported: tuple[str, ...] = ("fp32", "fp16")) -> PrecisionPolicy:
+    return PrecisionPolicy(hw, supported, PrecisionPolicyConfig(load_fp16_threshold=10, voice_trip_limit=2,
+                                                                trip_window_s=60.0))
+
+
+def test_explicit_requests_are_honoured() -> None:
+    assert policy(CPU).resolve("fp16", "v", 0).precision == "fp16"
+    assert policy(GPU).resolve("FP32", "v", 0).reason == "requested by the client"
+
+
+def test_hardware_decides_auto() -> None:
+    assert policy(GPU).resolve("auto", "v", 0).precision == "fp16"
+    decision = policy(CPU).resolve("auto", "v", 0)
+    assert decision.precision == "fp32" and "no fast FP16" in decision.reason
+    assert policy(GPU, ("fp32",)).resolve("auto", "v", 0).precision == "fp32"
+
+
+def test_load_pushes_auto_to_fp16() -> None:
+    p = policy(OLD_GPU)
+    assert p.resolve("auto", "v", 9).precision == "fp32"
+    decision = p.resolve("auto", "v", 10)
+    assert decision.precision == "fp16" and "10 live sessions" in decision.reason
+
+
+def test_a_voice_that_trips_goes_fp32_until_the_window_passes() -> None:
+    p = policy(GPU)
+    p.record_trip("joe", now=100.0)
+    assert p.resolve("auto", "joe", 0, now=101.0).precision == "fp16"
+    p.record_trip("joe", now=102.0)
+    decision = p.resolve("auto", "joe", 0, now=103.0)
+    assert decision.precision == "fp32" and "tripped" in decision.reason
+    assert p.resolve("auto", "other", 0, now=103.0).precision == "fp16"
+    assert p.resolve("auto", "joe", 0, now=200.0).precision == "fp16"
