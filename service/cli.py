@@ -168,6 +168,15 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
     return run_sensitivity(args.voice, args.voices_dir, args.device, args.limit)
 
 
+def _cmd_bench_gpu(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from service.bench_gpu import run_gpu_bench
+
+    batches = [int(b) for b in args.batches.split(",")]
+    return run_gpu_bench(args.device, batches, args.chunk_frames, args.iters, Path(args.json) if args.json else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadenza", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -221,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     bcpu.add_argument("--repeats", type=int, default=3)
     bcpu.add_argument("--backend", default="onnxruntime")
     bcpu.set_defaults(func=_cmd_bench_cpu)
+    bgpu = bsub.add_parser("gpu", help="FP16 vs FP32 on a CUDA GPU: throughput by batch, memory, TTFA")
+    bgpu.add_argument("--device", default="cuda")
+    bgpu.add_argument("--batches", default="1,16,64,256", help="comma-separated batch sizes")
+    bgpu.add_argument("--chunk-frames", type=int, default=64, help="latent frames per chunk (plus context)")
+    bgpu.add_argument("--iters", type=int, default=20)
+    bgpu.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    bgpu.set_defaults(func=_cmd_bench_gpu)
     serve = sub.add_parser("serve", help="run the gRPC server")
     serve.add_argument("--host", default="[::]")
     serve.add_argument("--port", type=int, default=50051, help="0 picks a free port")
