@@ -47,8 +47,8 @@ class ChunkSchedule:
     0 turns it off."""
 
     first_frames: int = 8
-    growth: float = 4.0
-    max_frames: int = 256
+    growth: float = 16.0  # 8 -> 128 -> 1024: chunk k+1 still finishes well before chunk k has played
+    max_frames: int = 1024
     fast_start_chars: int = 120
     fast_start_min_clause: int = 20
     later_first_frames: int = 32  # first chunk of a stream's later utterances (audio is playing)
