@@ -19,10 +19,10 @@ TIMEOUT_S = 120.0  # per RPC: a hang fails the test instead of blocking the run
 
 
 @contextmanager
-def running_server() -> Iterator[str]:
+def running_server(idle_timeout_s: float | None = None) -> Iterator[str]:
     """Start `CadenzaServer` with the test voices; yield "127.0.0.1:<port>"; stop it afterwards."""
     from service.api.server import CadenzaServer, ServerConfig
-    from service.engine.config import EngineConfig
+    from service.engine.config import EngineConfig, Limits
 
     loop = asyncio.new_event_loop()
     started = threading.Event()
@@ -30,7 +30,9 @@ def running_server() -> Iterator[str]:
 
     async def main() -> None:
         try:
-            server = CadenzaServer(ServerConfig(host="127.0.0.1", port=0, engine=EngineConfig(voices_dir=DATA)))
+            limits = Limits() if idle_timeout_s is None else Limits(idle_timeout_s=idle_timeout_s)
+            config = EngineConfig(voices_dir=DATA)
+            server = CadenzaServer(ServerConfig(host="127.0.0.1", port=0, engine=config, limits=limits))
             await server.start()
         except BaseException as exc:
             holder["error"] = exc
