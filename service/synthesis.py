@@ -71,6 +71,8 @@ class ChunkSchedule:
         out, pos, size = [0], 0, float(first or self.first_frames)
         while pos < total:
             pos = min(total, pos + int(size))
+            if pos > out[-1] + self.first_frames and total - pos < self.first_frames:
+                pos = total  # no runt chunk at the end: it would cost a whole context for a few frames
             out.append(pos)
             size = min(float(self.max_frames), size * self.growth)
         return out

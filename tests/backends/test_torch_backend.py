@@ -109,3 +109,23 @@ def test_cuda_fp16_matches_fp32_and_session_streams_agree() -> None:
     assert int(half.nonfinite.sum()) == 0
     for row in range(4):
         assert psnr_db(ref[row], half.audio[row]) >= 40.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["dec.resblocks.4", "flow.flows.4.enc"])
+def test_cuda_fault_injection_falls_back_to_fp32(layer: str) -> None:
+    voice = Voice(builtin_voice_info())
+    syn = Synthesizer(voice, TorchBackend(voice, device="cuda"), ChunkSchedule(first_frames=8, growth=2.0,
+                                                                               max_frames=64))
+    backend = syn.backend
+    assert isinstance(backend, TorchBackend)
+    ref, _ = syn.synthesize(TEXT, SynthesisParams(seed=2, precision="fp32"))
+    fault = inject_nonfinite(backend.model_for("fp16"), layer, value=float("nan"), fraction=0.1)
+    try:
+        chunks = list(syn.stream(TEXT, SynthesisParams(seed=2, precision="fp16")))
+    finally:
+        fault.remove()
+    out = np.concatenate([c.samples for c in chunks])
+    assert fault.fired >= 1 and chunks[0].fallback
+    assert np.isfinite(out).all()
+    assert psnr_db(ref, out) >= 60.0

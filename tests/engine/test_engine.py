@@ -223,3 +223,14 @@ def test_limits_sessions_and_text() -> None:
         assert data
     finally:
         h.close()
+
+
+@pytest.mark.gpu
+def test_auto_precision_on_a_tensor_core_gpu_is_fp16_and_says_why() -> None:
+    h = EngineHarness(tiny_engine_config(device="cuda"))
+    try:
+        data, _, summary = h.run(h.engine.synthesize_all(SessionConfig(seed=3, encoding=FLOAT), "Hello there."))
+        assert summary.precision is Precision.FP16 and "tensor cores" in summary.precision_reason
+        assert np.isfinite(_samples(data)).all() and len(data) > 0
+    finally:
+        h.close()
