@@ -51,7 +51,8 @@ class ChunkSchedule:
     max_frames: int = 1024
     fast_start_chars: int = 120
     fast_start_min_clause: int = 20
-    later_first_frames: int = 32  # first chunk of a stream's later utterances (audio is playing)
+    later_first_frames: int = 1024  # first chunk of a stream's later utterances (audio is already playing)
+    flow_at_once_frames: int = 160  # utterances this short run the whole flow in their first call
 
     def __post_init__(self) -> None:
         if self.first_frames < 1 or self.max_frames < self.first_frames or self.growth < 1.0:
@@ -134,6 +135,7 @@ class UtteranceDecoder:
     ) -> None:
         self.utt = utt
         self.hop = hop
+        self.flow_at_once = schedule.flow_at_once_frames
         self.bounds = schedule.boundaries(utt.frames, first_frames)
         self.flow_halo = flow_halo
         self.voc_halo = voc_halo
@@ -155,7 +157,7 @@ class UtteranceDecoder:
             # The first flow window covers just the first chunk (time to first
             # audio); the next one covers the rest of the utterance at once (the
             # flow is cheap per frame but pays its context on every call).
-            keep_hi = need_hi if self.z_done == 0 else t
+            keep_hi = need_hi if self.z_done == 0 and t > self.flow_at_once else t
             lo = max(0, self.z_done - self.flow_halo)
             hi = min(t, keep_hi + self.flow_halo)
             flow = Window(lo, hi, self.z_done, keep_hi)
