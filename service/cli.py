@@ -177,6 +177,14 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
     return run_gpu_bench(args.device, batches, args.chunk_frames, args.iters, Path(args.json) if args.json else None)
 
 
+def _cmd_bench_streams(args: argparse.Namespace) -> int:
+    from service.bench_streams import run_streams_bench
+
+    counts = [int(n) for n in args.streams.split(",")]
+    return run_streams_bench(args.device, args.backend, counts, args.precisions.split(","), args.max_batch,
+                             args.growth)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadenza", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -237,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     bgpu.add_argument("--iters", type=int, default=20)
     bgpu.add_argument("--json", default=None, help="also write the figures to this JSON file")
     bgpu.set_defaults(func=_cmd_bench_gpu)
+    bstr = bsub.add_parser("streams", help="N concurrent sessions through the engine: TTFA P50/P99, underruns")
+    bstr.add_argument("--device", default="auto")
+    bstr.add_argument("--backend", default="auto")
+    bstr.add_argument("--streams", default="1,4", help="comma-separated session counts")
+    bstr.add_argument("--precisions", default="fp32", help="comma-separated: auto, fp16, fp32")
+    bstr.add_argument("--max-batch", type=int, default=64)
+    bstr.add_argument("--growth", type=float, default=None, help="chunk growth factor (default: the engine's)")
+    bstr.set_defaults(func=_cmd_bench_streams)
     serve = sub.add_parser("serve", help="run the gRPC server")
     serve.add_argument("--host", default="[::]")
     serve.add_argument("--port", type=int, default=50051, help="0 picks a free port")
