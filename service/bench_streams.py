@@ -9,8 +9,12 @@ import asyncio
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from service.engine.api import AudioOut, Precision, SessionConfig, SessionSummary
+
+if TYPE_CHECKING:
+    from service.engine.engine import TtsEngine
 
 UNDERRUN_LIMIT_S = 0.100
 TEXTS = (
@@ -28,7 +32,7 @@ class StreamResult:
     audio_seconds: float
 
 
-async def _one(engine, index: int, precision: Precision, start: asyncio.Event) -> StreamResult:  # type: ignore[no-untyped-def]
+async def _one(engine: TtsEngine, index: int, precision: Precision, start: asyncio.Event) -> StreamResult:
     await start.wait()
     t0 = time.perf_counter()
     session = await engine.open_session(SessionConfig(seed=index, precision=precision))
@@ -51,7 +55,7 @@ async def _one(engine, index: int, precision: Precision, start: asyncio.Event) -
     return StreamResult(first - t0, worst, played)
 
 
-async def _round(engine, n: int, precision: Precision) -> list[StreamResult]:  # type: ignore[no-untyped-def]
+async def _round(engine: TtsEngine, n: int, precision: Precision) -> list[StreamResult]:
     start = asyncio.Event()
     tasks = [asyncio.create_task(_one(engine, i, precision, start)) for i in range(n)]
     start.set()
