@@ -116,6 +116,16 @@ class Utterance:
         return int(self.z_p.shape[1])
 
 
+@dataclass
+class AcousticJob:
+    """One sentence waiting for the acoustic stage, with its own noise generator."""
+
+    sentence: PhonemizedSentence
+    sid: int | None
+    params: SynthesisParams
+    rng: np.random.Generator
+
+
 @dataclass(frozen=True)
 class Window:
     """Compute frames [lo, hi) of the input, keep outputs for frames [keep_lo, keep_hi)."""
@@ -203,28 +213,51 @@ class Synthesizer:
         self, sent: PhonemizedSentence, sid: int | None, params: SynthesisParams,
         rng: np.random.Generator,
     ) -> Utterance:
+        """Acoustic stage for one sentence."""
+        return self.acoustic_batch([AcousticJob(sent, sid, params, rng)])[0]
+
+    def acoustic_batch(self, jobs: list[AcousticJob]) -> list[Utterance]:
+        """Acoustic stage for several sentences in one backend call (padded, masked).
+        Each job draws its noise from its own generator in the same order as a
+        batch of one, so batching never changes which noise a sentence gets."""
         info = self.voice.info
+        lengths = np.asarray([len(j.sentence.phoneme_ids) for j in jobs], dtype=np.int64)
+        t_max = int(lengths.max())
+        ids = np.zeros((len(jobs), t_max), dtype=np.int64)
+        dp_noise = np.zeros((len(jobs), 2, t_max), dtype=np.float32)
+        for i, job in enumerate(jobs):
+            n = int(lengths[i])
+            ids[i, :n] = job.sentence.phoneme_ids
+            noise_w = info.noise_w if job.params.noise_w is None else job.params.noise_w
+            dp_noise[i, :, :n] = job.rng.standard_normal((2, n), dtype=np.float32) * np.float32(noise_w)
+        sids = [j.sid for j in jobs]
+        if any(s is None for s in sids) and any(s is not None for s in sids):
+            raise ValueError("an acoustic batch mixes single- and multi-speaker jobs")
+        sid_arr = None if sids[0] is None else np.asarray(sids, dtype=np.int64)
+        enc = self.backend.encode(ids, lengths, dp_noise, sid_arr)
+        return [self._utterance(job, enc.m_p[i], enc.logs_p[i], enc.logw[i, 0], int(lengths[i]))
+                for i, job in enumerate(jobs)]
+
+    def _utterance(
+        self, job: AcousticJob, m_p: np.ndarray, logs_p: np.ndarray, logw: np.ndarray, n: int
+    ) -> Utterance:
+        """Durations, length regulation and the prior sample for one sentence."""
+        info, params, sent = self.voice.info, job.params, job.sentence
         noise_scale = info.noise_scale if params.noise_scale is None else params.noise_scale
         length_scale = info.length_scale if params.length_scale is None else params.length_scale
-        noise_w = info.noise_w if params.noise_w is None else params.noise_w
-        ids = np.asarray([sent.phoneme_ids], dtype=np.int64)
-        n = ids.shape[1]
-        dp_noise = rng.standard_normal((1, 2, n), dtype=np.float32) * np.float32(noise_w)
-        sid_arr = None if sid is None else np.asarray([sid], dtype=np.int64)
-        enc = self.backend.encode(ids, np.asarray([n], dtype=np.int64), dp_noise, sid_arr)
-        w = np.exp(enc.logw[0, 0].astype(np.float32)) * np.float32(length_scale)
+        w = np.exp(logw[:n].astype(np.float32)) * np.float32(length_scale)
         durations = np.ceil(w).astype(np.int64)
         frames = max(1, int(durations.sum()))
         src = np.repeat(np.arange(n), durations)
         if src.size < frames:  # all-zero durations: one frame of the last phoneme
             src = np.full(frames, n - 1)
-        m_y = enc.m_p[0][:, src]
-        logs_y = enc.logs_p[0][:, src]
-        noise = rng.standard_normal(m_y.shape, dtype=np.float32)
+        m_y = m_p[:, src]
+        logs_y = logs_p[:, src]
+        noise = job.rng.standard_normal(m_y.shape, dtype=np.float32)
         z_p = (m_y + noise * np.exp(logs_y) * np.float32(noise_scale)).astype(np.float32)
         ends = np.concatenate([[0], np.cumsum(durations)]) * self.hop
         words = [(wd.text, int(ends[wd.start_id]), int(ends[wd.end_id])) for wd in sent.words]
-        return Utterance(sent.text, list(sent.phoneme_ids), z_p, durations, sid, words)
+        return Utterance(sent.text, list(sent.phoneme_ids), z_p, durations, job.sid, words)
 
     def decode(
         self, utt: Utterance, precision: str = "fp32", first_frames: int | None = None,

@@ -120,7 +120,7 @@ class TtsEngine:
         return {
             "live_sessions": self.live_sessions, "cache_hits": self.cache.hits, "cache_misses": self.cache.misses,
             "cache_bytes": self.cache.bytes, "batches": s.batches, "batch_rows": s.rows, "max_batch_rows": s.max_rows,
-            "acoustic_jobs": s.acoustic_jobs, "fp32_fallbacks": s.fallbacks,
+            "acoustic_jobs": s.acoustic_jobs, "acoustic_batches": s.acoustic_batches, "fp32_fallbacks": s.fallbacks,
             "shadow_verified": self.shadow.verified if self.shadow else 0,
             "shadow_min_psnr_db": (self.shadow.psnr.minimum if self.shadow and self.shadow.verified else math.inf),
         }

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,6 +27,7 @@ import numpy as np
 from service.engine.cache import CachedUtterance, ResultCache
 from service.engine.config import BatchConfig
 from service.synthesis import (
+    AcousticJob,
     ChunkSchedule,
     ShadowSampler,
     SynthesisParams,
@@ -35,6 +37,7 @@ from service.synthesis import (
     redo_chunk_fp32,
     utterance_rng,
 )
+from service.text.frontend import PhonemizedSentence
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,7 @@ class _Work:
 
     spec: WorkSpec
     rng: np.random.Generator | None  # unseeded sessions: one random generator
-    texts: deque[str] = field(default_factory=deque)
+    texts: deque[list[PhonemizedSentence]] = field(default_factory=deque)  # phonemised, not yet acoustic
     decodings: deque[_Decoding] = field(default_factory=deque)
     ended: bool = False
     utterances: int = 0
@@ -118,6 +121,7 @@ class EngineStats:
     rows: int = 0
     max_rows: int = 0
     acoustic_jobs: int = 0
+    acoustic_batches: int = 0
     fallbacks: int = 0
     nonfinite_fp32: int = 0
 
@@ -138,18 +142,24 @@ class EngineLoop:
         self._inbox: list[tuple[str, int, object]] = []
         self._work: dict[int, _Work] = {}  # engine thread only
         self._stopping = False
+        self._specs: dict[int, WorkSpec] = {}  # for the frontend thread (guarded by _cv)
+        self._frontend: ThreadPoolExecutor | None = None
         self._thread = threading.Thread(target=self._run, name="cadenza-engine", daemon=True)
 
     # --- any thread --------------------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
+        # espeak runs here, beside the engine thread, so phonemising never stalls decoding.
+        self._frontend = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadenza-frontend")
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cv:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout)
+        if self._frontend is not None:
+            self._frontend.shutdown(wait=False, cancel_futures=True)
 
     def _post(self, kind: str, session_id: int, payload: object = None) -> None:
         with self._cv:
@@ -157,16 +167,42 @@ class EngineLoop:
             self._cv.notify()
 
     def submit_open(self, spec: WorkSpec) -> None:
+        with self._cv:
+            self._specs[spec.session_id] = spec
         self._post("open", spec.session_id, spec)
 
     def submit_text(self, session_id: int, text: str) -> None:
-        self._post("text", session_id, text)
+        """Phonemised on the frontend thread, then queued for the acoustic stage."""
+        self._via_frontend(self._phonemize, session_id, text)
 
     def submit_end(self, session_id: int) -> None:
-        self._post("end", session_id)
+        self._via_frontend(self._post, "end", session_id)  # after the texts sent before it
 
     def submit_cancel(self, session_id: int) -> None:
+        with self._cv:
+            self._specs.pop(session_id, None)
         self._post("cancel", session_id)
+
+    def _via_frontend(self, fn: Callable[..., None], *args: object) -> None:
+        if self._frontend is None:
+            fn(*args)
+        else:
+            self._frontend.submit(fn, *args)
+
+    def _phonemize(self, session_id: int, text: str) -> None:
+        with self._cv:
+            spec = self._specs.get(session_id)
+        if spec is None:
+            return  # cancelled meanwhile
+        try:
+            sentences = [s for s in spec.runtime.voice.frontend.sentences(text, spec.custom_dictionary)
+                         if s.phoneme_ids]
+        except Exception as exc:
+            from service.engine.api import InvalidArgument
+
+            self._post("error", session_id, InvalidArgument("text", f"cannot phonemise {text[:40]!r}: {exc}"))
+            return
+        self._post("text", session_id, sentences)
 
     @property
     def active_work(self) -> int:
@@ -206,9 +242,12 @@ class EngineLoop:
             if work is None:
                 continue
             if kind == "text":
-                assert isinstance(payload, str)
+                assert isinstance(payload, list)
                 work.texts.append(payload)
                 work.ready_since = now
+            elif kind == "error":
+                assert isinstance(payload, BaseException)
+                self._fail(work, payload)
             elif kind == "end":
                 work.ended = True
             elif kind == "cancel":
@@ -224,11 +263,15 @@ class EngineLoop:
 
     def _fail(self, work: _Work, exc: BaseException) -> None:
         self._work.pop(work.spec.session_id, None)
+        with self._cv:
+            self._specs.pop(work.spec.session_id, None)
         self._deliver(work, "on_error", exc)
 
     def _finish_if_done(self, work: _Work) -> None:
         if work.ended and not work.texts and not work.decodings and work.spec.session_id in self._work:
             del self._work[work.spec.session_id]
+            with self._cv:
+                self._specs.pop(work.spec.session_id, None)
             self._deliver(work, "on_done")
 
     def _step(self) -> None:
@@ -250,7 +293,7 @@ class EngineLoop:
             return
         _, work, kind = best
         if kind == "acoustic":
-            self._acoustic(work, work.texts.popleft())
+            self._acoustic(work)
         else:
             self._chunks(work, now)
         self._finish_if_done(work)
@@ -276,19 +319,16 @@ class EngineLoop:
 
     # --- acoustic stage ----------------------------------------------------------------------
 
-    def _acoustic(self, work: _Work, text: str) -> None:
-        spec = work.spec
-        try:
-            sentences = spec.runtime.voice.frontend.sentences(text, spec.custom_dictionary)
-        except Exception as exc:
-            from service.engine.api import InvalidArgument
-
-            self._fail(work, InvalidArgument("text", f"cannot phonemise {text[:40]!r}: {exc}"))
-            return
-        try:
-            for sent in sentences:
-                if not sent.phoneme_ids:
-                    continue
+    def _acoustic(self, head: _Work) -> None:
+        """Acoustic stage for `head`'s next text batched with the next texts of other
+        sessions on the same voice (one padded encoder call per `max_batch` sentences)."""
+        works = [head] + [w for w in self._work.values()
+                          if w is not head and w.texts and w.spec.runtime is head.spec.runtime]
+        works = works[: self.batch.max_batch]
+        pending: list[tuple[_Work, int, AcousticJob, Hashable | None]] = []
+        for work in works:
+            spec = work.spec
+            for sent in work.texts.popleft():
                 index = work.utterances
                 work.utterances += 1
                 key = self._cache_key(spec, sent.text, sent.phoneme_ids)
@@ -297,20 +337,33 @@ class EngineLoop:
                     work.decodings.append(_Decoding(index, list(entry.word_spans), None, cached=entry))
                     continue
                 rng = work.rng if work.rng is not None else utterance_rng(spec.params.seed, sent.phoneme_ids)
-                utt = spec.runtime.acoustic(sent, spec.sid, spec.params, rng)
-                self.stats.acoustic_jobs += 1
+                job = AcousticJob(sent, spec.sid, spec.params, rng)
+                pending.append((work, index, job, key))
+                # Keep this utterance's place in its session's order; filled in below.
+                work.decodings.append(_Decoding(index, [], None, cache_key=key, precision=spec.precision))
+        runtime = head.spec.runtime
+        for start in range(0, len(pending), self.batch.max_batch):
+            group = pending[start : start + self.batch.max_batch]
+            try:
+                utts = runtime.acoustic_batch([job for _, _, job, _ in group])
+            except Exception as exc:
+                log.exception("acoustic stage failed")
+                for work, _, _, _ in group:
+                    self._fail(work, exc)
+                continue
+            self.stats.acoustic_jobs += len(group)
+            self.stats.acoustic_batches += 1
+            for (work, index, _, _), utt in zip(group, utts, strict=True):
+                spec = work.spec
+                item = next(d for d in work.decodings if d.index == index)
+                item.word_spans = utt.word_spans
                 # Chunk sizes depend only on the utterance's place in the stream, never on
                 # timing, so the same input always gives the same samples.
-                first = spec.schedule.first_chunk(index)
-                dec = UtteranceDecoder(utt, spec.schedule, spec.runtime.flow_halo, spec.runtime.voc_halo,
-                                       first, spec.runtime.hop)
-                work.decodings.append(_Decoding(index, utt.word_spans, dec, cache_key=key,
-                                                precision=spec.precision))
-        except Exception as exc:
-            log.exception("acoustic stage failed (session %d)", spec.session_id)
-            self._fail(work, exc)
-            return
-        work.ready_since = time.monotonic()
+                item.decoder = UtteranceDecoder(utt, spec.schedule, spec.runtime.flow_halo, spec.runtime.voc_halo,
+                                                spec.schedule.first_chunk(index), spec.runtime.hop)
+        now = time.monotonic()
+        for work in works:
+            work.ready_since = now
 
     def _cache_key(self, spec: WorkSpec, text: str, phoneme_ids: list[int]) -> Hashable | None:
         p = spec.params

@@ -70,12 +70,15 @@ def test_batching_keeps_each_session_result(harness: EngineHarness) -> None:
     Measured on torch CPU: not bit-exact (batch-size-dependent conv kernels), max |diff| ~3e-10."""
     alone = [harness.run(harness.engine.synthesize_all(_cfg(i), TEXT))[0] for i in range(20)]
     rows_before = harness.engine.stats()["batch_rows"] - harness.engine.stats()["batches"]
+    acoustic_before = harness.engine.stats()["acoustic_jobs"] - harness.engine.stats()["acoustic_batches"]
 
     async def together() -> list[tuple[bytes, object, SessionSummary]]:
         return await asyncio.gather(*[harness.engine.synthesize_all(_cfg(i), TEXT) for i in range(20)])
 
     results = harness.run(together())
     assert harness.engine.stats()["batch_rows"] - harness.engine.stats()["batches"] > rows_before  # batched
+    stats = harness.engine.stats()
+    assert stats["acoustic_jobs"] - stats["acoustic_batches"] > acoustic_before  # encoder calls were batched too
     for i, (data, _, _) in enumerate(results):
         a, b = _samples(alone[i]), _samples(data)
         assert a.shape == b.shape, i
