@@ -383,7 +383,11 @@ class EngineLoop:
             key=lambda w: (w.decodings[0].decoder.index > 0, w.slack(now), w.ready_since),  # type: ignore[union-attr]
         )
         rows += mates[: self.batch.max_batch - 1]
-        if len(rows) < self.batch.max_batch and self.batch.max_wait_s > 0:
+        # Waiting only pays when company can come: sessions still in the frontend or the
+        # acoustic stage will bring same-shaped first chunks. Later chunks never wait.
+        expecting = any(w.texts or not w.decodings for w in self._work.values() if w is not head)
+        head_first = head.decodings[0].decoder is not None and head.decodings[0].decoder.index == 0
+        if len(rows) < self.batch.max_batch and self.batch.max_wait_s > 0 and head_first and expecting:
             waited = now - head.ready_since
             if waited < self.batch.max_wait_s:
                 with self._cv:
