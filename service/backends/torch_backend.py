@@ -92,12 +92,16 @@ class TorchBackend:
     def encode(
         self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None
     ) -> EncodeOut:
-        # The acoustic stage is pinned to FP32 as a whole (see precision.py).
+        # The acoustic stage is pinned to FP32 as a whole (see precision.py). With TF32 off,
+        # cuDNN picks pathologically slow FP32 kernels for the encoder's 192->768 convs at
+        # some lengths (H200: 88-127 ms for one conv, 0.5-0.8 s per encoder call, instead of
+        # ~1 ms); PyTorch's own kernels take 13-20 ms for the whole stage at every length.
         dev = self._device
-        m_p, logs_p, logw, _ = self.models["fp32"].encode(
-            torch.as_tensor(ids, device=dev), torch.as_tensor(lengths, device=dev),
-            torch.as_tensor(dp_noise, device=dev), self._sid(sid),
-        )
+        with torch.backends.cudnn.flags(enabled=False):
+            m_p, logs_p, logw, _ = self.models["fp32"].encode(
+                torch.as_tensor(ids, device=dev), torch.as_tensor(lengths, device=dev),
+                torch.as_tensor(dp_noise, device=dev), self._sid(sid),
+            )
         return EncodeOut(m_p.float().cpu().numpy(), logs_p.float().cpu().numpy(), logw.float().cpu().numpy())
 
     @torch.inference_mode()
