@@ -1,12 +1,13 @@
 """The engine thread: the only code that calls the backends.
 
-Sessions hand it utterance texts; it runs the frontend and the acoustic stage one utterance
-at a time (batch 1: padding the encoder would change seeded results), then decodes chunks,
-batching flow/vocoder windows of equal length from different sessions into one backend call
-(no padding, so a row's result does not depend on its batch mates beyond kernel rounding).
-Work is picked most urgent first: acoustic jobs and first chunks of an utterance, then the
-chunk whose session is closest to running out of audio. Results go back to each session's
-event loop with call_soon_threadsafe; nothing mutable is shared with the loop."""
+Sessions hand it utterance texts; a frontend thread phonemises them (espeak) so that never
+stalls decoding. The engine thread runs the acoustic stage for the next utterances of several
+sessions in one padded, masked encoder call (each utterance keeps its own noise generator, so
+batching changes results only by kernel rounding), then decodes chunks, batching flow/vocoder
+windows of equal length from different sessions into one backend call (no padding). Work is
+picked most urgent first: acoustic jobs and first chunks of an utterance, then the chunk whose
+session is closest to running out of audio. Results go back to each session's event loop with
+call_soon_threadsafe; nothing mutable is shared with the loop."""
 
 from __future__ import annotations
 
