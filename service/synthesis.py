@@ -53,6 +53,7 @@ class ChunkSchedule:
     fast_start_min_clause: int = 20
     later_first_frames: int = 1024  # first chunk of a stream's later utterances (audio is already playing)
     flow_at_once_frames: int = 160  # utterances this short run the whole flow in their first call
+    bucket_frames: int = 0  # >1: round window lengths up (with extra left context) for batching
 
     def __post_init__(self) -> None:
         if self.first_frames < 1 or self.max_frames < self.first_frames or self.growth < 1.0:
@@ -146,6 +147,7 @@ class UtteranceDecoder:
         self.utt = utt
         self.hop = hop
         self.flow_at_once = schedule.flow_at_once_frames
+        self.bucket = schedule.bucket_frames
         self.bounds = schedule.boundaries(utt.frames, first_frames)
         self.flow_halo = flow_halo
         self.voc_halo = voc_halo
@@ -168,11 +170,19 @@ class UtteranceDecoder:
             # audio); the next one covers the rest of the utterance at once (the
             # flow is cheap per frame but pays its context on every call).
             keep_hi = need_hi if self.z_done == 0 and t > self.flow_at_once else t
-            lo = max(0, self.z_done - self.flow_halo)
             hi = min(t, keep_hi + self.flow_halo)
-            flow = Window(lo, hi, self.z_done, keep_hi)
-        voc = Window(max(0, a - self.voc_halo), need_hi, a, b)
+            flow = Window(self._bucketed(max(0, self.z_done - self.flow_halo), hi), hi, self.z_done, keep_hi)
+        voc = Window(self._bucketed(max(0, a - self.voc_halo), need_hi), need_hi, a, b)
         return flow, voc
+
+    def _bucketed(self, lo: int, hi: int) -> int:
+        """Move a window's start left (more real context: results do not change) so
+        its length is a multiple of the bucket, letting windows of different
+        sessions share a batch."""
+        if self.bucket <= 1:
+            return lo
+        target = -(-(hi - lo) // self.bucket) * self.bucket
+        return max(0, hi - target)
 
     def accept_flow(self, w: Window, z_window: np.ndarray) -> None:
         self.z[:, w.keep_lo : w.keep_hi] = z_window[:, w.keep_lo - w.lo : w.keep_hi - w.lo]

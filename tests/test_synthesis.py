@@ -140,3 +140,26 @@ def word_error_rate(ref: list[str], hyp: list[str]) -> float:
         for j in range(1, len(hyp) + 1):
             d[i, j] = min(d[i - 1, j] + 1, d[i, j - 1] + 1, d[i - 1, j - 1] + (ref[i - 1] != hyp[j - 1]))
     return float(d[-1, -1]) / max(len(ref), 1)
+
+
+@pytest.mark.parametrize("bucket", [16, 32])
+def test_bucketed_windows_change_nothing(tiny_voice_path: Path, onnx_cache_dir: str, bucket: int) -> None:
+    """Rounding window lengths up with extra left context keeps the audio (<= 1e-4)."""
+    params = SynthesisParams(seed=9, speaker=2)
+    plain = ChunkSchedule(first_frames=4, growth=2.0, max_frames=32, fast_start_chars=0)
+    ref, _ = synth(tiny_voice_path, "torch", plain, onnx_cache_dir).synthesize(TEXT, params)
+    bucketed = ChunkSchedule(first_frames=4, growth=2.0, max_frames=32, fast_start_chars=0, bucket_frames=bucket)
+    syn = synth(tiny_voice_path, "torch", bucketed, onnx_cache_dir)
+    out, _ = syn.synthesize(TEXT, params)
+    assert out.shape == ref.shape
+    assert float(np.abs(out - ref).max()) <= 1e-4 * max(float(np.abs(ref).max()), 1e-3)
+    utt = syn.prepare(TEXT, params)[0]
+    from service.synthesis import UtteranceDecoder
+
+    dec = UtteranceDecoder(utt, bucketed, syn.flow_halo, syn.voc_halo, None, syn.hop)
+    while not dec.done:
+        flow_w, voc_w = dec.next_windows()
+        assert voc_w.lo == 0 or (voc_w.hi - voc_w.lo) % bucket == 0
+        if flow_w is not None:
+            dec.accept_flow(flow_w, syn.backend.flow(utt.z_p[None, :, flow_w.lo : flow_w.hi], None, "fp32")[0])
+        dec.index += 1

@@ -26,6 +26,10 @@ class BatchConfig:
 
     max_batch: int = 8  # rows per backend call
     max_wait_s: float = 0.002  # how long an underfull batch may wait for company
+    # On CUDA, window lengths are rounded up to this many frames (with extra left context, so
+    # results do not change) so sessions with different utterance lengths share batches. Not
+    # used on CPU, where the extra context would cost more than batching gains.
+    cuda_window_bucket_frames: int = 32
 
 
 @dataclass(frozen=True)

@@ -256,7 +256,8 @@ class TtsEngine:
                                   f"{largest} must be between first_chunk_frames ({first}) and {MAX_CHUNK_FRAMES}")
         if c.custom_dictionary and any(not k.strip() or not v.strip() for k, v in c.custom_dictionary.items()):
             raise InvalidArgument("config.custom_dictionary", "entries need a non-empty word and pronunciation")
-        schedule = dataclasses.replace(base, first_frames=first, max_frames=largest)
+        bucket = self.config.batch.cuda_window_bucket_frames if self.device.startswith("cuda") else 0
+        schedule = dataclasses.replace(base, first_frames=first, max_frames=largest, bucket_frames=bucket)
         params = SynthesisParams(
             length_scale=info.length_scale / rate, noise_scale=c.noise_scale, noise_w=c.noise_w, seed=c.seed,
         )
