@@ -21,6 +21,9 @@ from service.models.vits.receptive_field import flow_halo_frames, generator_halo
 from service.text.frontend import PhonemizedSentence
 from service.voices import Voice
 
+# Durations closer than this to a whole frame are recomputed without batching (see acoustic_batch).
+CEIL_AMBIGUITY_FRAMES = 1e-3
+
 
 @dataclass(frozen=True)
 class SynthesisParams:
@@ -245,8 +248,25 @@ class Synthesizer:
             raise ValueError("an acoustic batch mixes single- and multi-speaker jobs")
         sid_arr = None if sids[0] is None else np.asarray(sids, dtype=np.int64)
         enc = self.backend.encode(ids, lengths, dp_noise, sid_arr)
-        return [self._utterance(job, enc.m_p[i], enc.logs_p[i], enc.logw[i, 0], int(lengths[i]))
-                for i, job in enumerate(jobs)]
+        out = []
+        for i, job in enumerate(jobs):
+            n = int(lengths[i])
+            m_p, logs_p, logw = enc.m_p[i], enc.logs_p[i], enc.logw[i, 0]
+            if len(jobs) > 1 and self._ceil_is_ambiguous(logw[:n], job.params):
+                # Batched kernels round differently from a batch of one (|d logw| ~1e-5). Where a
+                # duration sits that close to a whole frame, the batch of one decides, so a seeded
+                # sentence never gets a different length because of who it was batched with.
+                one = self.backend.encode(ids[i : i + 1, :n], lengths[i : i + 1], dp_noise[i : i + 1, :, :n],
+                                          None if sid_arr is None else sid_arr[i : i + 1])
+                m_p, logs_p, logw = one.m_p[0], one.logs_p[0], one.logw[0, 0]
+            out.append(self._utterance(job, m_p, logs_p, logw, n))
+        return out
+
+    def _ceil_is_ambiguous(self, logw: np.ndarray, params: SynthesisParams) -> bool:
+        length_scale = self.voice.info.length_scale if params.length_scale is None else params.length_scale
+        w = np.exp(logw.astype(np.float64)) * length_scale
+        frac = w - np.floor(w)
+        return bool(np.any(np.minimum(frac, 1.0 - frac) < CEIL_AMBIGUITY_FRAMES))
 
     def _utterance(
         self, job: AcousticJob, m_p: np.ndarray, logs_p: np.ndarray, logw: np.ndarray, n: int

@@ -163,3 +163,28 @@ def test_bucketed_windows_change_nothing(tiny_voice_path: Path, onnx_cache_dir: 
         if flow_w is not None:
             dec.accept_flow(flow_w, syn.backend.flow(utt.z_p[None, :, flow_w.lo : flow_w.hi], None, "fp32")[0])
         dec.index += 1
+
+
+def test_batched_acoustic_stage_keeps_every_duration(builtin_ort: Synthesizer) -> None:
+    """Sentences batched together get exactly the durations they get alone."""
+    from service.synthesis import AcousticJob, utterance_rng
+    from service.voice_check import check_sentences
+
+    params = SynthesisParams(seed=21)
+    sentences = [s for t in check_sentences() for s in builtin_ort.voice.frontend.sentences(t) if s.phoneme_ids]
+
+    def jobs() -> list[AcousticJob]:
+        return [AcousticJob(s, None, params, utterance_rng(21, s.phoneme_ids)) for s in sentences]
+
+    together = builtin_ort.acoustic_batch(jobs())
+    alone = [builtin_ort.acoustic_batch([job])[0] for job in jobs()]
+    for a, b in zip(together, alone, strict=True):
+        assert np.array_equal(a.durations, b.durations)
+        assert np.abs(a.z_p - b.z_p).max() < 1e-3
+
+
+def test_ceil_ambiguity_is_detected(builtin_ort: Synthesizer) -> None:
+    near = np.log(np.array([3.0000004, 5.5], dtype=np.float64)).astype(np.float32)
+    far = np.log(np.array([3.4, 5.5], dtype=np.float64)).astype(np.float32)
+    assert builtin_ort._ceil_is_ambiguous(near, SynthesisParams())
+    assert not builtin_ort._ceil_is_ambiguous(far, SynthesisParams())
