@@ -17,7 +17,8 @@ from typing import Protocol
 import numpy as np
 
 from service.backends.base import Backend
-from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
+from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames, generator_stage_table
+from service.streaming_vocoder import StagedVocoder
 from service.text.frontend import PhonemizedSentence
 from service.voices import Voice
 
@@ -200,15 +201,19 @@ class Synthesizer:
 
     def __init__(
         self, voice: Voice, backend: Backend, schedule: ChunkSchedule | None = None,
-        shadow: ShadowSampler | None = None,
+        shadow: ShadowSampler | None = None, staged: bool | None = None,
     ) -> None:
         self.voice = voice
         self.shadow = shadow
+        # Staged vocoding (each generator stage's output kept between chunks) where the
+        # backend offers it: FP32 only (no FP16 guard/fallback there).
+        self.staged = hasattr(backend, "vocode_stage") if staged is None else staged
         self.backend = backend
         self.schedule = schedule or ChunkSchedule()
         self.hop = voice.hop_length
         self.flow_halo = flow_halo_frames(voice.model.flow)
         self.voc_halo = generator_halo_frames(voice.model.dec)
+        self.staged_halo = StagedVocoder.lookahead(generator_stage_table(voice.model.dec))
 
     @property
     def sample_rate(self) -> int:
@@ -300,6 +305,9 @@ class Synthesizer:
         A chunk whose FP16 result holds NaN/Inf (latent or audio) is recomputed in
         FP32 from the same prior sample and context, and the rest of the utterance
         stays FP32."""
+        if self.staged and precision == "fp32":
+            yield from self._decode_staged(utt, first_frames)
+            return
         dec = UtteranceDecoder(utt, self.schedule, self.flow_halo, self.voc_halo, first_frames, self.hop)
         sid = None if utt.sid is None else np.asarray([utt.sid], dtype=np.int64)
         current = precision
@@ -325,6 +333,25 @@ class Synthesizer:
                     shadow.offer(self.backend, dec, voc_w, sid, audio)
             dec.index += 1
             yield audio, current, fallback
+
+    def _decode_staged(self, utt: Utterance, first_frames: int | None) -> Iterator[tuple[np.ndarray, str, bool]]:
+        """FP32 chunks from the staged vocoder; the flow is planned as in `decode`."""
+        dec = UtteranceDecoder(utt, self.schedule, self.flow_halo, self.staged_halo, first_frames, self.hop)
+        sid = None if utt.sid is None else np.asarray([utt.sid], dtype=np.int64)
+        vocoder = StagedVocoder(self.backend, utt.frames, sid)  # type: ignore[arg-type]
+        produced = 0
+        while not dec.done:
+            flow_w, _ = dec.next_windows()
+            if flow_w is not None:
+                z = self.backend.flow(utt.z_p[None, :, flow_w.lo : flow_w.hi], sid, "fp32")
+                dec.accept_flow(flow_w, z[0])
+            end = dec.bounds[dec.index + 1] * self.hop
+            audio = vocoder.audio(dec.z, dec.z_done, produced, end)
+            produced = end
+            if not np.isfinite(audio).all():  # no FP32 to fall back to: never send non-finite samples
+                audio = np.nan_to_num(audio, nan=0.0, posinf=0.0, neginf=0.0)
+            dec.index += 1
+            yield audio.astype(np.float32, copy=False), "fp32", False
 
     def stream(self, text: str, params: SynthesisParams | None = None) -> Iterator[AudioChunk]:
         """Text -> audio chunks as soon as each is decoded."""

@@ -11,6 +11,7 @@ import numpy as np
 
 from service.backends.base import EncodeOut, VocodeOut
 from service.backends.stage_export import cached_stage_exports
+from service.models.vits.receptive_field import generator_stage_table
 from service.voices import Voice
 
 
@@ -49,6 +50,15 @@ class OrtBackend:
             name: ort.InferenceSession(str(p), sess_options=opts, providers=["CPUExecutionProvider"])
             for name, p in paths.items()
         }
+
+    def vocoder_stages(self) -> list[tuple[int, int, int]]:
+        return generator_stage_table(self.voice.model.dec)
+
+    def vocode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
+        """One generator stage (the staged streaming path)."""
+        (y,) = self._run(f"audio_s{index}", {"x": np.ascontiguousarray(x, dtype=np.float32),
+                                             "sid": self._sid(sid, x.shape[0])})
+        return y
 
     def supported_precisions(self) -> tuple[str, ...]:
         return ("fp32",)

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from service.models.vits.model import VitsModel
+from service.models.vits.receptive_field import generator_stage_table
 
 STAGES = ("prior", "latent", "audio")
-EXPORT_VERSION = "1"
+EXPORT_VERSION = "2"
 
 
 class PriorStage(nn.Module):
@@ -48,6 +49,23 @@ class AudioStage(nn.Module):
 
     def forward(self, z: torch.Tensor, sid: torch.Tensor) -> torch.Tensor:
         return self.model.vocode(z, sid if self.model.emb_g else None)
+
+
+class GeneratorStage(nn.Module):
+    """One generator stage (see Generator.stage), for the staged streaming vocoder."""
+
+    def __init__(self, model: VitsModel, index: int) -> None:
+        super().__init__()
+        self.model = model
+        self.index = index
+
+    def forward(self, x: torch.Tensor, sid: torch.Tensor) -> torch.Tensor:
+        g = self.model.speaker_embedding(sid) if (self.index == 0 and self.model.emb_g is not None) else None
+        return self.model.dec.stage(self.index, x, g)
+
+
+def generator_stage_names(model: VitsModel) -> list[str]:
+    return [f"audio_s{i}" for i in range(model.dec.num_stages)]
 
 
 def voice_digest(onnx_path: Path) -> str:
@@ -85,6 +103,15 @@ def export_stages(model: VitsModel, out_dir: Path, opset: int = 17) -> dict[str,
             {"z": {0: "batch", 2: "frames"}, "sid": {0: "batch"}, "audio": {0: "batch", 1: "samples"}},
         ),
     }
+    channels = [c] + [int(ch) for _, _, ch in generator_stage_table(model.dec)[:-1]]
+    stage_lengths = [t_fr]
+    for factor, _, _ in generator_stage_table(model.dec)[:-1]:
+        stage_lengths.append(stage_lengths[-1] * factor)
+    for i, name in enumerate(generator_stage_names(model)):
+        specs[name] = (
+            GeneratorStage(model, i), (torch.randn(2, channels[i], stage_lengths[i]), sid), ["x", "sid"], ["y"],
+            {"x": {0: "batch", 2: "length"}, "sid": {0: "batch"}, "y": {0: "batch", 2: "out_length"}},
+        )
     paths = {}
     for name, (module, args, inputs, outputs, axes) in specs.items():
         path = out_dir / f"{name}.onnx"
@@ -100,7 +127,7 @@ def export_stages(model: VitsModel, out_dir: Path, opset: int = 17) -> dict[str,
 def cached_stage_exports(model: VitsModel, onnx_path: Path, cache_dir: Path) -> dict[str, Path]:
     """Stage exports for a voice, made once and kept under cache_dir/<voice>-<digest>."""
     out_dir = cache_dir / f"{onnx_path.name.removesuffix('.onnx')}-{voice_digest(onnx_path)}-v{EXPORT_VERSION}"
-    paths = {name: out_dir / f"{name}.onnx" for name in STAGES}
+    paths = {name: out_dir / f"{name}.onnx" for name in (*STAGES, *generator_stage_names(model))}
     if all(p.is_file() for p in paths.values()):
         return paths
     tmp = out_dir.with_name(out_dir.name + ".tmp")

@@ -96,16 +96,32 @@ class Generator(nn.Module):
         )
         self.cond = nn.Conv1d(gin_channels, upsample_initial_channel, 1) if gin_channels else None
 
+    @property
+    def num_stages(self) -> int:
+        """conv_pre, then one stage per upsampling layer (the last one ends in conv_post)."""
+        return len(self.ups) + 1
+
+    def stage(self, index: int, x: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
+        """One stage of the generator. Running the stages in order is `forward`; running
+        them separately lets a streaming decoder keep each stage's output instead of
+        recomputing every layer's context for every chunk."""
+        if index == 0:
+            x = self.conv_pre(x)
+            if g is not None and self.cond is not None:
+                x = x + self.cond(g)
+            return x
+        i = index - 1
+        x = self.ups[i](F.leaky_relu(x, LRELU_SLOPE))
+        blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
+        acc = blocks[0](x)
+        for blk in blocks[1:]:
+            acc = acc + blk(x)
+        x = acc / self.num_kernels
+        if index == self.num_stages - 1:
+            x = torch.tanh(self.conv_post(F.leaky_relu(x)))
+        return x
+
     def forward(self, x: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.conv_pre(x)
-        if g is not None and self.cond is not None:
-            x = x + self.cond(g)
-        for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, LRELU_SLOPE))
-            blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-            acc = blocks[0](x)
-            for blk in blocks[1:]:
-                acc = acc + blk(x)
-            x = acc / self.num_kernels
-        x = self.conv_post(F.leaky_relu(x))
-        return torch.tanh(x)
+        for index in range(self.num_stages):
+            x = self.stage(index, x, g)
+        return x

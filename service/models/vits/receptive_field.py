@@ -46,3 +46,33 @@ def flow_halo_frames(flow: ResidualCouplingFlow) -> int:
             assert isinstance(conv, nn.Conv1d)
             total += _conv_radius(conv)
     return total
+
+
+def generator_stage_table(gen: Generator) -> list[tuple[int, int, int]]:
+    """(upsampling factor, input context, output channels) per generator stage."""
+    channels = [int(gen.conv_pre.out_channels)]
+    for up in gen.ups:
+        assert isinstance(up, nn.ConvTranspose1d)
+        channels.append(int(up.out_channels))
+    channels[-1] = 1  # the last stage ends in conv_post: one audio channel
+    return [(f, c, ch) for (f, c), ch in zip(generator_stage_contexts(gen), channels, strict=True)]
+
+
+def generator_stage_contexts(gen: Generator) -> list[tuple[int, int]]:
+    """Per generator stage: (upsampling factor, input samples of context needed on each
+    side) so that a stage run on an input window gives exact outputs away from the
+    window's clipped edges."""
+    out = [(1, _conv_radius(gen.conv_pre))]
+    k = gen.num_kernels
+    last = len(gen.ups) - 1
+    for i, up in enumerate(gen.ups):
+        assert isinstance(up, nn.ConvTranspose1d)
+        widest = 0
+        for blk in gen.resblocks[i * k : (i + 1) * k]:
+            assert isinstance(blk, (ResBlock1, ResBlock2))
+            widest = max(widest, sum(_conv_radius(c) for c in blk.layers()))
+        if i == last:
+            widest += _conv_radius(gen.conv_post)
+        kernel, stride, pad = int(up.kernel_size[0]), int(up.stride[0]), int(up.padding[0])
+        out.append((stride, math.ceil((widest + max(pad, kernel - 1 - pad)) / stride) + 1))
+    return out
