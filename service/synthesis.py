@@ -464,13 +464,6 @@ def first_clause_cut(text: str, schedule: ChunkSchedule) -> int | None:
     return None
 
 
-def full_decode_frames(total: int) -> ChunkSchedule:
-    """A schedule that decodes everything in one chunk (the reference)."""
-    return ChunkSchedule(
-        first_frames=max(1, total), growth=1.0, max_frames=max(1, total), fast_start_chars=0
-    )
-
-
 __all__ = [
     "AudioChunk",
     "ChunkSchedule",
@@ -478,7 +471,6 @@ __all__ = [
     "Synthesizer",
     "Utterance",
     "WordTiming",
-    "full_decode_frames",
 ]
 
 

@@ -11,8 +11,11 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import TypeVar
 
+import grpc
+
 from service.api.errors import IdleTimeout
 from service.engine.api import (
+    Engine,
     EngineError,
     FailedPrecondition,
     InvalidArgument,
@@ -26,6 +29,7 @@ __all__ = [
     "DEFAULT_COMPAT_SEED",
     "DEFAULT_IDLE_TIMEOUT_S",
     "SEED_METADATA_KEY",
+    "CompatServicer",
     "language_matches",
     "next_request",
     "normalize_language",
@@ -42,6 +46,24 @@ _RANDOM_SEED_WORDS = frozenset({"random", "none"})
 _MAX_SEED = 2**64 - 1
 DEFAULT_IDLE_TIMEOUT_S = 60.0
 T = TypeVar("T")
+
+
+class CompatServicer:
+    """What the Riva and Google servicers share: the engine, the default seed and the idle limit."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        default_seed: int | None = DEFAULT_COMPAT_SEED,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    ) -> None:
+        self._engine = engine
+        self._default_seed = default_seed
+        self._idle_timeout_s = idle_timeout_s
+
+    def _seed(self, context: grpc.aio.ServicerContext) -> int | None:
+        """The request's seed: the `x-cadenza-seed` header, else the default."""
+        return seed_from_metadata(context.invocation_metadata(), self._default_seed)
 
 
 def seed_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None, default: int | None) -> int | None:

@@ -24,12 +24,12 @@ from google.cloud.texttospeech_v1.types import cloud_tts
 from service.api.compat import (
     DEFAULT_COMPAT_SEED,
     DEFAULT_IDLE_TIMEOUT_S,
+    CompatServicer,
     check_language,
     language_matches,
     next_request,
     relay_events,
     renamed,
-    seed_from_metadata,
     speaker_value,
     voice_for_language,
 )
@@ -279,21 +279,8 @@ async def _push_inputs(requests: AsyncIterator[Any], session: Session, idle_time
     session.end_input()
 
 
-class GoogleTextToSpeechServicer:
+class GoogleTextToSpeechServicer(CompatServicer):
     """Google's three TTS RPCs, each a translation onto `Engine` calls."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        default_seed: int | None = DEFAULT_COMPAT_SEED,
-        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-    ) -> None:
-        self._engine = engine
-        self._default_seed = default_seed
-        self._idle_timeout_s = idle_timeout_s
-
-    def _seed(self, context: grpc.aio.ServicerContext) -> int | None:
-        return seed_from_metadata(context.invocation_metadata(), self._default_seed)
 
     async def ListVoices(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Every voice (and speaker) by its Google-style name."""

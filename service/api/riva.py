@@ -23,12 +23,12 @@ from riva.client.proto.riva_audio_pb2 import AudioEncoding as RivaEncoding
 from service.api.compat import (
     DEFAULT_COMPAT_SEED,
     DEFAULT_IDLE_TIMEOUT_S,
+    CompatServicer,
     check_language,
     next_request,
     parse_seed,
     relay_events,
     renamed,
-    seed_from_metadata,
     speaker_value,
     voice_for_language,
 )
@@ -198,21 +198,11 @@ def config_response(voices: Sequence[VoiceDescription], model_name: str = "") ->
     return response
 
 
-class RivaSynthesisServicer(rtts_grpc.RivaSpeechSynthesisServicer):
+class RivaSynthesisServicer(CompatServicer, rtts_grpc.RivaSpeechSynthesisServicer):
     """Riva's three TTS RPCs, each a translation onto `Engine` calls."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        default_seed: int | None = DEFAULT_COMPAT_SEED,
-        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-    ) -> None:
-        self._engine = engine
-        self._default_seed = default_seed
-        self._idle_timeout_s = idle_timeout_s
-
     def _config(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[SessionConfig, VoiceDescription]:
-        seed = seed_from_metadata(context.invocation_metadata(), self._default_seed)
+        seed = self._seed(context)
         default = self._engine.server_info().default_voice
         return session_config(request, self._engine.voices(), default, seed)
 

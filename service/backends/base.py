@@ -27,6 +27,15 @@ class VocodeOut:
     precision: str  # "fp32" | "fp16": what actually produced this audio
 
 
+def guard_host(audio: np.ndarray, precision: str) -> VocodeOut:
+    """The guard for audio already on the host: count and zero non-finite samples, find the peak."""
+    finite = np.isfinite(audio)
+    nonfinite = (~finite).sum(axis=1)
+    clean = np.where(finite, audio, np.float32(0.0)).astype(np.float32, copy=False)
+    peak = np.abs(clean).max(axis=1) if clean.shape[1] else np.zeros(clean.shape[0], np.float32)
+    return VocodeOut(audio=clean, nonfinite=nonfinite, peak=peak, precision=precision)
+
+
 class Backend(Protocol):
     """Runs the three stages of a VITS voice. One instance is owned by one thread
     (the engine loop); implementations need not be thread safe."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.backends.base import EncodeOut, VocodeOut
+from service.backends.base import EncodeOut, VocodeOut, guard_host
 from service.backends.stage_export import cached_stage_exports
 from service.models.vits.receptive_field import generator_stage_table
 from service.voices import Voice
@@ -92,8 +92,4 @@ class OrtBackend:
     ) -> VocodeOut:
         (audio,) = self._run("audio", {"z": np.ascontiguousarray(z, dtype=np.float32),
                                        "sid": self._sid(sid, z.shape[0])})
-        finite = np.isfinite(audio)
-        nonfinite = (~finite).sum(axis=1)
-        clean = np.where(finite, audio, np.float32(0.0)).astype(np.float32, copy=False)
-        peak = np.abs(clean).max(axis=1) if clean.shape[1] else np.zeros(clean.shape[0], np.float32)
-        return VocodeOut(audio=clean, nonfinite=nonfinite, peak=peak, precision="fp32")
+        return guard_host(audio, "fp32")

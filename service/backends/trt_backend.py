@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.base import EncodeOut, VocodeOut
+from service.backends.base import EncodeOut, VocodeOut, guard_host
 from service.backends.ort_backend import default_cache_dir
 from service.backends.stage_export import cached_stage_exports
 from service.models.vits.precision import VITS_FP32_PINS
@@ -217,8 +217,4 @@ class TensorRTBackend:
         self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32", sessions: Sequence[int] | None = None
     ) -> VocodeOut:
         audio = self._run("audio", precision, {"z": z.astype(np.float32), "sid": self._sid(sid, z.shape[0])})["audio"]
-        finite = np.isfinite(audio)
-        nonfinite = (~finite).sum(axis=1)
-        clean = np.where(finite, audio, np.float32(0.0)).astype(np.float32, copy=False)
-        peak = np.abs(clean).max(axis=1) if clean.shape[1] else np.zeros(clean.shape[0], np.float32)
-        return VocodeOut(audio=clean, nonfinite=nonfinite, peak=peak, precision=precision)
+        return guard_host(audio, precision)

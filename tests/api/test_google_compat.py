@@ -12,23 +12,10 @@ from google.api_core import exceptions as gexc
 from google.cloud import texttospeech
 from google.cloud.texttospeech_v1.services.text_to_speech.transports import TextToSpeechGrpcTransport
 
-from tests.api.compat_server import TIMEOUT_S, TINY, Native, running_server
+from tests.api.compat_server import TIMEOUT_S, TINY, Native
 
 TEXT = "Hello there. How are you today?"
 Encoding = texttospeech.AudioEncoding
-
-
-@pytest.fixture(scope="module")
-def address() -> Iterator[str]:
-    with running_server() as addr:
-        yield addr
-
-
-@pytest.fixture(scope="module")
-def native(address: str) -> Iterator[Native]:
-    client = Native(address)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

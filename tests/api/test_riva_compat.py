@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import pytest
 import riva.client
 import riva.client.proto.riva_tts_pb2 as rtts
 from riva.client.proto.riva_audio_pb2 import AudioEncoding
 
-from tests.api.compat_server import TIMEOUT_S, TINY, Native, running_server
+from tests.api.compat_server import TIMEOUT_S, TINY, Native
 
 TEXT = "Hello there. How are you today?"
-
-
-@pytest.fixture(scope="module")
-def address() -> Iterator[str]:
-    with running_server() as addr:
-        yield addr
-
-
-@pytest.fixture(scope="module")
-def native(address: str) -> Iterator[Native]:
-    client = Native(address)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")
