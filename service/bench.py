@@ -1,6 +1,10 @@
 """`cadenza bench cpu`: Cadenza and piper-tts side by side in one process run,
 same voice, same texts, same thread count, alternating order so drift in the
-machine's speed hits both equally. Reports per-text TTFA and RTF and ratios."""
+machine's speed hits both equally. Reports per-text TTFA and RTF and ratios.
+
+Every timed run starts after a short idle pause: ONNX Runtime's worker threads
+keep spinning for a while after a run (piper-tts's session does, by default), and
+whichever run came next would pay for it (measured: +7 ms on a 10 ms encoder call)."""
 
 from __future__ import annotations
 
@@ -74,7 +78,7 @@ def time_piper(voice: Any, text: str) -> Run:
     return Run(ttfa or total, total, samples / rate)
 
 
-def run_cpu_bench(corpus: Path, threads: int, repeats: int, backend: str) -> int:
+def run_cpu_bench(corpus: Path, threads: int, repeats: int, backend: str, settle_s: float = 0.1) -> int:
     import torch
 
     torch.set_num_threads(threads)
@@ -85,18 +89,19 @@ def run_cpu_bench(corpus: Path, threads: int, repeats: int, backend: str) -> int
         time_cadenza(syn, text, 0)
         time_piper(piper, text)
     print(f"cadenza ({syn.backend.name}, chunks {syn.schedule}) vs piper-tts, "
-          f"{threads} threads, {repeats} runs per text, alternating order")
+          f"{threads} threads, {repeats} runs per text, alternating order, "
+          f"{settle_s * 1000:.0f} ms idle before each run")
     print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6}  text")
     ttfa_long, ttfa_all, rtf_all = [], [], []
     for i, text in enumerate(texts):
         ours, theirs = [], []
         for rep in range(repeats):
-            if (i + rep) % 2 == 0:
-                ours.append(time_cadenza(syn, text, rep))
-                theirs.append(time_piper(piper, text))
-            else:
-                theirs.append(time_piper(piper, text))
-                ours.append(time_cadenza(syn, text, rep))
+            for run_ours in ((True, False) if (i + rep) % 2 == 0 else (False, True)):
+                time.sleep(settle_s)
+                if run_ours:
+                    ours.append(time_cadenza(syn, text, rep))
+                else:
+                    theirs.append(time_piper(piper, text))
         tc = statistics.median(r.ttfa for r in ours)
         tp = statistics.median(r.ttfa for r in theirs)
         rc = statistics.median(r.rtf for r in ours)

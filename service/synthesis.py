@@ -9,6 +9,7 @@ generator, so the same seed gives the same samples on any backend."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -17,8 +18,8 @@ from typing import Protocol
 import numpy as np
 
 from service.backends.base import Backend
-from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames, generator_stage_table
-from service.streaming_vocoder import StagedVocoder
+from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
+from service.staged_decoder import StagedDecoder
 from service.text.frontend import PhonemizedSentence
 from service.voices import Voice
 
@@ -58,6 +59,7 @@ class ChunkSchedule:
     later_first_frames: int = 1024  # first chunk of a stream's later utterances (audio is already playing)
     flow_at_once_frames: int = 160  # utterances this short run the whole flow in their first call
     bucket_frames: int = 0  # >1: round window lengths up (with extra left context) for batching
+    flow_piece_frames: int = 256  # after the first chunk, the staged flow runs at least this far ahead
 
     def __post_init__(self) -> None:
         if self.first_frames < 1 or self.max_frames < self.first_frames or self.growth < 1.0:
@@ -205,15 +207,14 @@ class Synthesizer:
     ) -> None:
         self.voice = voice
         self.shadow = shadow
-        # Staged vocoding (each generator stage's output kept between chunks) where the
-        # backend offers it: FP32 only (no FP16 guard/fallback there).
-        self.staged = hasattr(backend, "vocode_stage") if staged is None else staged
+        # Staged decoding (each flow coupling's and generator stage's output kept between
+        # chunks) where the backend offers it: FP32 only (no FP16 guard/fallback there).
+        self.staged = hasattr(backend, "decode_stage") if staged is None else staged
         self.backend = backend
         self.schedule = schedule or ChunkSchedule()
         self.hop = voice.hop_length
         self.flow_halo = flow_halo_frames(voice.model.flow)
         self.voc_halo = generator_halo_frames(voice.model.dec)
-        self.staged_halo = StagedVocoder.lookahead(generator_stage_table(voice.model.dec))
 
     @property
     def sample_rate(self) -> int:
@@ -335,22 +336,19 @@ class Synthesizer:
             yield audio, current, fallback
 
     def _decode_staged(self, utt: Utterance, first_frames: int | None) -> Iterator[tuple[np.ndarray, str, bool]]:
-        """FP32 chunks from the staged vocoder; the flow is planned as in `decode`."""
-        dec = UtteranceDecoder(utt, self.schedule, self.flow_halo, self.staged_halo, first_frames, self.hop)
+        """FP32 chunks from the staged decoder (flow and vocoder, no recomputed halos)."""
         sid = None if utt.sid is None else np.asarray([utt.sid], dtype=np.int64)
-        vocoder = StagedVocoder(self.backend, utt.frames, sid)  # type: ignore[arg-type]
-        produced = 0
-        while not dec.done:
-            flow_w, _ = dec.next_windows()
-            if flow_w is not None:
-                z = self.backend.flow(utt.z_p[None, :, flow_w.lo : flow_w.hi], sid, "fp32")
-                dec.accept_flow(flow_w, z[0])
-            end = dec.bounds[dec.index + 1] * self.hop
-            audio = vocoder.audio(dec.z, dec.z_done, produced, end)
-            produced = end
+        # Short utterances run the whole flow in their first call (it is cheap per frame
+        # but pays for small calls); longer ones only what the first chunk needs.
+        first_piece = utt.frames if utt.frames <= self.schedule.flow_at_once_frames else 0
+        decoder = StagedDecoder(
+            self.backend, utt.z_p, sid, self.schedule.flow_piece_frames, first_piece,  # type: ignore[arg-type]
+        )
+        bounds = self.schedule.boundaries(utt.frames, first_frames)
+        for a, b in itertools.pairwise(bounds):
+            audio = decoder.audio(a * self.hop, b * self.hop)
             if not np.isfinite(audio).all():  # no FP32 to fall back to: never send non-finite samples
                 audio = np.nan_to_num(audio, nan=0.0, posinf=0.0, neginf=0.0)
-            dec.index += 1
             yield audio.astype(np.float32, copy=False), "fp32", False
 
     def stream(self, text: str, params: SynthesisParams | None = None) -> Iterator[AudioChunk]:

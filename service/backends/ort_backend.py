@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from service.backends.base import EncodeOut, VocodeOut, guard_host
-from service.backends.stage_export import cached_stage_exports
-from service.models.vits.receptive_field import generator_stage_table
+from service.backends.stage_export import cached_stage_exports, decoder_stage_names
+from service.models.vits.receptive_field import decoder_stage_table
 from service.voices import Voice
 
 
@@ -26,7 +26,7 @@ class OrtBackend:
 
     def __init__(
         self, voice: Voice, device: str = "cpu", threads: int | None = None,
-        cache_dir: Path | None = None,
+        cache_dir: Path | None = None, spin: bool = True,
     ) -> None:
         import onnxruntime as ort
 
@@ -43,21 +43,25 @@ class OrtBackend:
         if threads:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
-        # Three sessions run one after another; spinning pools would steal the cores
-        # from the next stage (measured: 2-3x slower stage calls with spinning on).
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # Worker threads spin between the ops of a run (waking a blocked thread for
+        # every op costs 10-40% on these small convs), and stop spinning when the run
+        # ends: several stage sessions run one after another, and a pool still spinning
+        # after its run would steal the cores from the next stage (2-3x slower calls).
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
+        self._stage_names = decoder_stage_names(voice.model)
         self._sessions = {
             name: ort.InferenceSession(str(p), sess_options=opts, providers=["CPUExecutionProvider"])
             for name, p in paths.items()
         }
 
-    def vocoder_stages(self) -> list[tuple[int, int, int]]:
-        return generator_stage_table(self.voice.model.dec)
+    def decoder_stages(self) -> list[tuple[int, int, int]]:
+        return decoder_stage_table(self.voice.model)
 
-    def vocode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
-        """One generator stage (the staged streaming path)."""
-        (y,) = self._run(f"audio_s{index}", {"x": np.ascontiguousarray(x, dtype=np.float32),
-                                             "sid": self._sid(sid, x.shape[0])})
+    def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
+        """One flow coupling or generator stage (the staged streaming path)."""
+        (y,) = self._run(self._stage_names[index], {"x": np.ascontiguousarray(x, dtype=np.float32),
+                                                    "sid": self._sid(sid, x.shape[0])})
         return y
 
     def supported_precisions(self) -> tuple[str, ...]:

@@ -2,7 +2,9 @@
 
 Three graphs, named by what they produce: `prior` (phoneme ids -> prior stats
 and log-durations), `latent` (prior sample window -> latent window, the flow) and
-`audio` (latent window -> waveform, the vocoder). The same files feed the
+`audio` (latent window -> waveform, the vocoder); plus one graph per decoder
+stage for the staged streaming decoder: `latent_s<i>` (one flow coupling each)
+and `audio_s<i>` (one generator stage each). The same files feed the
 onnxruntime backend and TensorRT engine builds."""
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import torch
 from torch import nn
 
 from service.models.vits.model import VitsModel
-from service.models.vits.receptive_field import generator_stage_table
+from service.models.vits.receptive_field import decoder_stage_table
 
 STAGES = ("prior", "latent", "audio")
-EXPORT_VERSION = "2"
+EXPORT_VERSION = "3"
 
 
 class PriorStage(nn.Module):
@@ -51,6 +53,19 @@ class AudioStage(nn.Module):
         return self.model.vocode(z, sid if self.model.emb_g else None)
 
 
+class FlowStage(nn.Module):
+    """One flow coupling (see ResidualCouplingFlow.stage), for the staged decoder."""
+
+    def __init__(self, model: VitsModel, index: int) -> None:
+        super().__init__()
+        self.model = model
+        self.index = index
+
+    def forward(self, x: torch.Tensor, sid: torch.Tensor) -> torch.Tensor:
+        g = self.model.speaker_embedding(sid) if self.model.emb_g is not None else None
+        return self.model.flow.stage(self.index, x, g)
+
+
 class GeneratorStage(nn.Module):
     """One generator stage (see Generator.stage), for the staged streaming vocoder."""
 
@@ -64,8 +79,11 @@ class GeneratorStage(nn.Module):
         return self.model.dec.stage(self.index, x, g)
 
 
-def generator_stage_names(model: VitsModel) -> list[str]:
-    return [f"audio_s{i}" for i in range(model.dec.num_stages)]
+def decoder_stage_names(model: VitsModel) -> list[str]:
+    """Staged-decoder graphs in run order: flow couplings, then generator stages."""
+    return [f"latent_s{i}" for i in range(model.flow.num_stages)] + [
+        f"audio_s{i}" for i in range(model.dec.num_stages)
+    ]
 
 
 def voice_digest(onnx_path: Path) -> str:
@@ -103,13 +121,16 @@ def export_stages(model: VitsModel, out_dir: Path, opset: int = 17) -> dict[str,
             {"z": {0: "batch", 2: "frames"}, "sid": {0: "batch"}, "audio": {0: "batch", 1: "samples"}},
         ),
     }
-    channels = [c] + [int(ch) for _, _, ch in generator_stage_table(model.dec)[:-1]]
+    table = decoder_stage_table(model)
+    channels = [c] + [int(ch) for _, _, ch in table[:-1]]
     stage_lengths = [t_fr]
-    for factor, _, _ in generator_stage_table(model.dec)[:-1]:
+    for factor, _, _ in table[:-1]:
         stage_lengths.append(stage_lengths[-1] * factor)
-    for i, name in enumerate(generator_stage_names(model)):
+    n_flow = model.flow.num_stages
+    for i, name in enumerate(decoder_stage_names(model)):
+        stage: nn.Module = FlowStage(model, i) if i < n_flow else GeneratorStage(model, i - n_flow)
         specs[name] = (
-            GeneratorStage(model, i), (torch.randn(2, channels[i], stage_lengths[i]), sid), ["x", "sid"], ["y"],
+            stage, (torch.randn(2, channels[i], stage_lengths[i]), sid), ["x", "sid"], ["y"],
             {"x": {0: "batch", 2: "length"}, "sid": {0: "batch"}, "y": {0: "batch", 2: "out_length"}},
         )
     paths = {}
@@ -127,7 +148,7 @@ def export_stages(model: VitsModel, out_dir: Path, opset: int = 17) -> dict[str,
 def cached_stage_exports(model: VitsModel, onnx_path: Path, cache_dir: Path) -> dict[str, Path]:
     """Stage exports for a voice, made once and kept under cache_dir/<voice>-<digest>."""
     out_dir = cache_dir / f"{onnx_path.name.removesuffix('.onnx')}-{voice_digest(onnx_path)}-v{EXPORT_VERSION}"
-    paths = {name: out_dir / f"{name}.onnx" for name in (*STAGES, *generator_stage_names(model))}
+    paths = {name: out_dir / f"{name}.onnx" for name in (*STAGES, *decoder_stage_names(model))}
     if all(p.is_file() for p in paths.values()):
         return paths
     tmp = out_dir.with_name(out_dir.name + ".tmp")

@@ -16,7 +16,7 @@ from service.backends.base import EncodeOut, VocodeOut
 from service.engine.guard import guard
 from service.models.vits.model import VitsModel
 from service.models.vits.precision import VITS_FP32_PINS, to_mixed_precision
-from service.models.vits.receptive_field import generator_stage_table
+from service.models.vits.receptive_field import decoder_stage_table
 from service.voices import Voice
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -112,15 +112,18 @@ class TorchBackend:
         mask = torch.ones(z.shape[0], 1, z.shape[2], device=self._device, dtype=z.dtype)
         return model.flow_reverse(z, mask, self._sid(sid)).float().cpu().numpy()
 
-    def vocoder_stages(self) -> list[tuple[int, int, int]]:
-        return generator_stage_table(self.models["fp32"].dec)
+    def decoder_stages(self) -> list[tuple[int, int, int]]:
+        return decoder_stage_table(self.models["fp32"])
 
     @torch.inference_mode()
-    def vocode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
-        """One generator stage in FP32 (the staged streaming path)."""
+    def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
+        """One flow coupling or generator stage in FP32 (the staged streaming path)."""
         model = self.models["fp32"]
-        g = model.speaker_embedding(self._sid(sid)) if index == 0 else None
-        return model.dec.stage(index, self._input(x, "fp32"), g).float().cpu().numpy()
+        n_flow = model.flow.num_stages
+        g = model.speaker_embedding(self._sid(sid)) if index <= n_flow else None
+        x_in = self._input(x, "fp32")
+        y = model.flow.stage(index, x_in, g) if index < n_flow else model.dec.stage(index - n_flow, x_in, g)
+        return y.float().cpu().numpy()
 
     @torch.inference_mode()
     def vocode(

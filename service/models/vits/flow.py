@@ -30,8 +30,9 @@ class WaveNet(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor, g: torch.Tensor | None = None
+        self, x: torch.Tensor, mask: torch.Tensor | None, g: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """`mask` None: every frame is valid (skips the multiplies; same result)."""
         output = torch.zeros_like(x)
         cond = self.cond_layer(g) if (g is not None and self.cond_layer is not None) else None
         h = self.hidden
@@ -42,11 +43,15 @@ class WaveNet(nn.Module):
             acts = torch.tanh(x_in[:, :h]) * torch.sigmoid(x_in[:, h:])
             res_skip = rsl(acts)
             if i < self.n_layers - 1:
-                x = (x + res_skip[:, :h]) * mask
+                x = _masked(x + res_skip[:, :h], mask)
                 output = output + res_skip[:, h:]
             else:
                 output = output + res_skip
-        return output * mask
+        return _masked(output, mask)
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return x if mask is None else x * mask
 
 
 class MeanOnlyCoupling(nn.Module):
@@ -63,13 +68,13 @@ class MeanOnlyCoupling(nn.Module):
         self.post = nn.Conv1d(hidden, self.half_channels, 1)
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor, g: torch.Tensor | None
+        self, x: torch.Tensor, mask: torch.Tensor | None, g: torch.Tensor | None
     ) -> torch.Tensor:
         x0, x1 = torch.split(x, [self.half_channels, self.half_channels], dim=1)
-        h = self.pre(x0) * mask
+        h = _masked(self.pre(x0), mask)
         h = self.enc(h, mask, g=g)
-        m = self.post(h) * mask
-        x1 = (x1 - m) * mask
+        m = _masked(self.post(h), mask)
+        x1 = _masked(x1 - m, mask)
         return torch.cat([x0, x1], dim=1)
 
 
@@ -91,12 +96,27 @@ class ResidualCouplingFlow(nn.Module):
             }
         )
 
-    def forward(
-        self, z: torch.Tensor, mask: torch.Tensor, g: torch.Tensor | None = None
+    @property
+    def num_stages(self) -> int:
+        """One stage per coupling (with the flip before it), in inference order."""
+        return len(self.flows)
+
+    def coupling(self, index: int) -> MeanOnlyCoupling:
+        """The coupling that stage `index` runs (inference runs them last to first)."""
+        layer = self.flows[sorted(self.flows, key=int, reverse=True)[index]]
+        assert isinstance(layer, MeanOnlyCoupling)
+        return layer
+
+    def stage(
+        self, index: int, z: torch.Tensor, g: torch.Tensor | None = None, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        for key in sorted(self.flows, key=int, reverse=True):
-            z = torch.flip(z, [1])
-            layer = self.flows[key]
-            assert isinstance(layer, MeanOnlyCoupling)
-            z = layer(z, mask, g)
+        """One stage of the inference flow. Running the stages in order is `forward`;
+        running them separately lets a streaming decoder keep each stage's output."""
+        return self.coupling(index)(torch.flip(z, [1]), mask, g)
+
+    def forward(
+        self, z: torch.Tensor, mask: torch.Tensor | None, g: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        for index in range(self.num_stages):
+            z = self.stage(index, z, g, mask)
         return z

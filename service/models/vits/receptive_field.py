@@ -4,11 +4,15 @@ equals the same span of a full decode. Computed from the layers, not tuned."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from service.models.vits.flow import ResidualCouplingFlow
 from service.models.vits.generator import Generator, ResBlock1, ResBlock2
+
+if TYPE_CHECKING:
+    from service.models.vits.model import VitsModel
 
 
 def _conv_radius(conv: nn.Conv1d) -> int:
@@ -39,13 +43,19 @@ def generator_halo_frames(gen: Generator) -> int:
 
 
 def flow_halo_frames(flow: ResidualCouplingFlow) -> int:
-    """Each coupling's WaveNet sees sum of its conv radii; couplings chain."""
-    total = 0
-    for layer in flow.flows.values():
-        for conv in layer.enc.in_layers:  # type: ignore[union-attr]
-            assert isinstance(conv, nn.Conv1d)
-            total += _conv_radius(conv)
-    return total
+    """Each coupling's WaveNet sees the sum of its conv radii; couplings chain."""
+    return sum(context for _, context, _ in flow_stage_table(flow))
+
+
+def flow_stage_table(flow: ResidualCouplingFlow) -> list[tuple[int, int, int]]:
+    """(1, input context, output channels) per flow stage (one coupling each)."""
+    out = []
+    for index in range(flow.num_stages):
+        coupling = flow.coupling(index)
+        convs = [conv for conv in coupling.enc.in_layers if isinstance(conv, nn.Conv1d)]
+        context = sum(_conv_radius(conv) for conv in convs)
+        out.append((1, context, 2 * coupling.half_channels))
+    return out
 
 
 def generator_stage_table(gen: Generator) -> list[tuple[int, int, int]]:
@@ -76,3 +86,8 @@ def generator_stage_contexts(gen: Generator) -> list[tuple[int, int]]:
         kernel, stride, pad = int(up.kernel_size[0]), int(up.stride[0]), int(up.padding[0])
         out.append((stride, math.ceil((widest + max(pad, kernel - 1 - pad)) / stride) + 1))
     return out
+
+
+def decoder_stage_table(model: VitsModel) -> list[tuple[int, int, int]]:
+    """The staged decoder's stages in run order: flow couplings, then generator stages."""
+    return flow_stage_table(model.flow) + generator_stage_table(model.dec)
