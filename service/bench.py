@@ -98,9 +98,18 @@ def time_piper(voice: Any, text: str) -> Run:
 
 
 def run_cpu_bench(
-    corpus: Path, threads: int, repeats: int, backend: str, settle_s: float = 0.1, whole: bool = False
+    corpus: Path, threads: int, repeats: int, backend: str, settle_s: float = 0.1, whole: bool = False,
+    stat: str = "median",
 ) -> int:
-    """`whole`: also time Cadenza without streaming (see time_whole), in the same rotation."""
+    """`whole`: also time Cadenza without streaming (see time_whole), in the same rotation.
+    `stat`: how a text's repeats are summarised, "median" or "min" (the fastest run: least
+    disturbed by other load on a noisy machine)."""
+    if stat not in ("median", "min"):
+        raise ValueError(f"stat must be 'median' or 'min', not {stat!r}")
+
+    def pick(values: list[float]) -> float:
+        return statistics.median(values) if stat == "median" else min(values)
+
     import torch
 
     torch.set_num_threads(threads)
@@ -117,7 +126,7 @@ def run_cpu_bench(
         for run in runners.values():
             run(text, 0)
     print(f"cadenza ({syn.backend.name}, chunks {syn.schedule}) vs piper-tts, "
-          f"{threads} threads, {repeats} runs per text, rotating order, "
+          f"{threads} threads, {repeats} runs per text ({stat}), rotating order, "
           f"{settle_s * 1000:.0f} ms idle before each run")
     extra = f" {'rtf_w':>6} {'ratio':>6}" if whole else ""
     print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6}{extra}  text")
@@ -130,17 +139,17 @@ def run_cpu_bench(
             for name in names[k:] + names[:k]:
                 time.sleep(settle_s)
                 runs[name].append(runners[name](text, rep))
-        tc = statistics.median(r.ttfa for r in runs["cadenza"])
-        tp = statistics.median(r.ttfa for r in runs["piper"])
-        rc = statistics.median(r.rtf for r in runs["cadenza"])
-        rp = statistics.median(r.rtf for r in runs["piper"])
+        tc = pick([r.ttfa for r in runs["cadenza"]])
+        tp = pick([r.ttfa for r in runs["piper"]])
+        rc = pick([r.rtf for r in runs["cadenza"]])
+        rp = pick([r.rtf for r in runs["piper"]])
         ttfa_all.append(tc / tp)
         rtf_all.append(rc / rp)
         if len(text) >= LONG_TEXT_CHARS:
             ttfa_long.append(tc / tp)
         cols = ""
         if whole:
-            rw = statistics.median(r.rtf for r in runs["whole"])
+            rw = pick([r.rtf for r in runs["whole"]])
             rtf_whole.append(rw / rp)
             cols = f" {rw:6.3f} {rw / rp:6.3f}"
         print(f"{len(text):5d} {tc * 1000:7.1f}ms {tp * 1000:7.1f}ms {tc / tp:6.3f} "

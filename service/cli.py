@@ -73,7 +73,8 @@ def _cmd_bench_cpu(args: argparse.Namespace) -> int:
 
     from service.bench import run_cpu_bench
 
-    return run_cpu_bench(Path(args.corpus), args.threads, args.repeats, args.backend, args.settle_ms / 1000, args.whole)
+    return run_cpu_bench(Path(args.corpus), args.threads, args.repeats, args.backend, args.settle_ms / 1000,
+                         args.whole, args.stat)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -240,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="idle pause before every timed run, so no run inherits another's spinning threads")
     bcpu.add_argument("--whole", action="store_true",
                       help="also time Cadenza without streaming (whole utterances): the cost of streaming")
+    bcpu.add_argument("--stat", choices=("median", "min"), default="median",
+                      help="summarise each text's repeats by their median or their fastest run")
     bcpu.add_argument("--backend", default="onnxruntime")
     bcpu.set_defaults(func=_cmd_bench_cpu)
     bgpu = bsub.add_parser("gpu", help="FP16 vs FP32 on a CUDA GPU: throughput by batch, memory, TTFA")
