@@ -68,7 +68,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _main(
-    device: str, backend: str, counts: list[int], precisions: list[Precision], max_batch: int, growth: float | None
+    device: str, backend: str, counts: list[int], precisions: list[Precision], max_batch: int, growth: float | None,
+    windowed: bool,
 ) -> int:
     import dataclasses
 
@@ -76,14 +77,16 @@ async def _main(
     from service.engine.engine import TtsEngine
 
     config = EngineConfig(
-        device=device, backend=backend, batch=BatchConfig(max_batch=max_batch, max_wait_s=0.002), cache_bytes=0,
+        device=device, backend=backend, cache_bytes=0,
+        batch=BatchConfig(max_batch=max_batch, max_wait_s=0.002, cpu_staged=not windowed),
         limits=Limits(max_sessions=max(counts) + 8),
     )
     if growth is not None:
         config = dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, growth=growth))
     engine = TtsEngine(config)
     await engine.start()
-    print(f"engine: {engine.backend_name} on {engine.device}, max batch {max_batch}, {config.schedule}")
+    mode = "batched windows" if windowed or not engine.device == "cpu" else "staged (CPU)"
+    print(f"engine: {engine.backend_name} on {engine.device}, {mode}, max batch {max_batch}, {config.schedule}")
     print(f"{'streams':>7} {'prec':>5} {'ttfa_p50':>9} {'ttfa_p99':>9} {'underrun_max':>12} {'ok<=100ms':>9} "
           f"{'wall_s':>7}")
     try:
@@ -108,6 +111,10 @@ async def _main(
 
 
 def run_streams_bench(
-    device: str, backend: str, counts: list[int], precisions: list[str], max_batch: int, growth: float | None = None
+    device: str, backend: str, counts: list[int], precisions: list[str], max_batch: int, growth: float | None = None,
+    windowed: bool = False,
 ) -> int:
-    return asyncio.run(_main(device, backend, counts, [Precision(p.lower()) for p in precisions], max_batch, growth))
+    """`windowed`: on CPU too, decode batched windows (the CUDA path) instead of the staged decoder."""
+    return asyncio.run(
+        _main(device, backend, counts, [Precision(p.lower()) for p in precisions], max_batch, growth, windowed)
+    )

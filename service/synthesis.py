@@ -335,21 +335,22 @@ class Synthesizer:
             dec.index += 1
             yield audio, current, fallback
 
-    def _decode_staged(self, utt: Utterance, first_frames: int | None) -> Iterator[tuple[np.ndarray, str, bool]]:
-        """FP32 chunks from the staged decoder (flow and vocoder, no recomputed halos)."""
+    def staged_decoder(self, utt: Utterance) -> StagedDecoder:
+        """A staged decoder for one utterance (FP32; backends with `decode_stage`)."""
         sid = None if utt.sid is None else np.asarray([utt.sid], dtype=np.int64)
         # Short utterances run the whole flow in their first call (it is cheap per frame
         # but pays for small calls); longer ones only what the first chunk needs.
         first_piece = utt.frames if utt.frames <= self.schedule.flow_at_once_frames else 0
-        decoder = StagedDecoder(
+        return StagedDecoder(
             self.backend, utt.z_p, sid, self.schedule.flow_piece_frames, first_piece,  # type: ignore[arg-type]
         )
+
+    def _decode_staged(self, utt: Utterance, first_frames: int | None) -> Iterator[tuple[np.ndarray, str, bool]]:
+        """FP32 chunks from the staged decoder (flow and vocoder, no recomputed halos)."""
+        decoder = self.staged_decoder(utt)
         bounds = self.schedule.boundaries(utt.frames, first_frames)
         for a, b in itertools.pairwise(bounds):
-            audio = decoder.audio(a * self.hop, b * self.hop)
-            if not np.isfinite(audio).all():  # no FP32 to fall back to: never send non-finite samples
-                audio = np.nan_to_num(audio, nan=0.0, posinf=0.0, neginf=0.0)
-            yield audio.astype(np.float32, copy=False), "fp32", False
+            yield finite(decoder.audio(a * self.hop, b * self.hop)), "fp32", False
 
     def stream(self, text: str, params: SynthesisParams | None = None) -> Iterator[AudioChunk]:
         """Text -> audio chunks as soon as each is decoded."""
@@ -401,6 +402,13 @@ def utterance_rng(seed: int | None, phoneme_ids: list[int]) -> np.random.Generat
     return np.random.default_rng([seed, int.from_bytes(digest, "little")])
 
 
+def finite(audio: np.ndarray) -> np.ndarray:
+    """FP32 audio as sent: float32, non-finite samples zeroed (there is no FP32 to fall back to)."""
+    if not np.isfinite(audio).all():
+        audio = np.nan_to_num(audio, nan=0.0, posinf=0.0, neginf=0.0)
+    return audio.astype(np.float32, copy=False)
+
+
 def fp32_latent(backend: Backend, dec: UtteranceDecoder, lo: int, hi: int, sid: np.ndarray | None) -> np.ndarray:
     """FP32 latent frames [lo, hi) straight from the prior sample, with full flow context."""
     t = dec.utt.frames
@@ -415,10 +423,7 @@ def fp32_chunk(
     """The chunk `voc` computed wholly in FP32: (latent window, trimmed audio)."""
     z = fp32_latent(backend, dec, voc.lo, voc.hi, sid)
     out = backend.vocode(z[None], sid, "fp32")
-    audio = out.audio[0]
-    if int(out.nonfinite[0]):
-        audio = np.nan_to_num(audio, nan=0.0, posinf=0.0, neginf=0.0)  # never send non-finite samples
-    return z, dec.trim_audio(voc, audio, dec.hop)
+    return z, dec.trim_audio(voc, finite(out.audio[0]), dec.hop)
 
 
 def redo_chunk_fp32(backend: Backend, dec: UtteranceDecoder, voc: Window, sid: np.ndarray | None) -> np.ndarray:

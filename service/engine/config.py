@@ -30,6 +30,9 @@ class BatchConfig:
     # results do not change) so sessions with different utterance lengths share batches. Not
     # used on CPU, where the extra context would cost more than batching gains.
     cuda_window_bucket_frames: int = 32
+    # On CPU, FP32 utterances are decoded alone by the staged decoder (each stage's output kept
+    # between chunks) instead of in batched windows that recompute every chunk's context.
+    cpu_staged: bool = True
 
 
 @dataclass(frozen=True)

@@ -42,3 +42,11 @@ def harness() -> Iterator[EngineHarness]:
     h = EngineHarness(tiny_engine_config())
     yield h
     h.close()
+
+
+@pytest.fixture(scope="module")
+def windowed_harness() -> Iterator[EngineHarness]:
+    """CPU engine that batches flow/vocoder windows across sessions (the CUDA path)."""
+    h = EngineHarness(tiny_engine_config(batch=BatchConfig(max_batch=8, max_wait_s=0.0, cpu_staged=False)))
+    yield h
+    h.close()

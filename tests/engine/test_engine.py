@@ -64,10 +64,11 @@ def _cfg(i: int) -> SessionConfig:
     )
 
 
-def test_batching_keeps_each_session_result(harness: EngineHarness) -> None:
+def test_batching_keeps_each_session_result(windowed_harness: EngineHarness) -> None:
     """20 concurrent sessions with different settings: each equals its solo run.
 
     Measured on torch CPU: not bit-exact (batch-size-dependent conv kernels), max |diff| ~3e-10."""
+    harness = windowed_harness
     alone = [harness.run(harness.engine.synthesize_all(_cfg(i), TEXT))[0] for i in range(20)]
     rows_before = harness.engine.stats()["batch_rows"] - harness.engine.stats()["batches"]
     acoustic_before = harness.engine.stats()["acoustic_jobs"] - harness.engine.stats()["acoustic_batches"]
@@ -85,6 +86,19 @@ def test_batching_keeps_each_session_result(harness: EngineHarness) -> None:
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
     # different settings really differ (no shared state leaking one session into another)
     assert len({r[0] for r in results}) == 20
+
+
+def test_cpu_staged_decoding_equals_batched_windows(harness: EngineHarness, windowed_harness: EngineHarness) -> None:
+    """The CPU default (each utterance alone through the staged decoder) and the batched
+    windowed path give the same audio, and the staged path never batches chunks."""
+    before = harness.engine.stats()
+    staged = _samples(harness.run(harness.engine.synthesize_all(_cfg(3), TEXT))[0])
+    after = harness.engine.stats()
+    windowed = _samples(windowed_harness.run(windowed_harness.engine.synthesize_all(_cfg(3), TEXT))[0])
+    assert staged.shape == windowed.shape and staged.size > 16000
+    np.testing.assert_allclose(staged, windowed, atol=1e-4, rtol=0)
+    assert after["batches"] > before["batches"]
+    assert after["batch_rows"] - before["batch_rows"] == after["batches"] - before["batches"]
 
 
 def test_cancel_frees_the_session(harness: EngineHarness) -> None:
