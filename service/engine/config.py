@@ -33,6 +33,11 @@ class BatchConfig:
     # On CPU, FP32 utterances are decoded alone by the staged decoder (each stage's output kept
     # between chunks) instead of in batched windows that recompute every chunk's context.
     cpu_staged: bool = True
+    # While another session is starting or has less than `cpu_urgent_slack_s` of audio left to
+    # play, a staged CPU chunk is cut to at most this many frames, so one session's big chunk
+    # does not make the others run dry (staged chunks pay only a few samples of context).
+    cpu_quantum_frames: int = 32
+    cpu_urgent_slack_s: float = 0.5
 
 
 @dataclass(frozen=True)

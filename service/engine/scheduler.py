@@ -433,10 +433,21 @@ class EngineLoop:
         assert item.decoder is not None and item.staged is not None
         dec, hop = item.decoder, work.spec.runtime.hop
         a, b = dec.bounds[dec.index], dec.bounds[dec.index + 1]
+        quantum = self.batch.cpu_quantum_frames
+        if 0 < quantum < b - a and self._others_urgent(work, now):
+            b = a + quantum
+            dec.bounds.insert(dec.index + 1, b)  # the rest of the planned chunk comes next
         self.stats.batches += 1
         self.stats.rows += 1
         self.stats.max_rows = max(self.stats.max_rows, 1)
         self._deliver_chunk(work, item, finite(item.staged.audio(a * hop, b * hop)), "fp32", False, now)
+
+    def _others_urgent(self, work: _Work, now: float) -> bool:
+        """Another session is waiting for its first audio or will soon run out of it."""
+        limit = self.batch.cpu_urgent_slack_s
+        return any(
+            w is not work and (w.texts or w.decodings) and w.slack(now) < limit for w in self._work.values()
+        )
 
     def _decode_rows(self, rows: list[_Work], now: float) -> None:
         if rows[0].decodings[0].staged is not None:

@@ -101,6 +101,27 @@ def test_cpu_staged_decoding_equals_batched_windows(harness: EngineHarness, wind
     assert after["batch_rows"] - before["batch_rows"] == after["batches"] - before["batches"]
 
 
+def test_cpu_chunks_are_cut_while_other_sessions_wait(harness: EngineHarness) -> None:
+    """Sessions decoded together on CPU take turns in short chunks (no session's big chunk
+    starves the others); each session's audio still equals its solo run."""
+    text = TEXT * 3
+
+    async def events(cfg: SessionConfig) -> list[AudioOut]:
+        return (await _drive(await harness.engine.open_session(cfg), [text]))[1]
+
+    async def together() -> list[list[AudioOut]]:
+        return await asyncio.gather(*[events(_cfg(i)) for i in range(3)])
+
+    alone = [harness.run(events(_cfg(i))) for i in range(3)]
+    mixed = harness.run(together())
+    for solo, shared in zip(alone, mixed, strict=True):
+        a = _samples(b"".join(e.audio for e in solo))
+        b = _samples(b"".join(e.audio for e in shared))
+        assert a.shape == b.shape
+        np.testing.assert_allclose(b, a, atol=1e-4, rtol=0)
+    assert sum(len(m) for m in mixed) > sum(len(a) for a in alone)  # chunks were cut into turns
+
+
 def test_cancel_frees_the_session(harness: EngineHarness) -> None:
     async def run() -> None:
         session = await harness.engine.open_session(SessionConfig(seed=1))
