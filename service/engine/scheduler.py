@@ -3,10 +3,11 @@
 Sessions hand it utterance texts; a frontend thread phonemises them (espeak) so that never
 stalls decoding. The engine thread runs the acoustic stage for the next utterances of several
 sessions in one padded, masked encoder call (each utterance keeps its own noise generator, so
-batching changes results only by kernel rounding), then decodes chunks, batching flow/vocoder
-windows of equal length from different sessions into one backend call (no padding). Work is
-picked most urgent first: acoustic jobs and first chunks of an utterance, then the chunk whose
-session is closest to running out of audio. Results go back to each session's event loop with
+batching changes results only by kernel rounding), then decodes chunks: on CUDA it batches
+flow/vocoder windows of equal length from different sessions into one backend call (no padding);
+on CPU each FP32 utterance goes through its own staged decoder, in turns of at most
+`cpu_quantum_frames` while other sessions wait. Work is picked most urgent first: acoustic jobs
+and first chunks of an utterance, then the chunk whose session is closest to running out of audio. Results go back to each session's event loop with
 call_soon_threadsafe; nothing mutable is shared with the loop."""
 
 from __future__ import annotations
