@@ -7,8 +7,9 @@ batching changes results only by kernel rounding), then decodes chunks: on CUDA 
 flow/vocoder windows of equal length from different sessions into one backend call (no padding);
 on CPU each FP32 utterance goes through its own staged decoder, in turns of at most
 `cpu_quantum_frames` while other sessions wait. Work is picked most urgent first: acoustic jobs
-and first chunks of an utterance, then the chunk whose session is closest to running out of audio. Results go back to each session's event loop with
-call_soon_threadsafe; nothing mutable is shared with the loop."""
+and first chunks of an utterance, then the chunk whose session is closest to running out of audio.
+Results go back to each session's event loop with call_soon_threadsafe; nothing mutable is shared
+with the loop."""
 
 from __future__ import annotations
 
