@@ -68,8 +68,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _main(
-    device: str, backend: str, counts: list[int], precisions: list[Precision], max_batch: int, growth: float | None,
-    windowed: bool,
+    device: str, backend: str, counts: list[int], precisions: list[Precision], max_batch: int,
+    schedule: dict[str, float], windowed: bool,
 ) -> int:
     import dataclasses
 
@@ -81,8 +81,8 @@ async def _main(
         batch=BatchConfig(max_batch=max_batch, max_wait_s=0.002, cpu_staged=not windowed),
         limits=Limits(max_sessions=max(counts) + 8),
     )
-    if growth is not None:
-        config = dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, growth=growth))
+    if schedule:
+        config = dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **schedule))  # type: ignore[arg-type]
     engine = TtsEngine(config)
     await engine.start()
     mode = "batched windows" if windowed or not engine.device == "cpu" else "staged (CPU)"
@@ -111,10 +111,11 @@ async def _main(
 
 
 def run_streams_bench(
-    device: str, backend: str, counts: list[int], precisions: list[str], max_batch: int, growth: float | None = None,
-    windowed: bool = False,
+    device: str, backend: str, counts: list[int], precisions: list[str], max_batch: int,
+    schedule: dict[str, float] | None = None, windowed: bool = False,
 ) -> int:
-    """`windowed`: on CPU too, decode batched windows (the CUDA path) instead of the staged decoder."""
+    """`schedule`: ChunkSchedule fields to override. `windowed`: on CPU too, decode batched
+    windows (the CUDA path) instead of the staged decoder."""
     return asyncio.run(
-        _main(device, backend, counts, [Precision(p.lower()) for p in precisions], max_batch, growth, windowed)
+        _main(device, backend, counts, [Precision(p.lower()) for p in precisions], max_batch, schedule or {}, windowed)
     )

@@ -182,8 +182,10 @@ def _cmd_bench_streams(args: argparse.Namespace) -> int:
     from service.bench_streams import run_streams_bench
 
     counts = [int(n) for n in args.streams.split(",")]
+    overrides = {"growth": args.growth, "first_frames": args.first_frames}
+    schedule = {k: v for k, v in overrides.items() if v is not None}
     return run_streams_bench(args.device, args.backend, counts, args.precisions.split(","), args.max_batch,
-                             args.growth, args.windowed)
+                             schedule, args.windowed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     bstr.add_argument("--precisions", default="fp32", help="comma-separated: auto, fp16, fp32")
     bstr.add_argument("--max-batch", type=int, default=64)
     bstr.add_argument("--growth", type=float, default=None, help="chunk growth factor (default: the engine's)")
+    bstr.add_argument("--first-frames", type=int, default=None,
+                      help="first chunk in latent frames (default: the engine's)")
     bstr.add_argument("--windowed", action="store_true",
                       help="on CPU too, decode batched windows (the CUDA path) instead of the staged decoder")
     bstr.set_defaults(func=_cmd_bench_streams)

@@ -51,8 +51,8 @@ class ChunkSchedule:
     whole-utterance acoustic stage for the first audio only covers that clause.
     0 turns it off."""
 
-    first_frames: int = 8
-    growth: float = 16.0  # 8 -> 128 -> 1024: chunk k+1 still finishes well before chunk k has played
+    first_frames: int = 32  # 372 ms of audio at 22 kHz: room for the next chunk even with 8 sessions on 2 cores
+    growth: float = 16.0  # 32 -> 512 -> 1024: chunk k+1 still finishes well before chunk k has played
     max_frames: int = 1024
     fast_start_chars: int = 120
     fast_start_min_clause: int = 20

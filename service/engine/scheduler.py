@@ -385,7 +385,7 @@ class EngineLoop:
     def _decodes_staged(self, runtime: Synthesizer, precision: str) -> bool:
         """On CPU, FP32 utterances are decoded alone by the staged decoder: batching windows
         buys little there, and the staged decoder skips recomputing every chunk's context
-        (for a first chunk of 8 frames, the windowed decoder runs ~4x as many frames)."""
+        (24 frames of generator context and up to 64 of flow context per windowed chunk)."""
         return self.batch.cpu_staged and runtime.staged and precision == "fp32" and runtime.backend.device == "cpu"
 
     def _chunks(self, head: _Work, now: float) -> None:
