@@ -85,7 +85,7 @@ async def _main(
         config = dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **schedule))  # type: ignore[arg-type]
     engine = TtsEngine(config)
     await engine.start()
-    mode = "batched windows" if windowed or not engine.device == "cpu" else "staged (CPU)"
+    mode = "batched windows" if windowed or engine.device != "cpu" else "staged (CPU)"
     print(f"engine: {engine.backend_name} on {engine.device}, {mode}, max batch {max_batch}, {config.schedule}")
     print(f"{'streams':>7} {'prec':>5} {'ttfa_p50':>9} {'ttfa_p99':>9} {'underrun_max':>12} {'ok<=100ms':>9} "
           f"{'wall_s':>7}")

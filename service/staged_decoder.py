@@ -40,9 +40,9 @@ class StagedDecoder:
         # The frame-rate stages (the flow's couplings, conv_pre) run ahead in pieces of at
         # least `flow_piece_frames` (`flow_first_piece_frames` on their first call, which
         # the time to first audio waits for): small calls cost more per frame.
-        leading = next((i for i, (factor, _, _) in enumerate(self.stages) if factor > 1), len(self.stages))
-        self.piece = [flow_piece_frames if i < leading else 0 for i in range(len(self.stages))]
-        self.first_piece = [flow_first_piece_frames if i < leading else 0 for i in range(len(self.stages))]
+        self.frame_rate_stages = next((i for i, (f, _, _) in enumerate(self.stages) if f > 1), len(self.stages))
+        self.flow_piece = flow_piece_frames
+        self.flow_first_piece = flow_first_piece_frames
         self.lengths = [int(z_p.shape[1])]
         for factor, _, _ in self.stages:
             self.lengths.append(self.lengths[-1] * factor)
@@ -86,6 +86,7 @@ class StagedDecoder:
         if self.done[s] >= target:
             return
         lo = self.done[s]
-        piece = self.piece[s] if lo else self.first_piece[s]
-        target = min(self.lengths[s + 1], max(target, lo + piece))
+        if s < self.frame_rate_stages:
+            piece = self.flow_piece if lo else self.flow_first_piece
+            target = min(self.lengths[s + 1], max(target, lo + piece))
         self.buffers[s][:, lo:target] = self._run(s, target)

@@ -423,7 +423,10 @@ def fp32_chunk(
     """The chunk `voc` computed wholly in FP32: (latent window, trimmed audio)."""
     z = fp32_latent(backend, dec, voc.lo, voc.hi, sid)
     out = backend.vocode(z[None], sid, "fp32")
-    return z, dec.trim_audio(voc, finite(out.audio[0]), dec.hop)
+    audio = out.audio[0]
+    if int(out.nonfinite[0]):  # the guard already counted them: no second scan
+        audio = np.nan_to_num(audio, nan=0.0, posinf=0.0, neginf=0.0)  # never send non-finite samples
+    return z, dec.trim_audio(voc, audio, dec.hop)
 
 
 def redo_chunk_fp32(backend: Backend, dec: UtteranceDecoder, voc: Window, sid: np.ndarray | None) -> np.ndarray:

@@ -26,7 +26,7 @@ class OrtBackend:
 
     def __init__(
         self, voice: Voice, device: str = "cpu", threads: int | None = None,
-        cache_dir: Path | None = None, spin: bool = True,
+        cache_dir: Path | None = None,
     ) -> None:
         import onnxruntime as ort
 
@@ -47,7 +47,7 @@ class OrtBackend:
         # every op costs 10-40% on these small convs), and stop spinning when the run
         # ends: several stage sessions run one after another, and a pool still spinning
         # after its run would steal the cores from the next stage (2-3x slower calls).
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
         opts.add_session_config_entry("session.force_spinning_stop", "1")
         self._stage_names = decoder_stage_names(voice.model)
         self._sessions = {
