@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,37 @@ def default_cache_dir() -> Path:
     """Where stage exports are kept; XDG cache by default."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "cadenza" / "onnx"
+
+
+# Staged-decoder calls at least this long (input frames or samples) are cut in time,
+# one piece per CPU lane, each run by a one-thread session in its own thread: the
+# flow's small convs and the last generator stages' cache-sized pieces do more per
+# core that way than one session spreading every op over all threads. Smaller calls
+# stay whole (the cut's extra context and hand-off cost more than they save).
+LANE_MIN_FLOW_FRAMES = 256
+LANE_MIN_GENERATOR_SAMPLES = 4096
+LANE_GENERATOR_STAGES = 2  # the last two generator stages (longest inputs)
+
+
+def lane_split_minimums(stages: list[tuple[int, int, int]], flow_stages: int) -> list[int | None]:
+    """Per staged-decoder stage: the input length from which a call is cut into
+    lanes, or None (never cut)."""
+    out: list[int | None] = []
+    for i in range(len(stages)):
+        if i < flow_stages:
+            out.append(LANE_MIN_FLOW_FRAMES)
+        elif i >= len(stages) - LANE_GENERATOR_STAGES:
+            out.append(LANE_MIN_GENERATOR_SAMPLES)
+        else:
+            out.append(None)
+    return out
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class OrtBackend:
@@ -54,15 +86,57 @@ class OrtBackend:
             name: ort.InferenceSession(str(p), sess_options=opts, providers=["CPUExecutionProvider"])
             for name, p in paths.items()
         }
+        self._stages = decoder_stage_table(voice.model)
+        self.lanes = threads or cpu_count()
+        self.lane_minimums = lane_split_minimums(self._stages, voice.model.flow.num_stages)
+        self._lane_sessions: dict[str, object] = {}
+        self._lane_pool: ThreadPoolExecutor | None = None
+        if self.lanes > 1:
+            one = ort.SessionOptions()
+            one.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            one.intra_op_num_threads = 1
+            one.inter_op_num_threads = 1
+            self._lane_sessions = {
+                name: ort.InferenceSession(str(paths[name]), sess_options=one, providers=["CPUExecutionProvider"])
+                for name, least in zip(self._stage_names, self.lane_minimums, strict=True) if least is not None
+            }
+            self._lane_pool = ThreadPoolExecutor(self.lanes - 1, thread_name_prefix="cadenza-ort-lane")
 
     def decoder_stages(self) -> list[tuple[int, int, int]]:
-        return decoder_stage_table(self.voice.model)
+        return self._stages
 
     def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
         """One flow coupling or generator stage (the staged streaming path)."""
-        (y,) = self._run(self._stage_names[index], {"x": np.ascontiguousarray(x, dtype=np.float32),
-                                                    "sid": self._sid(sid, x.shape[0])})
-        return y
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        name = self._stage_names[index]
+        least = self.lane_minimums[index]
+        if self._lane_pool is None or least is None or x.shape[-1] < max(least, 2 * self.lanes):
+            (y,) = self._run(name, {"x": x, "sid": self._sid(sid, x.shape[0])})
+            return y
+        return self._decode_in_lanes(index, x, sid)
+
+    def _decode_in_lanes(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
+        """One stage call cut in time into one piece per lane. Each piece carries the
+        stage's input context on its inner sides, so its kept outputs equal the whole
+        call's; the pieces run at once in one-thread sessions."""
+        assert self._lane_pool is not None
+        factor, context, _ = self._stages[index]
+        sess = self._lane_sessions[self._stage_names[index]]
+        length = x.shape[-1]
+        edges = [length * k // self.lanes for k in range(self.lanes + 1)]
+        sid_arr = self._sid(sid, x.shape[0])
+
+        def piece(k: int) -> np.ndarray:
+            lo, hi = edges[k], edges[k + 1]
+            in_lo, in_hi = max(0, lo - context), min(length, hi + context)
+            feed = {"x": np.ascontiguousarray(x[:, :, in_lo:in_hi]), "sid": sid_arr}
+            wanted = {i.name for i in sess.get_inputs()}  # type: ignore[attr-defined]
+            (y,) = sess.run(None, {k_: v for k_, v in feed.items() if k_ in wanted})  # type: ignore[attr-defined]
+            return y[:, :, (lo - in_lo) * factor : (hi - in_lo) * factor]
+
+        others = [self._lane_pool.submit(piece, k) for k in range(1, self.lanes)]
+        parts = [piece(0)] + [f.result() for f in others]
+        return np.concatenate(parts, axis=-1)
 
     def supported_precisions(self) -> tuple[str, ...]:
         return ("fp32",)

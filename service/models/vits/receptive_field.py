@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from service.models.vits.flow import ResidualCouplingFlow
+from service.models.vits.flow import MeanOnlyCoupling, ResidualCouplingFlow
 from service.models.vits.generator import Generator, ResBlock1, ResBlock2
 
 if TYPE_CHECKING:
@@ -52,6 +52,8 @@ def flow_stage_table(flow: ResidualCouplingFlow) -> list[tuple[int, int, int]]:
     out = []
     for index in range(flow.num_stages):
         coupling = flow.coupling(index)
+        if not isinstance(coupling, MeanOnlyCoupling):
+            raise TypeError("stage tables are read from the trained couplings, not folded ones")
         convs = [conv for conv in coupling.enc.in_layers if isinstance(conv, nn.Conv1d)]
         context = sum(_conv_radius(conv) for conv in convs)
         out.append((1, context, 2 * coupling.half_channels))
