@@ -371,14 +371,14 @@ class Synthesizer:
                 )
                 offset += len(audio)
 
-    def _sentences(self, text: str, params: SynthesisParams) -> list[PhonemizedSentence]:
+    def _sentences(self, text: str, params: SynthesisParams) -> Iterator[PhonemizedSentence]:
+        """Phonemised sentences, made as they are asked for: the first audio does not
+        wait for the frontend to finish the rest of the text."""
         frontend = self.voice.frontend
         cut = first_clause_cut(text, self.schedule)
         parts = [text] if cut is None else [text[:cut], text[cut:]]
-        return [
-            s for part in parts for s in frontend.sentences(part, params.custom_dictionary)
-            if s.phoneme_ids
-        ]
+        for part in parts:
+            yield from (s for s in frontend.sentences(part, params.custom_dictionary) if s.phoneme_ids)
 
     def synthesize(
         self, text: str, params: SynthesisParams | None = None

@@ -27,8 +27,8 @@ def default_cache_dir() -> Path:
 # flow's small convs and the last generator stages' cache-sized pieces do more per
 # core that way than one session spreading every op over all threads. Smaller calls
 # stay whole (the cut's extra context and hand-off cost more than they save).
-LANE_MIN_FLOW_FRAMES = 256
-LANE_MIN_GENERATOR_SAMPLES = 4096
+LANE_MIN_FLOW_FRAMES = 128
+LANE_MIN_GENERATOR_SAMPLES = 2048
 LANE_GENERATOR_STAGES = 2  # the last two generator stages (longest inputs)
 
 
