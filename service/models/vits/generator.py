@@ -125,3 +125,79 @@ class Generator(nn.Module):
         for index in range(self.num_stages):
             x = self.stage(index, x, g)
         return x
+
+
+class PolyphaseUpsample(nn.Module):
+    """A ConvTranspose1d (kernel = 2 x stride) computed as plain convolutions, one
+    output channel block per output phase, then interleaved. Same function; on ONNX
+    Runtime CPU it avoids the transposed conv's column scatter (about 2% less
+    synthesis time end to end). Inference only.
+
+    Output sample n = S*m + r (S = stride x f phases, f chosen so S >= 8: ORT's
+    transpose of an 8-wide phase axis is fast) reads two neighbouring inputs; phases
+    whose two inputs start at the same offset share one conv. The interleaved
+    result starts `padding` samples early and is cut to the transposed conv's
+    length."""
+
+    MIN_PHASES = 8
+
+    def __init__(self, up: nn.ConvTranspose1d, groups: list[tuple[int, list[int]]], folds: int) -> None:
+        super().__init__()
+        weight = up.weight.detach()  # [in, out, kernel]
+        in_ch, out_ch, kernel = weight.shape
+        self.stride, self.padding = int(up.stride[0]), int(up.padding[0])
+        self.folds, self.out_channels = folds, out_ch
+        bias = up.bias.detach() if up.bias is not None else torch.zeros(out_ch)
+        self.pads: list[tuple[int, int]] = []
+        self.convs = nn.ModuleList()
+        for offset, phases in groups:
+            conv = nn.Conv1d(in_ch, len(phases) * out_ch, 2, stride=folds).requires_grad_(False)
+            w = torch.empty(len(phases), out_ch, in_ch, 2)
+            for j, phase in enumerate(phases):
+                for tap in range(2):
+                    k = phase - self.stride * (offset + tap)
+                    assert 0 <= k < kernel, "polyphase tap outside the kernel"
+                    w[j, :, :, tap] = weight[:, :, k].T
+            conv.weight.copy_(w.reshape(-1, in_ch, 2))
+            assert conv.bias is not None
+            conv.bias.copy_(bias.repeat(len(phases)))
+            self.convs.append(conv)
+            self.pads.append((-offset, 2 + offset))
+
+    @classmethod
+    def from_transposed(cls, up: nn.ConvTranspose1d) -> PolyphaseUpsample | None:
+        """The polyphase form of `up`, or None where its shape has none here."""
+        s, p, kernel = int(up.stride[0]), int(up.padding[0]), int(up.kernel_size[0])
+        if kernel != 2 * s or not 0 <= p <= s or up.dilation[0] != 1 or up.groups != 1 or up.output_padding[0]:
+            return None
+        for folds in range(max(1, -(-cls.MIN_PHASES // s)), 0, -1):
+            phases = s * folds
+            by_offset: dict[int, list[int]] = {}
+            for r in range(phases):
+                first_input = r // s - (1 if r % s < s - p else 0)
+                by_offset.setdefault(first_input - folds * ((r + p) // phases), []).append((r + p) % phases)
+            groups = sorted(((o, sorted(rs)) for o, rs in by_offset.items()), key=lambda g: g[1][0])
+            flat = [r for _, rs in groups for r in rs]
+            if flat == list(range(phases)) and all(-2 <= o <= 0 for o, _ in groups):
+                return cls(up, groups, folds)
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[-1]
+        parts = [conv(F.pad(x, pad)) for conv, pad in zip(self.convs, self.pads, strict=True)]
+        y = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+        batch, _, steps = y.shape
+        phases = self.stride * self.folds
+        y = y.reshape(batch, phases, self.out_channels, steps).permute(0, 2, 3, 1)
+        y = y.reshape(batch, self.out_channels, steps * phases)
+        out = (length + 1) * self.stride - 2 * self.padding  # the transposed conv's length
+        return y[:, :, self.padding : self.padding + out]
+
+
+def polyphase_upsamplers(gen: Generator) -> None:
+    """Replace each of `gen`'s transposed convs that has a polyphase form (in place)."""
+    for i, up in enumerate(gen.ups):
+        assert isinstance(up, nn.ConvTranspose1d)
+        poly = PolyphaseUpsample.from_transposed(up)
+        if poly is not None:
+            gen.ups[i] = poly
