@@ -22,19 +22,20 @@ def default_cache_dir() -> Path:
     return Path(base) / "cadenza" / "onnx"
 
 
-# Staged-decoder calls at least this long (input frames or samples) are cut in time,
-# one piece per CPU lane, each run by a one-thread session in its own thread: the
-# flow's small convs and the last generator stages' cache-sized pieces do more per
-# core that way than one session spreading every op over all threads. Smaller calls
-# stay whole (the cut's extra context and hand-off cost more than they save).
-LANE_MIN_FLOW_FRAMES = 128
-LANE_MIN_GENERATOR_SAMPLES = 2048
+# Staged-decoder calls are cut in time into pieces of at least this many input frames
+# (flow) or samples (generator), at most one per CPU lane, each run by a one-thread
+# session in its own thread: the flow's small convs and the last generator stages'
+# cache-sized pieces do more per core that way than one session spreading every op
+# over all threads. Calls too short for two pieces stay whole (the cut's extra context
+# and hand-off would cost more than they save).
+LANE_MIN_FLOW_FRAMES = 64
+LANE_MIN_GENERATOR_SAMPLES = 1024
 LANE_GENERATOR_STAGES = 2  # the last two generator stages (longest inputs)
 
 
 def lane_split_minimums(stages: list[tuple[int, int, int]], flow_stages: int) -> list[int | None]:
-    """Per staged-decoder stage: the input length from which a call is cut into
-    lanes, or None (never cut)."""
+    """Per staged-decoder stage: the shortest input piece a call is cut into, or
+    None (never cut)."""
     out: list[int | None] = []
     for i in range(len(stages)):
         if i < flow_stages:
@@ -110,20 +111,21 @@ class OrtBackend:
         x = np.ascontiguousarray(x, dtype=np.float32)
         name = self._stage_names[index]
         least = self.lane_minimums[index]
-        if self._lane_pool is None or least is None or x.shape[-1] < max(least, 2 * self.lanes):
+        pieces = min(self.lanes, x.shape[-1] // least) if least else 1
+        if self._lane_pool is None or pieces < 2:
             (y,) = self._run(name, {"x": x, "sid": self._sid(sid, x.shape[0])})
             return y
-        return self._decode_in_lanes(index, x, sid)
+        return self._decode_in_lanes(index, x, sid, pieces)
 
-    def _decode_in_lanes(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
-        """One stage call cut in time into one piece per lane. Each piece carries the
-        stage's input context on its inner sides, so its kept outputs equal the whole
-        call's; the pieces run at once in one-thread sessions."""
+    def _decode_in_lanes(self, index: int, x: np.ndarray, sid: np.ndarray | None, pieces: int) -> np.ndarray:
+        """One stage call cut in time into `pieces` (at most one per lane). Each piece
+        carries the stage's input context on its inner sides, so its kept outputs equal
+        the whole call's; the pieces run at once in one-thread sessions."""
         assert self._lane_pool is not None
         factor, context, _ = self._stages[index]
         sess = self._lane_sessions[self._stage_names[index]]
         length = x.shape[-1]
-        edges = [length * k // self.lanes for k in range(self.lanes + 1)]
+        edges = [length * k // pieces for k in range(pieces + 1)]
         sid_arr = self._sid(sid, x.shape[0])
 
         def piece(k: int) -> np.ndarray:
@@ -134,7 +136,7 @@ class OrtBackend:
             (y,) = sess.run(None, {k_: v for k_, v in feed.items() if k_ in wanted})  # type: ignore[attr-defined]
             return y[:, :, (lo - in_lo) * factor : (hi - in_lo) * factor]
 
-        others = [self._lane_pool.submit(piece, k) for k in range(1, self.lanes)]
+        others = [self._lane_pool.submit(piece, k) for k in range(1, pieces)]
         parts = [piece(0)] + [f.result() for f in others]
         return np.concatenate(parts, axis=-1)
 

@@ -14,7 +14,7 @@ from service.voices import Voice, builtin_voice_info
 
 @pytest.fixture(scope="module")
 def backend(onnx_cache_dir: str) -> OrtBackend:
-    # Three lanes: the cut is tested with more than one hand-off.
+    # Three lanes: the cut is tested with two pieces and with three.
     return OrtBackend(Voice(builtin_voice_info()), threads=3, cache_dir=Path(onnx_cache_dir))
 
 
@@ -27,7 +27,7 @@ def test_lane_pieces_equal_the_whole_call(backend: OrtBackend) -> None:
         least = backend.lane_minimums[i]
         assert least is not None
         channels = 192 if i == 0 else stages[i - 1][2]
-        for length in (least, least + 7):
+        for length in (2 * least, 3 * least + 7):  # two pieces, then three
             x = (rng.standard_normal((1, channels, length)) * 0.5).astype(np.float32)
             whole = backend._run(backend._stage_names[i], {"x": x, "sid": np.zeros(1, dtype=np.int64)})[0]
             got = backend.decode_stage(i, x, None)
