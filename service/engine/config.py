@@ -56,4 +56,6 @@ class EngineConfig:
     shadow_fraction: float = 0.0  # share of FP16 chunks re-run in FP32 off the hot path (PSNR histogram)
     # Long enough to reach every stage session at every size class the decoder uses (the
     # ORT lanes cut only long calls), so the first caller does not pay for a first run.
-    warmup_text: str = "Hello there. This sentence warms up every stage of the decoder, so the first caller does not wait."
+    warmup_text: str = (
+        "Hello there. This sentence warms up every stage of the decoder, so the first caller does not wait."
+    )

@@ -15,6 +15,10 @@ Rules (documented simplifications):
   "3.14" never ends a sentence (no whitespace after the period).
 - A clause ends at ``, ; :`` followed by whitespace, or at an em dash; it is only a cut once
   ``min_clause_chars`` characters (counted up to the punctuation) are buffered.
+- A stream's first utterance may end at an earlier clause (``first_min_clause_chars``) when
+  at least ``first_clause_lookahead_chars`` characters follow it with no sentence end among
+  them: the first audio then waits for a short clause, not a long sentence, while a short
+  tail (", please?") stays with its sentence. Decided from those characters alone.
 - Text reaching ``max_chars`` without a cut is split at its last clause boundary, else its
   last whitespace, else hard at ``max_chars``.
 """
@@ -41,6 +45,8 @@ class SegmenterConfig:
     min_clause_chars: int = 60
     max_chars: int = 300
     idle_timeout_s: float = 1.0
+    first_min_clause_chars: int | None = 20  # None: the first utterance cuts like the rest
+    first_clause_lookahead_chars: int = 40
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -62,11 +68,15 @@ def _period_ends_sentence(text: str, start: int, next_char: str) -> bool:
     return not (len(word) == 1 and word.isalpha())
 
 
-def find_cut(text: str, min_clause_chars: int | None, final: bool = False) -> int | None:
+def find_cut(
+    text: str, min_clause_chars: int | None, final: bool = False, early: tuple[int, int] | None = None
+) -> int | None:
     """End index of the first utterance in ``text``, or None if none is decided yet.
 
     ``final`` says no more text will follow, so trailing whitespace decides a pending end.
-    ``min_clause_chars`` None disables clause cuts.
+    ``min_clause_chars`` None disables clause cuts. ``early`` (min chars, lookahead): a
+    shorter clause also ends the utterance when the next ``lookahead`` characters hold no
+    sentence end (a stream's first utterance).
     """
     for match in _CANDIDATE.finditer(text):
         end = match.end()
@@ -82,9 +92,17 @@ def find_cut(text: str, min_clause_chars: int | None, final: bool = False) -> in
             if "!" in run or "?" in run or _period_ends_sentence(text, match.start(), next_char):
                 return cut
             continue
-        if min_clause_chars is None or match.start() + len(run) < min_clause_chars:
+        if not (spaced or run == "—"):
             continue
-        if spaced or run == "—":
+        chars = match.start() + len(run)
+        if min_clause_chars is not None and chars >= min_clause_chars:
+            return cut
+        if early is not None and chars >= early[0]:
+            lookahead = text[cut : cut + early[1]]
+            if find_cut(lookahead, None) is not None:
+                continue  # the sentence ends soon: keep this clause with it
+            if len(lookahead) < early[1]:
+                return None  # undecided until the lookahead has arrived
             return cut
     return None
 
@@ -110,6 +128,7 @@ class IncrementalSegmenter:
         self.config = config or SegmenterConfig()
         self._buffer = ""
         self._last_push: float | None = None
+        self._released = False  # the stream's first utterance is out
 
     @property
     def pending(self) -> str:
@@ -126,6 +145,7 @@ class IncrementalSegmenter:
         """Release everything buffered (end of input or explicit flush)."""
         out = [self._buffer] if self._buffer else []
         self._buffer = ""
+        self._released = self._released or bool(out)
         return out
 
     def poll(self, now: float) -> list[str]:
@@ -143,13 +163,16 @@ class IncrementalSegmenter:
             # Only the first max_chars characters count, so the cut does not depend on how
             # much text arrived in one push.
             window = self._buffer[:max_chars]
-            cut = find_cut(window, self.config.min_clause_chars)
+            first = self.config.first_min_clause_chars
+            early = None if self._released or first is None else (first, self.config.first_clause_lookahead_chars)
+            cut = find_cut(window, self.config.min_clause_chars, early=early)
             if cut is None:
                 if len(self._buffer) < max_chars:
                     break
                 cut = force_cut(window)
             out.append(self._buffer[:cut])
             self._buffer = self._buffer[cut:]
+            self._released = True
         return out
 
 

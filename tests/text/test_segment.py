@@ -168,3 +168,40 @@ def test_random_words_invariants() -> None:
         assert all(len(u) <= config.max_chars for u in released)
         flushed = IncrementalSegmenter(config)
         assert "".join(flushed.push(text, 0.0) + flushed.flush()) == text
+
+
+FAST = "Before we get started, I need to let you know that this call may be recorded. Thanks, bye."
+
+
+def test_first_utterance_ends_at_an_early_clause() -> None:
+    released, pending = _push_all(FAST, [], SegmenterConfig())
+    assert released == ["Before we get started, ", "I need to let you know that this call may be recorded. "]
+    assert pending == "Thanks, bye."
+    # Only the stream's first utterance: the same clause later waits for its sentence.
+    released, _ = _push_all("Hello there. " + FAST, [], SegmenterConfig())
+    assert released[:2] == [
+        "Hello there. ", "Before we get started, I need to let you know that this call may be recorded. "
+    ]
+    # Off when asked.
+    released, _ = _push_all(FAST, [], SegmenterConfig(first_min_clause_chars=None))
+    assert released[0].startswith("Before we get started, I need")
+
+
+def test_early_clause_waits_for_its_lookahead_and_keeps_short_tails() -> None:
+    segmenter = IncrementalSegmenter(SegmenterConfig())
+    assert segmenter.push("Before we get started, I need to let you know", 0.0) == []  # 23 of 40
+    assert segmenter.push(" that this call may", 0.0) == ["Before we get started, "]
+    # A sentence end within the lookahead keeps the clause with its sentence.
+    released, pending = _push_all("Can I have your account number, please? Sure.", [], SegmenterConfig())
+    assert released == ["Can I have your account number, please? "] and pending == "Sure."
+
+
+def test_early_clause_invariants_random_splits() -> None:
+    rng = random.Random(7)
+    texts = [FAST, "Well, " + FAST, FAST.replace(",", ";"), "One, two, three, four, five, six, seven, eight."]
+    for text in texts:
+        for config in (SegmenterConfig(), SegmenterConfig(first_min_clause_chars=5, first_clause_lookahead_chars=8)):
+            at_once, pending_once = _push_all(text, [], config)
+            for _ in range(40):
+                cuts = rng.sample(range(1, len(text)), k=rng.randint(1, len(text) - 1))
+                assert _push_all(text, cuts, config) == (at_once, pending_once)
