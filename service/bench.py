@@ -61,7 +61,7 @@ def time_whole(syn: Synthesizer, text: str, seed: int) -> Run:
     samples = 0
     params = SynthesisParams(seed=seed)
     for utt in whole.prepare(text, params):
-        sid = None if utt.sid is None else np.asarray([utt.sid], dtype=np.int64)
+        sid = utt.sid_batch
         z = syn.backend.flow(utt.z_p[None], sid, "fp32")
         samples += syn.backend.vocode(z, sid, "fp32").audio.shape[-1]
     total = time.perf_counter() - start

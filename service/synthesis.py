@@ -122,6 +122,11 @@ class Utterance:
     def frames(self) -> int:
         return int(self.z_p.shape[1])
 
+    @property
+    def sid_batch(self) -> np.ndarray | None:
+        """The speaker as a batch of one, as backends take it (None: single speaker)."""
+        return None if self.sid is None else np.asarray([self.sid], dtype=np.int64)
+
 
 @dataclass
 class AcousticJob:
@@ -310,7 +315,7 @@ class Synthesizer:
             yield from self._decode_staged(utt, first_frames)
             return
         dec = UtteranceDecoder(utt, self.schedule, self.flow_halo, self.voc_halo, first_frames, self.hop)
-        sid = None if utt.sid is None else np.asarray([utt.sid], dtype=np.int64)
+        sid = utt.sid_batch
         current = precision
         while not dec.done:
             flow_w, voc_w = dec.next_windows()
@@ -337,12 +342,11 @@ class Synthesizer:
 
     def staged_decoder(self, utt: Utterance) -> StagedDecoder:
         """A staged decoder for one utterance (FP32; backends with `decode_stage`)."""
-        sid = None if utt.sid is None else np.asarray([utt.sid], dtype=np.int64)
         # Short utterances run the whole flow in their first call (it is cheap per frame
         # but pays for small calls); longer ones only what the first chunk needs.
         first_piece = utt.frames if utt.frames <= self.schedule.flow_at_once_frames else 0
         return StagedDecoder(
-            self.backend, utt.z_p, sid, self.schedule.flow_piece_frames, first_piece,  # type: ignore[arg-type]
+            self.backend, utt.z_p, utt.sid_batch, self.schedule.flow_piece_frames, first_piece,  # type: ignore[arg-type]
         )
 
     def _decode_staged(self, utt: Utterance, first_frames: int | None) -> Iterator[tuple[np.ndarray, str, bool]]:

@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +46,14 @@ def lane_split_minimums(stages: list[tuple[int, int, int]], flow_stages: int) ->
         else:
             out.append(None)
     return out
+
+
+def run_session(sess: Any, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Run an ONNX Runtime session on the inputs of `feed` its graph has (an export
+    drops `sid` where the stage does not use it)."""
+    wanted = {i.name for i in sess.get_inputs()}
+    result: list[np.ndarray] = sess.run(None, {k: v for k, v in feed.items() if k in wanted})
+    return result
 
 
 def cpu_count() -> int:
@@ -90,7 +99,7 @@ class OrtBackend:
         self._stages = decoder_stage_table(voice.model)
         self.lanes = threads or cpu_count()
         self.lane_minimums = lane_split_minimums(self._stages, voice.model.flow.num_stages)
-        self._lane_sessions: dict[str, object] = {}
+        self._lane_sessions: dict[str, Any] = {}
         self._lane_pool: ThreadPoolExecutor | None = None
         if self.lanes > 1:
             one = ort.SessionOptions()
@@ -131,9 +140,7 @@ class OrtBackend:
         def piece(k: int) -> np.ndarray:
             lo, hi = edges[k], edges[k + 1]
             in_lo, in_hi = max(0, lo - context), min(length, hi + context)
-            feed = {"x": np.ascontiguousarray(x[:, :, in_lo:in_hi]), "sid": sid_arr}
-            wanted = {i.name for i in sess.get_inputs()}  # type: ignore[attr-defined]
-            (y,) = sess.run(None, {k_: v for k_, v in feed.items() if k_ in wanted})  # type: ignore[attr-defined]
+            (y,) = run_session(sess, {"x": np.ascontiguousarray(x[:, :, in_lo:in_hi]), "sid": sid_arr})
             return y[:, :, (lo - in_lo) * factor : (hi - in_lo) * factor]
 
         others = [self._lane_pool.submit(piece, k) for k in range(1, pieces)]
@@ -148,9 +155,7 @@ class OrtBackend:
         return np.zeros(batch, dtype=np.int64) if sid is None else np.asarray(sid, dtype=np.int64)
 
     def _run(self, stage: str, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-        sess = self._sessions[stage]
-        wanted = {i.name for i in sess.get_inputs()}
-        return sess.run(None, {k: v for k, v in feed.items() if k in wanted})
+        return run_session(self._sessions[stage], feed)
 
     def encode(
         self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None

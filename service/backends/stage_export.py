@@ -56,8 +56,8 @@ class AudioStage(nn.Module):
         return self.model.vocode(z, sid if self.model.emb_g else None)
 
 
-class FlowStage(nn.Module):
-    """One flow coupling (see ResidualCouplingFlow.stage), for the staged decoder."""
+class DecoderStage(nn.Module):
+    """One staged-decoder stage (see VitsModel.decoder_stage)."""
 
     def __init__(self, model: VitsModel, index: int) -> None:
         super().__init__()
@@ -65,21 +65,8 @@ class FlowStage(nn.Module):
         self.index = index
 
     def forward(self, x: torch.Tensor, sid: torch.Tensor) -> torch.Tensor:
-        g = self.model.speaker_embedding(sid) if self.model.emb_g is not None else None
-        return self.model.flow.stage(self.index, x, g)
-
-
-class GeneratorStage(nn.Module):
-    """One generator stage (see Generator.stage), for the staged streaming vocoder."""
-
-    def __init__(self, model: VitsModel, index: int) -> None:
-        super().__init__()
-        self.model = model
-        self.index = index
-
-    def forward(self, x: torch.Tensor, sid: torch.Tensor) -> torch.Tensor:
-        g = self.model.speaker_embedding(sid) if (self.index == 0 and self.model.emb_g is not None) else None
-        return self.model.dec.stage(self.index, x, g)
+        g = self.model.speaker_embedding(sid) if self.model.uses_speaker(self.index) else None
+        return self.model.decoder_stage(self.index, x, g)
 
 
 def decoder_stage_names(model: VitsModel) -> list[str]:
@@ -136,11 +123,9 @@ def export_stages(model: VitsModel, out_dir: Path, opset: int = 17) -> dict[str,
     stage_lengths = [t_fr]
     for factor, _, _ in table[:-1]:
         stage_lengths.append(stage_lengths[-1] * factor)
-    n_flow = model.flow.num_stages
     for i, name in enumerate(decoder_stage_names(model)):
-        stage: nn.Module = FlowStage(folded, i) if i < n_flow else GeneratorStage(folded, i - n_flow)
         specs[name] = (
-            stage, (torch.randn(2, channels[i], stage_lengths[i]), sid), ["x", "sid"], ["y"],
+            DecoderStage(folded, i), (torch.randn(2, channels[i], stage_lengths[i]), sid), ["x", "sid"], ["y"],
             {"x": {0: "batch", 2: "length"}, "sid": {0: "batch"}, "y": {0: "batch", 2: "out_length"}},
         )
     paths = {}

@@ -119,10 +119,8 @@ class TorchBackend:
     def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
         """One flow coupling or generator stage in FP32 (the staged streaming path)."""
         model = self.models["fp32"]
-        n_flow = model.flow.num_stages
-        g = model.speaker_embedding(self._sid(sid)) if index <= n_flow else None
-        x_in = self._input(x, "fp32")
-        y = model.flow.stage(index, x_in, g) if index < n_flow else model.dec.stage(index - n_flow, x_in, g)
+        g = model.speaker_embedding(self._sid(sid)) if model.uses_speaker(index) else None
+        y = model.decoder_stage(index, self._input(x, "fp32"), g)
         return y.float().cpu().numpy()
 
     @torch.inference_mode()

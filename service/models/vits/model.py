@@ -59,6 +59,19 @@ class VitsModel(nn.Module):
             sid = torch.zeros(1, dtype=torch.long, device=self.emb_g.weight.device)
         return self.emb_g(sid).unsqueeze(-1)
 
+    def uses_speaker(self, stage: int) -> bool:
+        """Whether staged-decoder stage `stage` is conditioned on the speaker (the flow's
+        couplings and the generator's first stage are)."""
+        return self.emb_g is not None and stage <= self.flow.num_stages
+
+    def decoder_stage(self, index: int, x: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+        """Staged-decoder stage `index`: the flow's couplings in inference order, then the
+        generator's stages. Running them in order is `flow_reverse` then `vocode`."""
+        n_flow = self.flow.num_stages
+        if index < n_flow:
+            return self.flow.stage(index, x, g)
+        return self.dec.stage(index - n_flow, x, g)
+
     def encode(
         self,
         ids: torch.Tensor,
