@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from service.engine.api import AudioOut, Precision, SessionConfig, SessionSummary
+from service.engine.config import BatchConfig
 
 if TYPE_CHECKING:
     from service.engine.engine import TtsEngine
@@ -68,25 +69,22 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _main(
-    device: str, backend: str, counts: list[int], precisions: list[Precision], max_batch: int,
-    schedule: dict[str, float], windowed: bool,
+    device: str, backend: str, counts: list[int], precisions: list[Precision], batch: BatchConfig,
+    schedule: dict[str, float],
 ) -> int:
     import dataclasses
 
-    from service.engine.config import BatchConfig, EngineConfig, Limits
+    from service.engine.config import EngineConfig, Limits
     from service.engine.engine import TtsEngine
 
     config = EngineConfig(
-        device=device, backend=backend, cache_bytes=0,
-        batch=BatchConfig(max_batch=max_batch, max_wait_s=0.002, cpu_staged=not windowed),
-        limits=Limits(max_sessions=max(counts) + 8),
+        device=device, backend=backend, cache_bytes=0, batch=batch, limits=Limits(max_sessions=max(counts) + 8),
     )
     if schedule:
         config = dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **schedule))  # type: ignore[arg-type]
     engine = TtsEngine(config)
     await engine.start()
-    mode = "batched windows" if windowed or engine.device != "cpu" else "staged (CPU)"
-    print(f"engine: {engine.backend_name} on {engine.device}, {mode}, max batch {max_batch}, {config.schedule}")
+    print(f"engine: {engine.backend_name} on {engine.device}, {batch}, {config.schedule}")
     print(f"{'streams':>7} {'prec':>5} {'ttfa_p50':>9} {'ttfa_p99':>9} {'underrun_max':>12} {'ok<=100ms':>9} "
           f"{'wall_s':>7}")
     try:
@@ -103,19 +101,21 @@ async def _main(
                 print(f"{n:7d} {precision.value:>5} {p50:8.1f}ms {p99:8.1f}ms {worst:11.1f}ms {ok:5d}/{n:<3d} "
                       f"{wall:7.2f}")
         stats = engine.stats()
-        print(f"batches {stats['batches']}, rows {stats['batch_rows']}, largest batch {stats['max_batch_rows']}, "
-              f"fp32 fallbacks {stats['fp32_fallbacks']}")
+        print(f"steps {stats['steps']:.0f}, rows {stats['step_rows']:.0f}, largest step {stats['max_step_rows']:.0f}, "
+              f"step time {stats['step_seconds']:.2f} s for {stats['step_audio_seconds']:.1f} s of audio, "
+              f"acoustic {stats['acoustic_jobs']:.0f} jobs in {stats['acoustic_batches']:.0f} calls, "
+              f"fp32 fallbacks {stats['fp32_fallbacks']:.0f}")
     finally:
         await engine.stop()
     return 0
 
 
 def run_streams_bench(
-    device: str, backend: str, counts: list[int], precisions: list[str], max_batch: int,
-    schedule: dict[str, float] | None = None, windowed: bool = False,
+    device: str, backend: str, counts: list[int], precisions: list[str], batch: BatchConfig | None = None,
+    schedule: dict[str, float] | None = None,
 ) -> int:
-    """`schedule`: ChunkSchedule fields to override. `windowed`: on CPU too, decode batched
-    windows (the CUDA path) instead of the staged decoder."""
+    """`schedule`: ChunkSchedule fields to override."""
     return asyncio.run(
-        _main(device, backend, counts, [Precision(p.lower()) for p in precisions], max_batch, schedule or {}, windowed)
+        _main(device, backend, counts, [Precision(p.lower()) for p in precisions], batch or BatchConfig(),
+              schedule or {})
     )

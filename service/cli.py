@@ -6,6 +6,10 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from service.engine.config import BatchConfig
 
 
 def _add_voice_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +87,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from service.api.server import ServerConfig, serve
-    from service.engine.config import BatchConfig, EngineConfig, Limits
+    from service.engine.config import EngineConfig, Limits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(
@@ -91,7 +95,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine=EngineConfig(
             voice=args.voice, voices_dir=Path(args.voices_dir) if args.voices_dir else None,
             backend=args.backend, device=args.device, threads=args.threads,
-            batch=BatchConfig(max_batch=args.max_batch, max_wait_s=args.max_wait_ms / 1000),
+            batch=_batch_config(args),
             cache_bytes=args.cache_mb << 20,
         ),
         limits=Limits(
@@ -184,8 +188,50 @@ def _cmd_bench_streams(args: argparse.Namespace) -> int:
     counts = [int(n) for n in args.streams.split(",")]
     overrides = {"growth": args.growth, "first_frames": args.first_frames}
     schedule = {k: v for k, v in overrides.items() if v is not None}
-    return run_streams_bench(args.device, args.backend, counts, args.precisions.split(","), args.max_batch,
-                             schedule, args.windowed)
+    return run_streams_bench(args.device, args.backend, counts, args.precisions.split(","), _batch_config(args),
+                             schedule)
+
+
+def _cmd_bench_load(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from service.tools.bench_load import LoadConfig, run_bench_load
+
+    config = LoadConfig(
+        target=args.target, sessions=args.sessions, arrival=args.arrival, rate=args.rate, duration_s=args.duration,
+        pace=args.pace, tokens_per_s=args.tokens_per_s, precision=args.precision, seed=args.seed,
+        connect_timeout_s=args.connect_timeout,
+    )
+    try:
+        return run_bench_load(config, args.sweep, Path(args.json) if args.json else None,
+                              Path(args.png) if args.png else None)
+    except ConnectionError as exc:
+        print(f"cadenza: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _add_batch_args(p: argparse.ArgumentParser) -> None:
+    from service.engine.config import BatchConfig
+
+    d = BatchConfig()
+    p.add_argument("--decoder", choices=("auto", "slots", "staged"), default=d.decoder,
+                   help="slots: batched steps with per-session device state (torch); staged: one utterance at a "
+                        "time (ONNX Runtime CPU); auto: slots where the backend has them (default: %(default)s)")
+    p.add_argument("--step-frames", type=int, default=d.step_frames,
+                   help="latent frames each session advances per decoder step (default: %(default)s)")
+    p.add_argument("--max-step-rows", type=int, default=d.max_step_rows,
+                   help="sessions one decoder step advances at most (default: %(default)s)")
+    p.add_argument("--slots", type=int, default=d.slots,
+                   help="utterances decoding at once per voice and precision (default: %(default)s)")
+    p.add_argument("--max-ahead", type=float, default=d.max_ahead_s,
+                   help="seconds of unread audio after which a session is not stepped (default: %(default)s)")
+
+
+def _batch_config(args: argparse.Namespace) -> BatchConfig:
+    from service.engine.config import BatchConfig
+
+    return BatchConfig(decoder=args.decoder, step_frames=args.step_frames, max_step_rows=args.max_step_rows,
+                       slots=args.slots, max_ahead_s=args.max_ahead)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,20 +305,52 @@ def build_parser() -> argparse.ArgumentParser:
     bstr.add_argument("--backend", default="auto")
     bstr.add_argument("--streams", default="1,4", help="comma-separated session counts")
     bstr.add_argument("--precisions", default="fp32", help="comma-separated: auto, fp16, fp32")
-    bstr.add_argument("--max-batch", type=int, default=64)
     bstr.add_argument("--growth", type=float, default=None, help="chunk growth factor (default: the engine's)")
     bstr.add_argument("--first-frames", type=int, default=None,
                       help="first chunk in latent frames (default: the engine's)")
-    bstr.add_argument("--windowed", action="store_true",
-                      help="on CPU too, decode batched windows (the CUDA path) instead of the staged decoder")
+    _add_batch_args(bstr)
     bstr.set_defaults(func=_cmd_bench_streams)
+    bload = bsub.add_parser(
+        "load", help="N sessions against a RUNNING server over gRPC: TTFA P50/P99, underruns, pass rate",
+        description="Drive a running `cadenza serve` over the native streaming API. A session passes when its "
+                    "worst underrun (audio played from its first chunk) is at most 100 ms and it ended OK. "
+                    "Last line: pass_rate= ttfa_p50_ms= ttfa_p99_ms= sessions= rtfx=.",
+    )
+    bload.add_argument("--target", default="localhost:50051", help="server host:port (default: %(default)s)")
+    bload.add_argument("--sessions", type=int, default=8,
+                       help="burst: sessions started at once; poisson: total sessions that arrive; --sweep: the "
+                            "largest N tried (default: %(default)s)")
+    bload.add_argument("--arrival", choices=("burst", "poisson"), default="burst",
+                       help="burst: all sessions start together; poisson: random arrivals at --rate "
+                            "(default: %(default)s)")
+    bload.add_argument("--rate", type=float, default=2.0,
+                       help="poisson: sessions arriving per second (default: %(default)s)")
+    bload.add_argument("--duration", type=float, default=None,
+                       help="poisson: stop arriving after this many seconds, or at --sessions arrivals if that "
+                            "comes first (default: no time limit)")
+    bload.add_argument("--pace", choices=("sentence", "llm"), default="sentence",
+                       help="sentence: each sentence pushed whole; llm: word-sized deltas at --tokens-per-s, "
+                            "and TTFA then includes the time to write the first clause (default: %(default)s)")
+    bload.add_argument("--tokens-per-s", type=float, default=30.0,
+                       help="llm pacing: text tokens per second (default: %(default)s)")
+    bload.add_argument("--sweep", action="store_true",
+                       help="find the largest N <= --sessions with pass_rate >= 0.99 and TTFA p99 <= 150 ms "
+                            "(doubling, then bisection; one line per probe)")
+    bload.add_argument("--precision", choices=("auto", "fp16", "fp32"), default="auto",
+                       help="precision each session asks for (default: %(default)s)")
+    bload.add_argument("--json", default=None, help="write per-session records and the summary here (default: none)")
+    bload.add_argument("--png", default=None, help="write the TTFA CDF plot here (default: none)")
+    bload.add_argument("--seed", type=int, default=0,
+                       help="picks each session's texts and the poisson arrivals (default: %(default)s)")
+    bload.add_argument("--connect-timeout", type=float, default=30.0,
+                       help="seconds to wait for the server to be reachable and SERVING (default: %(default)s)")
+    bload.set_defaults(func=_cmd_bench_load)
     serve = sub.add_parser("serve", help="run the gRPC server")
     serve.add_argument("--host", default="[::]")
     serve.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     _add_voice_args(serve)
     serve.set_defaults(device="auto")
-    serve.add_argument("--max-batch", type=int, default=8, help="rows per batched flow/vocoder call")
-    serve.add_argument("--max-wait-ms", type=float, default=2.0, help="how long an underfull batch waits")
+    _add_batch_args(serve)
     serve.add_argument("--cache-mb", type=int, default=64, help="result cache size (seeded requests)")
     serve.add_argument("--max-sessions", type=int, default=64)
     serve.add_argument("--max-text-chars", type=int, default=100_000, help="characters per session")

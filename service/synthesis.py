@@ -263,10 +263,11 @@ class Synthesizer:
         for i, job in enumerate(jobs):
             n = int(lengths[i])
             m_p, logs_p, logw = enc.m_p[i], enc.logs_p[i], enc.logw[i, 0]
-            if len(jobs) > 1 and self._ceil_is_ambiguous(logw[:n], job.params):
+            if len(jobs) > 1 and job.params.seed is not None and self._ceil_is_ambiguous(logw[:n], job.params):
                 # Batched kernels round differently from a batch of one (|d logw| ~1e-5). Where a
                 # duration sits that close to a whole frame, the batch of one decides, so a seeded
-                # sentence never gets a different length because of who it was batched with.
+                # sentence never gets a different length because of who it was batched with
+                # (unseeded sentences draw fresh noise anyway: nothing to reproduce).
                 one = self.backend.encode(ids[i : i + 1, :n], lengths[i : i + 1], dp_noise[i : i + 1, :, :n],
                                           None if sid_arr is None else sid_arr[i : i + 1])
                 m_p, logs_p, logw = one.m_p[0], one.logs_p[0], one.logw[0, 0]
@@ -336,7 +337,8 @@ class Synthesizer:
                 assert out is not None
                 audio = dec.trim_audio(voc_w, out.audio[0], self.hop)
                 if shadow is not None and current != "fp32":
-                    shadow.offer(self.backend, dec, voc_w, sid, audio)
+                    shadow.offer(self.backend, utt.z_p, (voc_w.keep_lo, voc_w.keep_hi),
+                                 (self.flow_halo, self.voc_halo), self.hop, sid, audio)
             dec.index += 1
             yield audio, current, fallback
 
@@ -446,7 +448,8 @@ class ShadowSampler(Protocol):
     """Receives a sample of FP16 chunks to re-run in FP32 off the hot path."""
 
     def offer(
-        self, backend: Backend, dec: UtteranceDecoder, voc: Window, sid: np.ndarray | None, audio: np.ndarray
+        self, backend: Backend, z_p: np.ndarray, span: tuple[int, int], halos: tuple[int, int], hop: int,
+        sid: np.ndarray | None, audio: np.ndarray,
     ) -> None: ...
 
 

@@ -21,9 +21,27 @@ def test_bench_reports_ratios_and_the_cost_of_streaming(tmp_path: Path, capsys: 
     rows = [ln for ln in lines if re.match(r"\s*\d+ ", ln)]
     assert len(rows) == 2 and all(len(r.split()) >= 9 for r in rows)
     assert lines[-2].startswith("median rtf ratio without streaming")
-    last = re.fullmatch(r"ttfa_ratio=(\S+) rtf_ratio=(\d+\.\d+)", lines[-1])
+    overall = next(ln for ln in lines if ln.startswith("ttfa, all 2 texts: cadenza median"))
+    assert "piper median" in overall and "highest ratio" in overall
+    last = re.fullmatch(r"ttfa_ratio=(\S+) rtf_ratio=(\d+\.\d+) ttfa_ratio_all=(\d+\.\d+)", lines[-1])
     assert last is not None and float(last.group(2)) > 0
     assert last.group(1) == "nan"  # no text of 150+ characters in this corpus
+    # TTFA over all texts is still there: the median of the rows' TTFA ratios.
+    ratios = sorted(float(r.split()[3]) for r in rows)
+    assert float(last.group(3)) == pytest.approx(sum(ratios) / 2, abs=1.5e-3)
+    assert re.search(r"median ttfa ratio, all texts: " + last.group(3), "\n".join(lines))
+
+
+def test_packaged_corpus_loads_from_anywhere_and_has_late_comma_long_texts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    texts = load_corpus()
+    monkeypatch.chdir(tmp_path)  # outside the repository
+    assert load_corpus(None) == texts
+    assert load_corpus(Path("bench/corpus_cpu.txt")) == texts  # the CLI's default
+    assert len(texts) >= 15 and all(not t.startswith("#") for t in texts)
+    late = [t for t in texts if 150 <= len(t) <= 250 and "," not in t[:120]]
+    assert len(late) >= 3
 
 
 def test_whole_and_streamed_runs_give_the_same_audio_length() -> None:

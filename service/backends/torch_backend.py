@@ -17,6 +17,7 @@ from service.engine.guard import guard
 from service.models.vits.model import VitsModel
 from service.models.vits.precision import VITS_FP32_PINS, to_mixed_precision
 from service.models.vits.receptive_field import decoder_stage_table
+from service.models.vits.streaming import VitsStreamingDecoder, stage_shapes
 from service.voices import Voice
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -111,6 +112,34 @@ class TorchBackend:
         z = self._input(z_p, precision)
         mask = torch.ones(z.shape[0], 1, z.shape[2], device=self._device, dtype=z.dtype)
         return model.flow_reverse(z, mask, self._sid(sid)).float().cpu().numpy()
+
+    def streaming_decoder(
+        self, precision: str, capacity: int, max_rows: int = 256, graphs: bool = True,
+        graph_frames: Sequence[int] = (),
+    ) -> VitsStreamingDecoder:
+        """A slot decoder over this backend's model in `precision` (see models/vits/streaming.py);
+        on CUDA, steps of `graph_frames` frames and up to `max_rows` rows run as CUDA graphs."""
+        buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if b < max_rows] + [max_rows]
+        return VitsStreamingDecoder(self.model_for(precision), precision, capacity, self._device, DTYPES[precision],
+                                    graphs=graphs and self._device.type == "cuda", graph_frames=graph_frames,
+                                    buckets=buckets)
+
+    def streaming_lag(self) -> int:
+        """Latent frames a slot decoder's audio trails its input."""
+        shapes = stage_shapes(self.models["fp32"])
+        return sum(s.lead // s.rate for s in shapes)
+
+    @torch.inference_mode()
+    def guarded_host(self, audio: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The guard over a whole step's audio [B, S] (one fused kernel on CUDA), then one copy
+        to the host: (float32 audio with non-finite samples zeroed, non-finite count per row)."""
+        result = guard(audio)
+        host = audio.float().cpu().numpy()
+        nonfinite = result.nonfinite.cpu().numpy().astype(np.int64)
+        bad = nonfinite > 0
+        if bad.any():
+            host[bad] = np.nan_to_num(host[bad], nan=0.0, posinf=0.0, neginf=0.0)
+        return host, nonfinite
 
     def decoder_stages(self) -> list[tuple[int, int, int]]:
         return decoder_stage_table(self.models["fp32"])

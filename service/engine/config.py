@@ -22,22 +22,31 @@ class Limits:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    """Dynamic batching of flow/vocoder windows across sessions."""
+    """How the engine batches and paces decoding across sessions (see scheduler.py)."""
 
-    max_batch: int = 8  # rows per backend call
-    max_wait_s: float = 0.002  # how long an underfull batch may wait for company
-    # On CUDA, window lengths are rounded up to this many frames (with extra left context, so
-    # results do not change) so sessions with different utterance lengths share batches. Not
-    # used on CPU, where the extra context would cost more than batching gains.
-    cuda_window_bucket_frames: int = 32
-    # On CPU, FP32 utterances are decoded alone by the staged decoder (each stage's output kept
-    # between chunks) instead of in batched windows that recompute every chunk's context.
-    cpu_staged: bool = True
-    # While another session is starting or has less than `cpu_urgent_slack_s` of audio left to
-    # play, a staged CPU chunk is cut to at most this many frames, so one session's big chunk
-    # does not make the others run dry (staged chunks pay only a few samples of context).
+    # "slots": every step advances many sessions by `step_frames` in one call, each session's
+    # decoder state in a device slot (the torch backend). "staged": each utterance decoded
+    # alone by the staged decoder (ONNX Runtime on CPU). "auto": slots where the backend has them.
+    decoder: str = "auto"
+    step_frames: int = 32  # latent frames a session advances per step after its first chunk
+    max_step_rows: int = 256  # sessions advanced by one step at most (the most urgent first)
+    slots: int = 1024  # utterances decoding at once per voice and precision (state kept on the device)
+    cuda_graphs: bool = True  # capture each (batch bucket, step size) as a CUDA graph
+    max_ahead_s: float = 3.0  # backpressure: a session whose client has this much audio unread is not stepped
+    urgent_slack_s: float = 0.3  # a playing session with less buffered is stepped before new sentences
+    acoustic_max_batch: int = 32  # sentences per acoustic-stage call
+    acoustic_lookahead_s: float = 2.0  # a session's next sentence waits while this much audio is queued
+    # Staged decoding: while another session is starting or has less than `cpu_urgent_slack_s`
+    # of audio left, a chunk is cut to at most this many frames, so one session's big chunk does
+    # not make the others run dry (staged chunks pay only a few samples of context).
     cpu_quantum_frames: int = 32
     cpu_urgent_slack_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.decoder not in ("auto", "slots", "staged"):
+            raise ValueError(f"unknown decoder {self.decoder!r}; use auto, slots or staged")
+        if min(self.step_frames, self.max_step_rows, self.slots, self.acoustic_max_batch) < 1:
+            raise ValueError("step_frames, max_step_rows, slots and acoustic_max_batch must be at least 1")
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,11 @@ from service.engine.api import (
 )
 from service.engine.cache import ResultCache
 from service.engine.config import EngineConfig
+from service.engine.core import EngineCore
 from service.engine.precision import Hardware, PrecisionDecision, PrecisionPolicy
-from service.engine.scheduler import EngineLoop, WorkSpec
 from service.engine.session import EngineSession, SessionSetup
 from service.engine.shadow import ShadowVerifier
+from service.engine.state import WorkSpec
 from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, default_backend
 from service.voices import Voice, VoiceInfo, VoiceNotFoundError, list_voices
 
@@ -63,7 +64,7 @@ class TtsEngine:
         self.backend_name = default_backend(self.device) if config.backend == "auto" else config.backend
         self.cache = ResultCache(config.cache_bytes)
         self.shadow = ShadowVerifier(config.shadow_fraction) if config.shadow_fraction > 0 else None
-        self._loop = EngineLoop(config.batch, self.cache, on_trip=self._on_trip, shadow=self.shadow)
+        self._loop = EngineCore(config.batch, self.cache, on_trip=self._on_trip, shadow=self.shadow)
         self._policy: PrecisionPolicy | None = None
         self._voices: dict[str, VoiceInfo] = {}
         self._default: VoiceInfo | None = None
@@ -77,10 +78,19 @@ class TtsEngine:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load and warm up the default voice, then start the engine thread."""
+        """Load the default voice, start the engine thread and warm it up through a real
+        session (every step shape the decoder uses is prepared before the first caller)."""
         await asyncio.get_running_loop().run_in_executor(None, self._start_sync)
         self._loop.start()
         self.ready = True
+        for precision in self._warm_precisions():
+            session = await self._open_session(SessionConfig(seed=0, precision=precision), internal=True)
+            await self._collect(session, self.config.warmup_text)
+
+    def _warm_precisions(self) -> list[Precision]:
+        assert self._default is not None
+        supported = self._runtimes[self._default.name].backend.supported_precisions()
+        return [Precision(p) for p in supported]
 
     def _start_sync(self) -> None:
         voices_dir = self.config.voices_dir
@@ -94,8 +104,7 @@ class TtsEngine:
             raise VoiceNotFoundError(
                 f"unknown default voice {self.config.voice!r}; available: {', '.join(sorted(self._voices))} (--voice)"
             )
-        runtime = self._runtime(self._default)
-        runtime.synthesize(self.config.warmup_text, SynthesisParams(seed=0))
+        self._runtime(self._default)
 
     async def stop(self) -> None:
         for session in list(self._sessions.values()):
@@ -119,7 +128,8 @@ class TtsEngine:
         s = self._loop.stats
         return {
             "live_sessions": self.live_sessions, "cache_hits": self.cache.hits, "cache_misses": self.cache.misses,
-            "cache_bytes": self.cache.bytes, "batches": s.batches, "batch_rows": s.rows, "max_batch_rows": s.max_rows,
+            "cache_bytes": self.cache.bytes, "steps": s.steps, "step_rows": s.rows, "max_step_rows": s.max_rows,
+            "step_seconds": s.step_seconds, "step_audio_seconds": s.audio_seconds,
             "acoustic_jobs": s.acoustic_jobs, "acoustic_batches": s.acoustic_batches, "fp32_fallbacks": s.fallbacks,
             "shadow_verified": self.shadow.verified if self.shadow else 0,
             "shadow_min_psnr_db": (self.shadow.psnr.minimum if self.shadow and self.shadow.verified else math.inf),
@@ -166,11 +176,15 @@ class TtsEngine:
     # --- sessions ----------------------------------------------------------------------------
 
     async def open_session(self, config: SessionConfig) -> EngineSession:
+        return await self._open_session(config, internal=False)
+
+    async def _open_session(self, config: SessionConfig, internal: bool) -> EngineSession:
+        """`internal`: the server's own warm-up session, outside the client limits."""
         if not self.ready:
             raise Unavailable("the server is still loading its voice; retry shortly")
         if self.draining:
             raise Unavailable("the server is draining (shutting down); connect to another instance")
-        if len(self._sessions) >= self.config.limits.max_sessions:
+        if len(self._sessions) >= self.config.limits.max_sessions and not internal:
             raise ResourceExhausted(
                 f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"
             )
@@ -181,22 +195,24 @@ class TtsEngine:
             await asyncio.get_running_loop().run_in_executor(None, self._runtime, info)
         decision = self._resolve_precision(config.precision, info.name)
         precision = Precision(decision.precision)
-        if len(self._sessions) >= self.config.limits.max_sessions:  # others opened while we loaded
+        if len(self._sessions) >= self.config.limits.max_sessions and not internal:  # others opened meanwhile
             raise ResourceExhausted(f"too many open sessions (limit {self.config.limits.max_sessions}); retry later")
         runtime = self._runtimes[info.name]
         setup = SessionSetup(
             session_id=next(self._ids), config=config, in_rate=info.sample_rate,
             out_rate=config.sample_rate or info.sample_rate, precision=precision,
             precision_reason=decision.reason,
-            segmenter=self.config.segmenter, max_text_chars=self.config.limits.max_text_chars,
+            segmenter=self.config.segmenter,
+            max_text_chars=len(self.config.warmup_text) if internal else self.config.limits.max_text_chars,
             max_audio_bytes=max(1024, self.config.limits.max_message_bytes - 1024),
+            max_ahead_s=self.config.batch.max_ahead_s,
         )
         session = EngineSession(setup, self._loop, self._forget)
         self._sessions[session.id] = session
         self._loop.submit_open(WorkSpec(
             session_id=session.id, runtime=runtime, voice_name=info.name, sid=sid, params=params,
             schedule=schedule, precision=precision.value, custom_dictionary=config.custom_dictionary,
-            sink=session, loop=asyncio.get_running_loop(),
+            sink=session, loop=asyncio.get_running_loop(), cursor=setup.cursor,
         ))
         return session
 
@@ -256,8 +272,7 @@ class TtsEngine:
                                   f"{largest} must be between first_chunk_frames ({first}) and {MAX_CHUNK_FRAMES}")
         if c.custom_dictionary and any(not k.strip() or not v.strip() for k, v in c.custom_dictionary.items()):
             raise InvalidArgument("config.custom_dictionary", "entries need a non-empty word and pronunciation")
-        bucket = self.config.batch.cuda_window_bucket_frames if self.device.startswith("cuda") else 0
-        schedule = dataclasses.replace(base, first_frames=first, max_frames=largest, bucket_frames=bucket)
+        schedule = dataclasses.replace(base, first_frames=first, max_frames=largest)
         params = SynthesisParams(
             length_scale=info.length_scale / rate, noise_scale=c.noise_scale, noise_w=c.noise_w, seed=c.seed,
         )
@@ -281,7 +296,10 @@ class TtsEngine:
             self._policy.record_trip(voice)
 
     async def synthesize_all(self, config: SessionConfig, text: str) -> tuple[bytes, list[WordTiming], SessionSummary]:
-        session = await self.open_session(config)
+        return await self._collect(await self.open_session(config), text)
+
+    @staticmethod
+    async def _collect(session: EngineSession, text: str) -> tuple[bytes, list[WordTiming], SessionSummary]:
         try:
             session.push_text(text)
             session.end_input()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.audio.output import AudioOutput
 from service.engine.api import (
@@ -21,7 +21,8 @@ from service.engine.api import (
     SessionSummary,
     WordTiming,
 )
-from service.engine.scheduler import ChunkResult, EngineLoop
+from service.engine.core import EngineCore
+from service.engine.state import ChunkResult, ReadCursor
 from service.text.segment import IncrementalSegmenter, SegmenterConfig
 
 _END = object()
@@ -40,12 +41,14 @@ class SessionSetup:
     max_text_chars: int
     max_audio_bytes: int = 1 << 20  # larger chunks are split (they must fit one gRPC message)
     precision_reason: str = ""
+    cursor: ReadCursor = field(default_factory=ReadCursor)  # what the client took (shared with the engine)
+    max_ahead_s: float = 3.0  # the engine holds the session back while this much audio is unread
 
 
 class EngineSession:
     """One stream. Implements `service.engine.api.Session`."""
 
-    def __init__(self, setup: SessionSetup, loop: EngineLoop, on_close: Callable[[EngineSession], None]) -> None:
+    def __init__(self, setup: SessionSetup, loop: EngineCore, on_close: Callable[[EngineSession], None]) -> None:
         self.setup = setup
         self.id = setup.session_id
         self._engine_loop = loop
@@ -114,6 +117,15 @@ class EngineSession:
             yield item
             if isinstance(item, SessionSummary):
                 return
+            self._taken(item)
+
+    def _taken(self, event: AudioOut) -> None:
+        """Advance the read cursor; wake the engine when the client gets back under the limit."""
+        cursor, limit = self.setup.cursor, self.setup.max_ahead_s
+        before = cursor.delivered_s - cursor.read_s
+        cursor.read_s += event.num_samples / event.sample_rate
+        if before >= limit / 2 and cursor.delivered_s - cursor.read_s < limit:  # may have been held back
+            self._engine_loop.poke()
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -164,6 +176,7 @@ class EngineSession:
             n = min(step, count - start)
             lo = 0 if start == 0 else header + start * width
             piece = data[lo : header + (start + n) * width]
+            self.setup.cursor.delivered_s += n / self.setup.out_rate
             self._queue.put_nowait(AudioOut(
                 audio=piece, seq=self._seq, offset_samples=offset + start, num_samples=n,
                 sample_rate=self.setup.out_rate, utterance=utterance, precision=Precision(precision),

@@ -13,7 +13,6 @@ import numpy as np
 
 from service.backends.base import Backend
 from service.quality import psnr_db
-from service.synthesis import UtteranceDecoder, Window
 from service.telemetry.histogram import Histogram
 
 log = logging.getLogger(__name__)
@@ -53,8 +52,11 @@ class ShadowVerifier:
         self._queue = queue.Queue(self.max_queue)
 
     def offer(
-        self, backend: Backend, dec: UtteranceDecoder, voc: Window, sid: np.ndarray | None, audio: np.ndarray
+        self, backend: Backend, z_p: np.ndarray, span: tuple[int, int], halos: tuple[int, int], hop: int,
+        sid: np.ndarray | None, audio: np.ndarray,
     ) -> None:
+        """`audio` is latent frames `span` of the utterance whose prior sample is `z_p`, made in
+        FP16; the FP32 reference is decoded with the full `halos` (flow, vocoder) of context."""
         if self.fraction <= 0.0:
             return
         with self._lock:
@@ -62,11 +64,13 @@ class ShadowVerifier:
             every = max(1, round(1.0 / self.fraction))
             if self.offered % every:
                 return
-        t = dec.utt.frames
-        a, b = max(0, voc.lo - dec.flow_halo), min(t, voc.hi + dec.flow_halo)
+        flow_halo, voc_halo = halos
+        t = z_p.shape[1]
+        v_lo, v_hi = max(0, span[0] - voc_halo), min(t, span[1] + voc_halo)
+        a, b = max(0, v_lo - flow_halo), min(t, v_hi + flow_halo)
         job = _Job(
-            backend, dec.utt.z_p[:, a:b].copy(), (voc.lo - a, voc.hi - a),
-            ((voc.keep_lo - voc.lo) * dec.hop, (voc.keep_hi - voc.lo) * dec.hop), sid, audio.copy(),
+            backend, z_p[:, a:b].copy(), (v_lo - a, v_hi - a),
+            ((span[0] - v_lo) * hop, (span[1] - v_lo) * hop), sid, audio.copy(),
         )
         self._ensure_thread()
         try:

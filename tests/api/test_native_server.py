@@ -31,7 +31,7 @@ def _config(limits: Limits | None = None) -> ServerConfig:
     return ServerConfig(
         host="127.0.0.1", port=0, limits=limits or Limits(), drain_grace_s=2.0,
         engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
-                            batch=BatchConfig(max_wait_s=0.0), cache_bytes=0),
+                            batch=BatchConfig(), cache_bytes=0),
     )
 
 

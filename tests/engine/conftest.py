@@ -1,4 +1,4 @@
-"""Engine fixtures: a started TtsEngine on the tiny test voice (torch backend, CPU)."""
+"""Engine fixtures: a started TtsEngine on the tiny test voice (torch backend, CPU, slot decoder)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 
 def tiny_engine_config(**overrides: object) -> EngineConfig:
     base: dict[str, object] = dict(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
-                                   batch=BatchConfig(max_batch=8, max_wait_s=0.0), cache_bytes=0)
+                                   batch=BatchConfig(), cache_bytes=0)
     base.update(overrides)
     return EngineConfig(**base)  # type: ignore[arg-type]
 
@@ -45,8 +45,9 @@ def harness() -> Iterator[EngineHarness]:
 
 
 @pytest.fixture(scope="module")
-def windowed_harness() -> Iterator[EngineHarness]:
-    """CPU engine that batches flow/vocoder windows across sessions (the CUDA path)."""
-    h = EngineHarness(tiny_engine_config(batch=BatchConfig(max_batch=8, max_wait_s=0.0, cpu_staged=False)))
+def staged_harness() -> Iterator[EngineHarness]:
+    """CPU engine that decodes each utterance alone through the staged decoder (the
+    ONNX Runtime default), instead of batched slot steps (the torch default)."""
+    h = EngineHarness(tiny_engine_config(batch=BatchConfig(decoder="staged")))
     yield h
     h.close()

@@ -13,6 +13,10 @@ def same_padding(kernel_size: int, dilation: int) -> int:
     return (kernel_size * dilation - dilation) // 2
 
 
+def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return x if mask is None else x * mask
+
+
 class ResBlock1(nn.Module):
     """Pairs of (dilated conv, plain conv) with residuals (HiFi-GAN V1)."""
 
@@ -27,10 +31,12 @@ class ResBlock1(nn.Module):
             for _ in dilations
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` (1 inside the utterance, 0 outside) zeroes every conv's input outside the
+        utterance, so a window reaching past its edges equals the unwindowed decode."""
         for c1, c2 in zip(self.convs1, self.convs2, strict=True):
-            xt = c2(F.leaky_relu(c1(F.leaky_relu(x, LRELU_SLOPE)), LRELU_SLOPE))
-            x = x + xt
+            xt = c2(_masked(F.leaky_relu(c1(F.leaky_relu(x, LRELU_SLOPE)), LRELU_SLOPE), mask))
+            x = _masked(x + xt, mask)
         return x
 
     def layers(self) -> list[nn.Conv1d]:
@@ -50,9 +56,9 @@ class ResBlock2(nn.Module):
             for d in dilations
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         for conv in self.convs:
-            x = x + conv(F.leaky_relu(x, LRELU_SLOPE))
+            x = _masked(x + conv(F.leaky_relu(x, LRELU_SLOPE)), mask)
         return x
 
     def layers(self) -> list[nn.Conv1d]:
@@ -101,25 +107,40 @@ class Generator(nn.Module):
         """conv_pre, then one stage per upsampling layer (the last one ends in conv_post)."""
         return len(self.ups) + 1
 
-    def stage(self, index: int, x: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
+    def stage(
+        self, index: int, x: torch.Tensor, g: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One stage of the generator. Running the stages in order is `forward`; running
         them separately lets a streaming decoder keep each stage's output instead of
-        recomputing every layer's context for every chunk."""
+        recomputing every layer's context for every chunk. `mask` [B, 1, output length]
+        marks the output positions inside the utterance: with it, a fixed-size window
+        that reaches past the utterance's edges still equals the unwindowed decode (every
+        conv sees zeros outside, as its zero padding gives the full decode)."""
         if index == 0:
             x = self.conv_pre(x)
             if g is not None and self.cond is not None:
                 x = x + self.cond(g)
-            return x
+            return _masked(x, mask)
         i = index - 1
-        x = self.ups[i](F.leaky_relu(x, LRELU_SLOPE))
+        x = _masked(self.ups[i](F.leaky_relu(x, LRELU_SLOPE)), mask)
         blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-        acc = blocks[0](x)
+        acc = blocks[0](x, mask)
         for blk in blocks[1:]:
-            acc = acc + blk(x)
+            acc = acc + blk(x, mask)
         x = acc / self.num_kernels
         if index == self.num_stages - 1:
-            x = torch.tanh(self.conv_post(F.leaky_relu(x)))
+            x = _masked(torch.tanh(self.conv_post(F.leaky_relu(x))), mask)
         return x
+
+    def stage_lengths(self, frames: int) -> list[int]:
+        """Output length of every stage for `frames` latent frames (a transposed conv's
+        length formula; kernel = stride + 2 x padding gives frames x stride)."""
+        out = [frames]
+        for up in self.ups:
+            assert isinstance(up, nn.ConvTranspose1d | PolyphaseUpsample)
+            k, s, p = _upsample_shape(up)
+            out.append((out[-1] - 1) * s - 2 * p + k)
+        return out
 
     def forward(self, x: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
         for index in range(self.num_stages):
@@ -192,6 +213,14 @@ class PolyphaseUpsample(nn.Module):
         y = y.reshape(batch, self.out_channels, steps * phases)
         out = (length + 1) * self.stride - 2 * self.padding  # the transposed conv's length
         return y[:, :, self.padding : self.padding + out]
+
+
+def _upsample_shape(up: nn.Module) -> tuple[int, int, int]:
+    """(kernel, stride, padding) of a transposed conv or its polyphase form."""
+    if isinstance(up, PolyphaseUpsample):
+        return 2 * up.stride, up.stride, up.padding
+    assert isinstance(up, nn.ConvTranspose1d)
+    return int(up.kernel_size[0]), int(up.stride[0]), int(up.padding[0])
 
 
 def polyphase_upsamplers(gen: Generator) -> None:

@@ -64,13 +64,17 @@ class VitsModel(nn.Module):
         couplings and the generator's first stage are)."""
         return self.emb_g is not None and stage <= self.flow.num_stages
 
-    def decoder_stage(self, index: int, x: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    def decoder_stage(
+        self, index: int, x: torch.Tensor, g: torch.Tensor | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Staged-decoder stage `index`: the flow's couplings in inference order, then the
-        generator's stages. Running them in order is `flow_reverse` then `vocode`."""
+        generator's stages. Running them in order is `flow_reverse` then `vocode`. `mask`
+        [B, 1, output length]: 1 inside the utterance (see Generator.stage)."""
         n_flow = self.flow.num_stages
         if index < n_flow:
-            return self.flow.stage(index, x, g)
-        return self.dec.stage(index - n_flow, x, g)
+            y = self.flow.stage(index, x, g, mask)
+            return y if mask is None else y * mask
+        return self.dec.stage(index - n_flow, x, g, mask)
 
     def encode(
         self,

@@ -1,0 +1,271 @@
+"""The engine core: one thread that loops plan -> execute -> deliver.
+
+Sessions post text, end and cancel messages from their event loops (`submit_*`); text is
+phonemised off this thread first (espeak is process-global and slow next to the GPU). The
+thread applies the messages, asks the scheduler for a plan, has the executor run it and the
+output stage deliver it. It is the only code that calls the backends; nothing mutable is
+shared with the event loops."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.engine.cache import ResultCache
+from service.engine.config import BatchConfig
+from service.engine.executor import Executor
+from service.engine.output import OutputStage
+from service.engine.scheduler import Scheduler
+from service.engine.state import (
+    EngineStats,
+    SessionState,
+    SessionStatus,
+    UtteranceState,
+    WorkSpec,
+)
+from service.synthesis import ShadowSampler
+from service.text.frontend import PhonemizedSentence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Inbox:
+    """Messages for the engine thread, in arrival order (guarded by the core's condition)."""
+
+    items: list[tuple[str, int, object]] = field(default_factory=list)
+
+
+class EngineCore:
+    """Owns the backends from its own thread; sessions talk to it through `submit_*`."""
+
+    def __init__(
+        self, batch: BatchConfig, cache: ResultCache, on_trip: Callable[[str], None] | None = None,
+        shadow: ShadowSampler | None = None,
+    ) -> None:
+        self.batch = batch
+        self.stats = EngineStats()
+        self.scheduler = Scheduler(batch)
+        self.executor = Executor(batch, self.stats, shadow, on_trip)
+        self.output = OutputStage(cache, self.executor.release)
+        self._cv = threading.Condition()
+        self._inbox = _Inbox()
+        self._sessions: dict[int, SessionState] = {}  # engine thread only
+        self._stopping = False
+        self._poked = False  # a client took audio since the last plan
+        self._specs: dict[int, WorkSpec] = {}  # for the frontend thread (guarded by _cv)
+        self._texts_sent: dict[int, int] = {}  # per session: texts handed to the frontend (loop side)
+        self._frontend: ThreadPoolExecutor | None = None
+        self._thread = threading.Thread(target=self._run, name="cadenza-engine", daemon=True)
+
+    # --- any thread ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._frontend = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadenza-frontend")
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        if self._frontend is not None:
+            self._frontend.shutdown(wait=False, cancel_futures=True)
+
+    def _post(self, kind: str, session_id: int, payload: object = None) -> None:
+        with self._cv:
+            self._inbox.items.append((kind, session_id, payload))
+            self._cv.notify()
+
+    def submit_open(self, spec: WorkSpec) -> None:
+        with self._cv:
+            self._specs[spec.session_id] = spec
+        self._texts_sent[spec.session_id] = 0
+        self._post("open", spec.session_id, spec)
+
+    def submit_text(self, session_id: int, text: str) -> None:
+        """Phonemised off the engine thread, then queued for the acoustic stage in order."""
+        seq = self._texts_sent.get(session_id, 0)
+        self._texts_sent[session_id] = seq + 1
+        assert self._frontend is not None, "start() the engine first"
+        self._frontend.submit(self._phonemize, session_id, seq, text)
+
+    def submit_end(self, session_id: int) -> None:
+        """No more text: carries how many texts came before it, so it is applied after them."""
+        self._post("end", session_id, self._texts_sent.pop(session_id, 0))
+
+    def poke(self) -> None:
+        """A client took audio: sessions held back by backpressure may step again."""
+        with self._cv:
+            self._poked = True
+            self._cv.notify()
+
+    def submit_cancel(self, session_id: int) -> None:
+        self._texts_sent.pop(session_id, None)
+        with self._cv:
+            self._specs.pop(session_id, None)
+        self._post("cancel", session_id)
+
+    def _phonemize(self, session_id: int, seq: int, text: str) -> None:
+        with self._cv:
+            spec = self._specs.get(session_id)
+        if spec is None:
+            return  # cancelled meanwhile
+        try:
+            sentences = [s for s in spec.runtime.voice.frontend.sentences(text, spec.custom_dictionary)
+                         if s.phoneme_ids]
+        except Exception as exc:
+            from service.engine.api import InvalidArgument
+
+            self._post("error", session_id, InvalidArgument("text", f"cannot phonemise {text[:40]!r}: {exc}"))
+            return
+        self._post("text", session_id, (seq, sentences))
+
+    @property
+    def active_work(self) -> int:
+        """Sessions the engine thread still holds state for (0 once all are finished or cancelled)."""
+        with self._cv:
+            return len(self._sessions) + sum(1 for k, _, _ in self._inbox.items if k == "open")
+
+    # --- engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        idle, wake_at = True, None
+        while True:
+            with self._cv:
+                if not self._inbox.items and not self._stopping and not self._poked and idle:
+                    timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic())
+                    self._cv.wait(timeout)
+                items, self._inbox.items = self._inbox.items, []
+                self._poked = False
+                stopping = self._stopping
+            self._apply(items)
+            if stopping:
+                for s in list(self._sessions.values()):
+                    self._fail(s, RuntimeError("engine stopped"))
+                return
+            try:
+                idle, wake_at = self._iterate()
+            except Exception:  # a bug here must not kill the thread silently
+                log.exception("engine iteration failed")
+                idle, wake_at = True, time.monotonic() + 0.01
+
+    def _apply(self, items: list[tuple[str, int, object]]) -> None:
+        now = time.monotonic()
+        for kind, sid, payload in items:
+            if kind == "open":
+                assert isinstance(payload, WorkSpec)
+                seed = payload.params.seed
+                rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little")) if seed is None else None
+                self._sessions[sid] = _Tracked(payload, rng, ready_since=now)
+                continue
+            s = self._sessions.get(sid)
+            if s is None:
+                continue
+            assert isinstance(s, _Tracked)
+            if kind == "text":
+                assert isinstance(payload, tuple)
+                seq, sentences = payload
+                s.arrived[seq] = sentences
+                while s.applied in s.arrived:
+                    for sentence in s.arrived.pop(s.applied):
+                        s.utterances.append(UtteranceState(s.next_index, sentence))
+                        s.next_index += 1
+                    s.applied += 1
+                s.status = SessionStatus.ACTIVE
+                s.ready_since = now
+            elif kind == "end":
+                assert isinstance(payload, int)
+                s.end_after = payload
+            elif kind == "error":
+                assert isinstance(payload, BaseException)
+                self._fail(s, payload)
+            elif kind == "cancel":
+                self.output.drop(s, SessionStatus.CANCELLED)
+                del self._sessions[sid]
+            if s.end_after is not None and s.applied >= s.end_after:
+                s.ended = True
+
+    def _iterate(self) -> tuple[bool, float | None]:
+        """One plan -> execute -> deliver round. Returns (idle, when to wake without input)."""
+        now = time.monotonic()
+        for s in list(self._sessions.values()):
+            self.output.replay_cached(s, now)
+            self._finish_if_done(s)
+        sessions = list(self._sessions.values())
+        runtime = sessions[0].spec.runtime if sessions else None
+        max_rows = self.executor.max_rows(runtime)
+        plan = self.scheduler.plan(sessions, now, max_rows)
+        if plan.empty:
+            return True, plan.wake_at
+        if plan.decode_first:
+            self._decode(plan.decode)
+            self._acoustic(plan.acoustic)
+        else:
+            self._acoustic(plan.acoustic)
+            if plan.acoustic:  # sentences that just got their latent frames start now
+                plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows)
+            self._decode(plan.decode)
+        for s in list(self._sessions.values()):
+            self._finish_if_done(s)
+        return False, None
+
+    def _acoustic(self, jobs: list[tuple[SessionState, UtteranceState]]) -> None:
+        if not jobs:
+            return
+        failed = self.executor.acoustic(jobs, self.output.cache_key, self.output.cache.get)
+        for s, exc in failed:
+            self._fail(s, exc)
+        now = time.monotonic()
+        for s, _ in jobs:
+            s.ready_since = now
+
+    def _decode(self, rows: list[tuple[SessionState, UtteranceState]]) -> None:
+        rows = [(s, u) for s, u in rows if s.spec.session_id in self._sessions and s.head is u]
+        if not rows:
+            return
+        try:
+            chunks = self.executor.decode(rows, time.monotonic(), self._others_urgent)
+        except Exception as exc:
+            log.exception("decoder step failed")
+            for s, _ in rows:
+                self._fail(s, exc)
+            return
+        now = time.monotonic()
+        for c in chunks:
+            self.output.chunk(c.session, c.utterance, c.samples, c.precision, c.fallback, now)
+
+    def _others_urgent(self, s: SessionState) -> bool:
+        """Another session is waiting for its first audio or will soon run out of it."""
+        limit = self.batch.cpu_urgent_slack_s
+        now = time.monotonic()
+        return any(o is not s and o.utterances and o.slack(now) < limit for o in self._sessions.values())
+
+    def _finish_if_done(self, s: SessionState) -> None:
+        if self.output.finish_if_done(s):
+            self._sessions.pop(s.spec.session_id, None)
+            with self._cv:
+                self._specs.pop(s.spec.session_id, None)
+
+    def _fail(self, s: SessionState, exc: BaseException) -> None:
+        self._sessions.pop(s.spec.session_id, None)
+        with self._cv:
+            self._specs.pop(s.spec.session_id, None)
+        self.output.fail(s, exc)
+
+
+@dataclass
+class _Tracked(SessionState):
+    """A session plus the ordering of its phonemised texts (the frontend may finish them
+    out of order; they are applied in the order they were sent)."""
+
+    arrived: dict[int, list[PhonemizedSentence]] = field(default_factory=dict)
+    applied: int = 0
+    end_after: int | None = None

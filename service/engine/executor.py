@@ -1,0 +1,265 @@
+"""The executor: runs what the scheduler planned on the backends.
+
+* the acoustic stage for a batch of sentences (length-sorted, padded, masked);
+* a decoder step: with slots, every planned session advances by the same number of latent
+  frames in one batched call (first chunks in their own call: they also fill the decoder's
+  lag); the staged CPU decoder instead advances one session by its next chunk;
+* the guard over the step's whole batch, and an FP32 redo of only the rows that tripped.
+
+It returns decoded chunks; delivering them is the output stage's job."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from service.engine.config import BatchConfig
+from service.engine.state import EngineStats, SessionState, UtteranceState, UtteranceStatus
+from service.models.family import StepRows, StreamingDecoder
+from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Chunk:
+    """One decoded chunk of one session's head utterance."""
+
+    session: SessionState
+    utterance: UtteranceState
+    samples: np.ndarray
+    precision: str
+    fallback: bool
+
+
+class _Slots:
+    """The decoder slots of one (voice, precision): a streaming decoder and its free list."""
+
+    def __init__(self, decoder: StreamingDecoder) -> None:
+        self.decoder = decoder
+        self.free = list(range(decoder.capacity - 1, -1, -1))
+
+    def take(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+class Executor:
+    def __init__(
+        self, config: BatchConfig, stats: EngineStats, shadow: ShadowSampler | None = None,
+        on_trip: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.stats = stats
+        self.shadow = shadow
+        self.on_trip = on_trip
+        self._slots: dict[tuple[int, str], _Slots] = {}
+
+    # --- mode ------------------------------------------------------------------------------------
+
+    def uses_slots(self, runtime: Synthesizer) -> bool:
+        if self.config.decoder == "staged":
+            return False
+        has = hasattr(runtime.backend, "streaming_decoder")
+        if self.config.decoder == "slots" and not has:
+            raise ValueError(f"the {runtime.backend.name} backend has no slot decoder; use --decoder staged")
+        return has
+
+    def max_rows(self, runtime: Synthesizer | None) -> int:
+        """Sessions one step may advance: many with slots, one with the staged decoder."""
+        return self.config.max_step_rows if runtime is None or self.uses_slots(runtime) else 1
+
+    def slots(self, runtime: Synthesizer, precision: str) -> _Slots:
+        key = (id(runtime), precision)
+        pool = self._slots.get(key)
+        if pool is None:
+            first = runtime.schedule.first_frames
+            backend = runtime.backend
+            decoder = backend.streaming_decoder(  # type: ignore[attr-defined]
+                precision, self.config.slots, max_rows=self.config.max_step_rows, graphs=self.config.cuda_graphs,
+                graph_frames=(self.config.step_frames, first + self._lag(backend)),
+            )
+            decoder.capture_all()
+            pool = self._slots[key] = _Slots(decoder)
+        return pool
+
+    @staticmethod
+    def _lag(backend: object) -> int:
+        return int(backend.streaming_lag())  # type: ignore[attr-defined]
+
+    def release(self, session: SessionState, u: UtteranceState) -> None:
+        """Give back the slot an utterance holds (done, failed or cancelled)."""
+        if u.slot is not None:
+            self.slots(session.spec.runtime, u.precision).give(u.slot)
+            u.slot = None
+
+    # --- acoustic stage --------------------------------------------------------------------------
+
+    def acoustic(
+        self, jobs: list[tuple[SessionState, UtteranceState]], cache_key: Callable[[SessionState, UtteranceState],
+                                                                                   Hashable | None],
+        cache_get: Callable[[Hashable], object | None],
+    ) -> list[tuple[SessionState, BaseException]]:
+        """Run the acoustic stage for `jobs` (one voice); cached sentences skip it. Returns
+        the sessions that failed, with why."""
+        pending: list[tuple[SessionState, UtteranceState, AcousticJob]] = []
+        for s, u in jobs:
+            u.precision = s.spec.precision
+            u.cache_key = cache_key(s, u)
+            entry = cache_get(u.cache_key) if u.cache_key is not None else None
+            if entry is not None:
+                u.cached = entry  # type: ignore[assignment]
+                u.word_spans = list(u.cached.word_spans)  # type: ignore[union-attr]
+                u.status = UtteranceStatus.CACHED
+                continue
+            spec = s.spec
+            rng = s.rng if s.rng is not None else utterance_rng(spec.params.seed, u.sentence.phoneme_ids)
+            pending.append((s, u, AcousticJob(u.sentence, spec.sid, spec.params, rng)))
+        if not pending:
+            return []
+        runtime = pending[0][0].spec.runtime
+        pending.sort(key=lambda p: len(p[2].sentence.phoneme_ids))  # length buckets: little padding
+        failed: list[tuple[SessionState, BaseException]] = []
+        for group in _groups(pending, self.config.acoustic_max_batch):
+            try:
+                utts = runtime.acoustic_batch([job for _, _, job in group])
+            except Exception as exc:
+                log.exception("acoustic stage failed")
+                failed += [(s, exc) for s, _, _ in group]
+                continue
+            self.stats.acoustic_jobs += len(group)
+            self.stats.acoustic_batches += 1
+            for (s, u, _), utt in zip(group, utts, strict=True):
+                u.utt = utt
+                u.word_spans = utt.word_spans
+                u.status = UtteranceStatus.DECODING
+                if not self.uses_slots(s.spec.runtime):
+                    first = s.spec.schedule.first_chunk(u.index)
+                    u.bounds = s.spec.schedule.boundaries(utt.frames, first)
+                    u.staged = s.spec.runtime.staged_decoder(utt)
+        return failed
+
+    # --- decoder steps ---------------------------------------------------------------------------
+
+    def decode(self, rows: list[tuple[SessionState, UtteranceState]], now: float,
+               others_urgent: Callable[[SessionState], bool]) -> list[Chunk]:
+        if not rows:
+            return []
+        runtime = rows[0][0].spec.runtime
+        if not self.uses_slots(runtime):
+            s, u = rows[0]
+            return [self._staged_chunk(s, u, others_urgent(s))]
+        groups: dict[tuple[int, str, bool], list[tuple[SessionState, UtteranceState]]] = {}
+        for s, u in rows:
+            if u.slot is None:
+                pool = self.slots(s.spec.runtime, u.precision)
+                slot = pool.take()
+                if slot is None:
+                    continue  # every slot busy: this utterance starts when one frees
+                u.slot = slot
+                pool.decoder.reset([slot])
+            groups.setdefault((id(s.spec.runtime), u.precision, u.fed == 0), []).append((s, u))
+        out: list[Chunk] = []
+        for (_, precision, first), group in groups.items():
+            out += self._slot_step(group, precision, first)
+        return out
+
+    def _slot_step(self, rows: list[tuple[SessionState, UtteranceState]], precision: str, first: bool) -> list[Chunk]:
+        runtime = rows[0][0].spec.runtime
+        pool = self.slots(runtime, precision)
+        dec = pool.decoder
+        frames = (runtime.schedule.first_frames + dec.lag) if first else self.config.step_frames
+        channels = rows[0][1].utt.z_p.shape[0]  # type: ignore[union-attr]
+        inputs = np.zeros((len(rows), channels, frames), dtype=np.float32)
+        for i, (_, u) in enumerate(rows):
+            assert u.utt is not None
+            part = u.utt.z_p[:, u.fed : u.fed + frames]
+            inputs[i, :, : part.shape[1]] = part
+        sids = None if rows[0][0].spec.sid is None else [s.spec.sid or 0 for s, _ in rows]
+        step = StepRows([u.slot for _, u in rows], inputs, [u.fed for _, u in rows],  # type: ignore[misc]
+                        [u.frames for _, u in rows], sids)
+        t0 = time.perf_counter()
+        audio, nonfinite = runtime.backend.guarded_host(dec.step(step))  # type: ignore[attr-defined]
+        self.stats.step_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.rows += len(rows)
+        self.stats.max_rows = max(self.stats.max_rows, len(rows))
+        out = []
+        hop = dec.hop
+        for i, (s, u) in enumerate(rows):
+            start = (u.fed - dec.lag) * hop  # position of audio[i, 0] in the utterance
+            lo, hi = max(0, start), min(u.frames * hop, start + frames * hop)
+            u.fed += frames
+            fallback = False
+            if nonfinite[i] and precision != "fp32":
+                samples = self._redo_fp32(s, u, lo, hi)
+                fallback = True
+            else:
+                if nonfinite[i]:
+                    self.stats.nonfinite_fp32 += 1  # zeroed by guarded_host: no FP32 to fall back to
+                samples = audio[i, lo - start : hi - start] if hi > lo else np.zeros(0, np.float32)
+                if self.shadow is not None and precision != "fp32" and hi > lo:
+                    self.shadow.offer(runtime.backend, u.utt.z_p, (lo // hop, hi // hop),  # type: ignore[union-attr]
+                                      (runtime.flow_halo, runtime.voc_halo), hop, u.utt.sid_batch,  # type: ignore[union-attr]
+                                      samples)
+            self.stats.audio_seconds += (hi - lo) / runtime.sample_rate if hi > lo else 0.0
+            out.append(Chunk(s, u, samples, u.precision if not fallback else "fp32", fallback))
+        return out
+
+    def _redo_fp32(self, s: SessionState, u: UtteranceState, lo: int, hi: int) -> np.ndarray:
+        """Guard tripped: decode this utterance again in FP32 up to where the FP16 step got
+        (same prior sample), keep this chunk's span, and continue the utterance in FP32."""
+        runtime = s.spec.runtime
+        self.release(s, u)
+        u.precision = "fp32"
+        pool = self.slots(runtime, "fp32")
+        slot = pool.take()
+        if slot is None:  # no FP32 slot free: a whole-window FP32 decode of this chunk instead
+            raise RuntimeError("no FP32 decoder slot free for a guard redo")
+        u.slot = slot
+        dec = pool.decoder
+        dec.reset([slot])
+        assert u.utt is not None
+        inputs = np.zeros((1, u.utt.z_p.shape[0], u.fed), dtype=np.float32)
+        part = u.utt.z_p[:, : u.fed]
+        inputs[0, :, : part.shape[1]] = part
+        sids = None if s.spec.sid is None else [s.spec.sid]
+        audio, _ = runtime.backend.guarded_host(  # type: ignore[attr-defined]
+            dec.step(StepRows([slot], inputs, [0], [u.frames], sids)))
+        start = -dec.lag * dec.hop
+        self.stats.fallbacks += 1
+        log.warning("guard tripped (session %d): chunk recomputed in fp32", s.spec.session_id)
+        if self.on_trip is not None:
+            self.on_trip(s.spec.voice_name)
+        return audio[0, lo - start : hi - start] if hi > lo else np.zeros(0, np.float32)
+
+    def _staged_chunk(self, s: SessionState, u: UtteranceState, others_urgent: bool) -> Chunk:
+        """The next chunk of one utterance from its staged decoder (FP32, CPU)."""
+        assert u.staged is not None
+        hop = s.spec.runtime.hop
+        k = u.chunk_index
+        a, b = u.bounds[k], u.bounds[k + 1]
+        quantum = self.config.cpu_quantum_frames
+        if 0 < quantum < b - a and others_urgent:
+            b = a + quantum
+            u.bounds.insert(k + 1, b)  # the rest of the planned chunk comes next
+        t0 = time.perf_counter()
+        samples = finite(u.staged.audio(a * hop, b * hop))
+        self.stats.step_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.rows += 1
+        self.stats.max_rows = max(self.stats.max_rows, 1)
+        self.stats.audio_seconds += len(samples) / s.spec.runtime.sample_rate
+        return Chunk(s, u, samples, "fp32", False)
+
+
+def _groups(items: list[T], size: int) -> list[list[T]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]

@@ -1,0 +1,96 @@
+"""The output stage: delivers chunks to the sessions' event loops, fills and replays the
+result cache, retires finished utterances and sessions, and keeps the accounts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+
+import numpy as np
+
+from service.engine.cache import CachedUtterance, ResultCache
+from service.engine.state import ChunkResult, SessionState, SessionStatus, UtteranceState, UtteranceStatus
+
+log = logging.getLogger(__name__)
+
+
+class OutputStage:
+    def __init__(self, cache: ResultCache, release: Callable[[SessionState, UtteranceState], None]) -> None:
+        self.cache = cache
+        self._release = release  # gives an utterance's decoder slot back
+
+    def cache_key(self, s: SessionState, u: UtteranceState) -> Hashable | None:
+        """Only seeded sessions are cacheable (unseeded audio is meant to differ)."""
+        spec, p = s.spec, s.spec.params
+        if p.seed is None or self.cache.max_bytes <= 0:
+            return None
+        return (spec.voice_name, u.sentence.text, tuple(u.sentence.phoneme_ids), spec.sid, p.length_scale,
+                p.noise_scale, p.noise_w, p.seed, spec.precision, spec.schedule)
+
+    def chunk(self, s: SessionState, u: UtteranceState, samples: np.ndarray, precision: str, fallback: bool,
+              now: float) -> None:
+        """Deliver one decoded chunk of `s`'s head utterance `u`; retire `u` after its last."""
+        samples = np.ascontiguousarray(samples, dtype=np.float32)
+        spans = u.word_spans if u.chunk_index == 0 else []
+        u.chunk_index += 1
+        u.samples_done += len(samples)
+        if len(samples) or spans:
+            self._emit(s, ChunkResult(samples, u.index, spans, precision, fallback, False), now)
+        if u.cache_key is not None and len(samples):
+            u.chunks.append(samples)
+            u.precisions.append(precision)
+        if u.samples_done >= u.frames * s.spec.runtime.hop:
+            self._retire(s, u)
+            if u.cache_key is not None:
+                self.cache.put(u.cache_key, CachedUtterance(tuple(u.chunks), tuple(u.precisions),
+                                                            tuple(u.word_spans)))
+
+    def replay_cached(self, s: SessionState, now: float) -> None:
+        """Send cached utterances that reached the head of their session's queue."""
+        while s.head is not None and s.head.status is UtteranceStatus.CACHED:
+            u = s.utterances[0]
+            entry = u.cached
+            assert entry is not None
+            for k, (samples, precision) in enumerate(zip(entry.chunks, entry.precisions, strict=True)):
+                spans = list(entry.word_spans) if k == 0 else []
+                self._emit(s, ChunkResult(samples, u.index, spans, precision, False, True), now)
+            self._retire(s, u)
+
+    def _emit(self, s: SessionState, chunk: ChunkResult, now: float) -> None:
+        if s.first_audio_at is None:
+            s.first_audio_at = now
+        s.samples_out += len(chunk.samples)
+        s.ready_since = now
+        self._deliver(s, "on_chunk", chunk)
+
+    def _retire(self, s: SessionState, u: UtteranceState) -> None:
+        self._release(s, u)
+        u.status = UtteranceStatus.DONE
+        s.utterances.popleft()
+
+    def finish_if_done(self, s: SessionState) -> bool:
+        """End a session whose input ended and whose audio is all out."""
+        if s.status is SessionStatus.ACTIVE or s.status is SessionStatus.IDLE:
+            if s.done:
+                s.status = SessionStatus.FINISHED
+                self._deliver(s, "on_done")
+                return True
+        return False
+
+    def fail(self, s: SessionState, exc: BaseException) -> None:
+        self.drop(s, SessionStatus.FAILED)
+        self._deliver(s, "on_error", exc)
+
+    def drop(self, s: SessionState, status: SessionStatus) -> None:
+        """Free everything a failed or cancelled session holds."""
+        s.status = status
+        for u in s.utterances:
+            self._release(s, u)
+        s.utterances.clear()
+
+    @staticmethod
+    def _deliver(s: SessionState, method: str, *args: object) -> None:
+        try:
+            s.spec.loop.call_soon_threadsafe(getattr(s.spec.sink, method), *args)
+        except RuntimeError:  # the session's event loop is closed: nobody is listening
+            log.debug("session %d: event loop closed, %s dropped", s.spec.session_id, method)

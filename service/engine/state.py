@@ -1,0 +1,173 @@
+"""Engine-thread state: what a session is doing, typed, and the records that cross threads.
+
+Only the engine thread touches `SessionState` and `UtteranceState`; the event loop sees a
+session through its `Sink` (results posted with call_soon_threadsafe)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+from collections import deque
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from service.engine.cache import CachedUtterance
+    from service.staged_decoder import StagedDecoder
+    from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, Utterance
+    from service.text.frontend import PhonemizedSentence
+
+
+@dataclass
+class ChunkResult:
+    """One decoded chunk, handed to the session on its event loop."""
+
+    samples: np.ndarray  # float32 at the voice's rate
+    utterance: int
+    word_spans: list[tuple[str, int, int]]  # on an utterance's first chunk; utterance-relative samples
+    precision: str
+    fallback: bool
+    cached: bool
+
+
+class Sink(Protocol):
+    """Loop-side receiver of one session's results (called on its event loop)."""
+
+    def on_chunk(self, chunk: ChunkResult) -> None: ...
+
+    def on_done(self) -> None: ...
+
+    def on_error(self, exc: BaseException) -> None: ...
+
+
+@dataclass
+class ReadCursor:
+    """Seconds of a session's audio queued for its client and taken by it so far. Written by
+    the session's event loop only, read by the engine thread (plain floats: no lock needed)."""
+
+    delivered_s: float = 0.0
+    read_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkSpec:
+    """Everything the engine thread needs to synthesise for one session."""
+
+    session_id: int
+    runtime: Synthesizer
+    voice_name: str
+    sid: int | None
+    params: SynthesisParams  # length_scale, noise scales, seed resolved by the engine
+    schedule: ChunkSchedule
+    precision: str  # "fp16" | "fp32"
+    custom_dictionary: Mapping[str, str] | None
+    sink: Sink
+    loop: asyncio.AbstractEventLoop
+    cursor: ReadCursor = field(default_factory=ReadCursor)
+
+
+class SessionStatus(enum.Enum):
+    """Where a session is, as the scheduler sees it."""
+
+    IDLE = "idle"  # nothing to synthesise now: waiting for text (or for the client to catch up)
+    ACTIVE = "active"  # has text in the acoustic queue or audio to decode
+    FINISHED = "finished"  # input ended and every chunk was delivered
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class UtteranceStatus(enum.Enum):
+    ACOUSTIC = "acoustic"  # waiting for (or in) the acoustic stage
+    DECODING = "decoding"  # latent frames ready; chunks being decoded
+    CACHED = "cached"  # replayed from the result cache
+    DONE = "done"
+
+
+@dataclass
+class UtteranceState:
+    """One sentence of a session, from the acoustic stage to its last chunk."""
+
+    index: int
+    sentence: PhonemizedSentence
+    status: UtteranceStatus = UtteranceStatus.ACOUSTIC
+    precision: str = "fp32"  # starts at the session's; FP32 for the rest after a guard trip
+    utt: Utterance | None = None
+    word_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    cached: CachedUtterance | None = None
+    cache_key: Hashable | None = None
+    chunks: list[np.ndarray] = field(default_factory=list)  # kept for the cache
+    precisions: list[str] = field(default_factory=list)
+    chunk_index: int = 0  # chunks delivered
+    # Slot decoding: the device slot and latent frames fed so far.
+    slot: int | None = None
+    fed: int = 0
+    # Staged decoding (CPU): the utterance's staged decoder and its chunk boundaries.
+    staged: StagedDecoder | None = None
+    bounds: list[int] = field(default_factory=list)
+    samples_done: int = 0  # audio samples delivered
+
+    @property
+    def frames(self) -> int:
+        return 0 if self.utt is None else self.utt.frames
+
+
+@dataclass
+class SessionState:
+    """Engine-thread state of one session."""
+
+    spec: WorkSpec
+    rng: np.random.Generator | None  # unseeded sessions: one random generator
+    status: SessionStatus = SessionStatus.IDLE
+    utterances: deque[UtteranceState] = field(default_factory=deque)
+    ended: bool = False  # the client ended its input
+    next_index: int = 0
+    samples_out: int = 0  # model-rate samples delivered (the playback clock)
+    first_audio_at: float | None = None
+    ready_since: float = 0.0  # when it last got new work or output (ties in urgency)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.spec.runtime.sample_rate
+
+    def slack(self, now: float) -> float:
+        """Seconds of audio the client still has buffered (-inf before the first chunk)."""
+        if self.first_audio_at is None:
+            return -math.inf
+        return self.first_audio_at + self.samples_out / self.sample_rate - now
+
+    def unread_s(self) -> float:
+        """Audio delivered to the session that its client has not taken yet (seconds)."""
+        return self.spec.cursor.delivered_s - self.spec.cursor.read_s
+
+    def queued_audio_s(self) -> float:
+        """Audio already through the acoustic stage but not yet delivered (seconds)."""
+        samples = 0
+        for u in self.utterances:
+            if u.utt is not None:
+                samples += u.frames * self.spec.runtime.hop - u.samples_done
+        return samples / self.sample_rate
+
+    @property
+    def head(self) -> UtteranceState | None:
+        return self.utterances[0] if self.utterances else None
+
+    @property
+    def done(self) -> bool:
+        return self.ended and not self.utterances
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0  # batched decoder steps (or staged chunks)
+    rows: int = 0  # session rows over all steps
+    max_rows: int = 0
+    step_seconds: float = 0.0  # wall time inside decoder steps
+    audio_seconds: float = 0.0  # audio produced by them
+    acoustic_jobs: int = 0
+    acoustic_batches: int = 0
+    fallbacks: int = 0
+    nonfinite_fp32: int = 0

@@ -1,0 +1,1 @@
+"""Tools that drive a running Cadenza server from the outside (load generation)."""

@@ -1,0 +1,434 @@
+"""`cadenza bench load`: a load generator for a RUNNING server, over real gRPC.
+
+`cadenza bench streams` feeds sessions straight into an in-process engine; here every session is a native
+StreamingSynthesize stream on one grpc.aio channel, so the figures also include gRPC, the server's event loop
+and the audio encoding. Each session plays its audio on a simulated real-time clock that starts at its first
+chunk; it passes when its worst underrun is at most 100 ms and the stream ended with status OK."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import random
+import re
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.api.gen.cadenza.v1 import tts_pb2 as pb
+from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
+
+UNDERRUN_LIMIT_S = 0.100  # a session passes when no chunk is later than this
+SWEEP_PASS_RATE = 0.99  # --sweep: a probe passes at this pass rate ...
+SWEEP_TTFA_P99_MS = 150.0  # ... and this p99 time to first audio
+SESSION_TIMEOUT_S = 300.0  # per stream: a hung server fails the session instead of the run
+NATIVE_SERVICE = "cadenza.v1.TextToSpeech"
+PRECISIONS = {"auto": pb.AUTO, "fp16": pb.FP16, "fp32": pb.FP32}
+
+# Call-center / assistant turns. Some are long with no early comma, so the server cannot start them at a
+# clause and the whole first sentence has to be encoded before its first audio.
+SENTENCES = (
+    "Thank you for calling, how can I help you today?",
+    "I can see that your last payment was received on the fourteenth of March and your account is up to date.",
+    "Let me pull up your account details.",
+    "Your replacement card has been ordered and should arrive at the address we have on file within five to "
+    "seven business days.",
+    "Is there anything else I can help you with?",
+    "I understand that waiting on hold is frustrating and I appreciate your patience while I look into this.",
+    "The technician will arrive between eight in the morning and noon on Thursday.",
+    "To reset your password please open the settings page and choose the option that says forgot password at "
+    "the bottom of the screen.",
+    "Sure, I have moved your appointment to Monday at ten thirty.",
+    "Our records show that the package left the regional distribution center this morning and is now out for "
+    "delivery in your area.",
+    "Could you please confirm the last four digits of the card on the account?",
+    "I have applied a credit of twenty five dollars to your next bill as an apology for the outage.",
+    "The weather in Boston tomorrow will be mostly sunny with a high of seventy two degrees.",
+    "Before we get started, may I have your full name and the phone number linked to the account?",
+    "Your flight to Denver is on time and boards from gate twenty three at four fifteen in the afternoon.",
+    "If you would like to speak with a specialist about upgrading your internet plan I can transfer you now.",
+)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What to run; the CLI options one to one."""
+
+    target: str = "localhost:50051"
+    sessions: int = 8
+    arrival: str = "burst"  # burst | poisson
+    rate: float = 2.0  # poisson arrivals per second
+    duration_s: float | None = None  # poisson: stop arriving after this long
+    pace: str = "sentence"  # sentence | llm
+    tokens_per_s: float = 30.0  # llm pacing
+    precision: str = "auto"
+    seed: int = 0
+    connect_timeout_s: float = 30.0
+
+
+@dataclass
+class SessionRecord:
+    """One session as the client saw it. Times are client-side."""
+
+    index: int
+    start_s: float  # when its stream was opened, seconds after the run started
+    end_s: float
+    text: str
+    ttfa_ms: float | None  # first text sent -> first audio bytes received
+    server_ttfa_ms: float | None = None  # the server's own figure (summary): the rest is gRPC and the loops
+    gaps_ms: list[float] = field(default_factory=list)  # between consecutive audio chunks
+    worst_underrun_ms: float = 0.0
+    audio_seconds: float = 0.0
+    chunks: int = 0
+    code: str = "OK"  # gRPC status code name
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.code == "OK" and self.ttfa_ms is not None and self.worst_underrun_ms <= UNDERRUN_LIMIT_S * 1000
+
+
+@dataclass(frozen=True)
+class Summary:
+    sessions: int
+    passed: int
+    errors: int
+    pass_rate: float
+    ttfa_p50_ms: float  # nan when no session got audio
+    ttfa_p99_ms: float
+    server_ttfa_p50_ms: float  # as the server measured it: the difference is gRPC, the loops and encoding
+    worst_underrun_ms: float
+    audio_seconds: float
+    wall_s: float
+    rtfx: float  # audio seconds delivered per wall second
+    client_loop_lag_max_ms: float  # this process's own event loop: large values mean the client was the limit
+
+
+# ---- pure parts ---------------------------------------------------------------------------------------------
+
+
+def worst_underrun(arrivals: Sequence[float], durations: Sequence[float]) -> float:
+    """Seconds by which the latest chunk missed its slot on a clock that starts at the first chunk.
+
+    Chunk i is due when the audio before it would have finished playing: arrivals[0] + sum(durations[:i]).
+    This maximum equals the total silence a player that waits for late chunks would have inserted. 0 if no
+    chunk was late."""
+    worst, due = 0.0, arrivals[0] if arrivals else 0.0
+    for at, duration in zip(arrivals, durations, strict=True):
+        worst = max(worst, at - due)
+        due += duration
+    return worst
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default); nan when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarise(records: Sequence[SessionRecord], wall_s: float, loop_lag_s: float = 0.0) -> Summary:
+    ttfa = [r.ttfa_ms for r in records if r.ttfa_ms is not None]
+    audio = sum(r.audio_seconds for r in records)
+    passed = sum(r.passed for r in records)
+    return Summary(
+        sessions=len(records), passed=passed, errors=sum(r.code != "OK" for r in records),
+        pass_rate=passed / len(records) if records else 0.0,
+        ttfa_p50_ms=percentile(ttfa, 50), ttfa_p99_ms=percentile(ttfa, 99),
+        server_ttfa_p50_ms=percentile([r.server_ttfa_ms for r in records if r.server_ttfa_ms is not None], 50),
+        worst_underrun_ms=max((r.worst_underrun_ms for r in records), default=0.0),
+        audio_seconds=audio, wall_s=wall_s, rtfx=audio / wall_s if wall_s > 0 else 0.0,
+        client_loop_lag_max_ms=loop_lag_s * 1000,
+    )
+
+
+def summary_line(s: Summary) -> str:
+    """The machine-readable last line of the command."""
+    return (f"pass_rate={s.pass_rate:.3f} ttfa_p50_ms={s.ttfa_p50_ms:.1f} ttfa_p99_ms={s.ttfa_p99_ms:.1f} "
+            f"sessions={s.sessions} rtfx={s.rtfx:.2f}")
+
+
+def sweep_passes(s: Summary) -> bool:
+    """NaN p99 (no audio at all) fails, since the comparison is False."""
+    return s.pass_rate >= SWEEP_PASS_RATE and s.ttfa_p99_ms <= SWEEP_TTFA_P99_MS
+
+
+def next_probe(results: Mapping[int, bool], upper: int) -> int | None:
+    """The next session count to try, given {N: passed} so far; None when the search is done.
+
+    Doubling from 1 until a probe fails or `upper` is reached, then bisection between the largest N that
+    passed and the smallest that failed. Each probe is a full load run, so this keeps their number to about
+    2 * log2(answer)."""
+    lo = max((n for n, ok in results.items() if ok), default=0)
+    hi = min((n for n, ok in results.items() if not ok), default=None)
+    if hi is None:
+        return None if lo >= upper else min(upper, max(1, 2 * lo))
+    return None if hi - lo <= 1 else (lo + hi) // 2
+
+
+def best_probe(results: Mapping[int, bool]) -> int:
+    """The largest N that passed (0 if none)."""
+    return max((n for n, ok in results.items() if ok), default=0)
+
+
+def arrival_times(arrival: str, n: int, rate: float, duration_s: float | None, rng: random.Random) -> list[float]:
+    """Seconds after the start at which each session opens its stream.
+
+    burst: all n at once. poisson: exponential gaps at `rate` per second, the first at 0, until n sessions
+    have arrived or `duration_s` has passed, whichever comes first."""
+    if arrival == "burst":
+        return [0.0] * n
+    if arrival != "poisson":
+        raise ValueError(f"unknown arrival {arrival!r}; use burst or poisson")
+    times: list[float] = []
+    t = 0.0
+    while len(times) < n and (duration_s is None or t < duration_s):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def pick_texts(rng: random.Random, n: int) -> list[list[str]]:
+    """2-3 different sentences per session, the same for the same seed."""
+    return [rng.sample(SENTENCES, rng.choice((2, 3))) for _ in range(n)]
+
+
+def text_deltas(sentences: Sequence[str], pace: str, tokens_per_s: float) -> list[tuple[float, str]]:
+    """(seconds after the first text, delta) pairs.
+
+    sentence: each sentence whole, one after the other (a gateway that forwards finished sentences).
+    llm: word-sized tokens (each with its leading space, as LLM tokens come) at `tokens_per_s`."""
+    text = " ".join(sentences)
+    if pace == "sentence":
+        return [(0.0, s if i == 0 else " " + s) for i, s in enumerate(sentences)]
+    if pace == "llm":
+        return [(k / tokens_per_s, tok) for k, tok in enumerate(re.findall(r"\s*\S+", text))]
+    raise ValueError(f"unknown pace {pace!r}; use sentence or llm")
+
+
+# ---- one run over gRPC --------------------------------------------------------------------------------------
+
+
+async def _requests(config: pb.SessionConfig, deltas: Sequence[tuple[float, str]], sent: list[float]
+                    ) -> AsyncIterator[pb.StreamingSynthesizeRequest]:
+    """Config, the text deltas on their schedule, end of input. `sent[0]` is when the first text left."""
+    yield pb.StreamingSynthesizeRequest(config=config)
+    base = time.perf_counter()
+    for offset, piece in deltas:
+        delay = base + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if not sent:
+            sent.append(time.perf_counter())
+        yield pb.StreamingSynthesizeRequest(text=piece)
+    yield pb.StreamingSynthesizeRequest(end_input=True)
+
+
+async def _session(stub: pb_grpc.TextToSpeechStub, cfg: LoadConfig, index: int, sentences: list[str],
+                   start_at: float, t0: float) -> SessionRecord:
+    await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
+    opened = time.perf_counter()
+    config = pb.SessionConfig(precision=PRECISIONS[cfg.precision], request_id=f"bench-load-{index}")
+    sent: list[float] = []
+    arrivals: list[float] = []
+    durations: list[float] = []
+    code, message = "OK", ""
+    server_ttfa: float | None = None
+    call = stub.StreamingSynthesize(_requests(config, text_deltas(sentences, cfg.pace, cfg.tokens_per_s), sent),
+                                    timeout=SESSION_TIMEOUT_S)
+    try:
+        async for msg in call:
+            if msg.WhichOneof("response") == "audio" and msg.audio.audio:
+                arrivals.append(time.perf_counter())
+                durations.append(msg.audio.duration_seconds)
+            elif msg.WhichOneof("response") == "summary":
+                server_ttfa = msg.summary.ttfa_seconds * 1000 if msg.summary.ttfa_seconds > 0 else None
+    except grpc.aio.AioRpcError as exc:
+        code, message = exc.code().name, exc.details() or ""
+    ended = time.perf_counter()
+    return SessionRecord(
+        index=index, start_s=opened - t0, end_s=ended - t0, text=" ".join(sentences),
+        ttfa_ms=(arrivals[0] - sent[0]) * 1000 if arrivals and sent else None, server_ttfa_ms=server_ttfa,
+        gaps_ms=[(b - a) * 1000 for a, b in itertools.pairwise(arrivals)],
+        worst_underrun_ms=worst_underrun(arrivals, durations) * 1000,
+        audio_seconds=sum(durations), chunks=len(arrivals), code=code, message=message,
+    )
+
+
+async def _watch_loop(stop: asyncio.Event, period_s: float = 0.01) -> float:
+    """Worst lateness of this process's event loop: if the client itself was starved, its figures are too."""
+    worst = 0.0
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(period_s)
+        worst = max(worst, time.perf_counter() - t - period_s)
+    return worst
+
+
+async def run_load(stub: pb_grpc.TextToSpeechStub, cfg: LoadConfig, n: int) -> tuple[list[SessionRecord], Summary]:
+    """One load run of up to `n` sessions (arrival, texts and pacing from `cfg`)."""
+    rng = random.Random(cfg.seed)
+    starts = arrival_times(cfg.arrival, n, cfg.rate, cfg.duration_s, rng)
+    texts = pick_texts(rng, len(starts))
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(_watch_loop(stop))
+    t0 = time.perf_counter()
+    records = await asyncio.gather(*(
+        _session(stub, cfg, i, texts[i], starts[i], t0) for i in range(len(starts))
+    ))
+    wall = time.perf_counter() - t0
+    stop.set()
+    return list(records), summarise(records, wall, await watcher)
+
+
+async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: float) -> None:
+    """Connected and the health service says SERVING (a server listens before its voice is warm)."""
+    deadline = time.perf_counter() + timeout_s
+    try:
+        await asyncio.wait_for(channel.channel_ready(), timeout_s)
+    except TimeoutError:
+        raise ConnectionError(f"cannot reach {target} within {timeout_s:g} s (is `cadenza serve` running there?)")\
+            from None
+    health = health_pb2_grpc.HealthStub(channel)
+    while True:
+        try:
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=NATIVE_SERVICE), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND):
+                return  # no health service: go ahead
+            raise ConnectionError(f"{target}: health check failed: {exc.code().name}: {exc.details()}") from None
+        if answer.status == health_pb2.HealthCheckResponse.SERVING:
+            return
+        if time.perf_counter() > deadline:
+            raise ConnectionError(f"{target} is not SERVING after {timeout_s:g} s "
+                                  f"({health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)})")
+        await asyncio.sleep(0.2)
+
+
+# ---- reporting ----------------------------------------------------------------------------------------------
+
+
+def _describe(records: Sequence[SessionRecord], s: Summary) -> str:
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.code != "OK":
+            key = f"{r.code}: {r.message}"
+            errors[key] = errors.get(key, 0) + 1
+    line = (f"{s.sessions} sessions: {s.passed} passed, {s.errors} errors, TTFA p50 {s.ttfa_p50_ms:.1f} ms "
+            f"(server-side {s.server_ttfa_p50_ms:.1f} ms), worst underrun "
+            f"{s.worst_underrun_ms:.1f} ms, {s.audio_seconds:.1f} s of audio in {s.wall_s:.2f} s, "
+            f"client loop lag max {s.client_loop_lag_max_ms:.1f} ms")
+    return "\n".join([line, *(f"  {count} x {what}" for what, count in errors.items())])
+
+
+def _jsonable(value: Any) -> Any:
+    """NaN is not JSON: write null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _records_json(records: Sequence[SessionRecord]) -> list[dict[str, Any]]:
+    return [{**asdict(r), "passed": r.passed} for r in records]
+
+
+def plot_ttfa_cdf(path: Path, curves: Sequence[tuple[str, Sequence[float]]]) -> bool:
+    """TTFA CDF, one curve per run. False (and a note on stderr) when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("cadenza: matplotlib is not installed; skipping the PNG (pip install matplotlib)", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), constrained_layout=True)
+    for label, values in curves:
+        ordered = sorted(values)
+        ax.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post", label=label)
+    ax.axvline(SWEEP_TTFA_P99_MS, color="grey", ls="--", lw=0.8, label=f"{SWEEP_TTFA_P99_MS:g} ms (sweep p99 limit)")
+    ax.set_xlabel("time to first audio (ms, client side, over gRPC)")
+    ax.set_ylabel("fraction of sessions")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _ttfas(records: Sequence[SessionRecord]) -> list[float]:
+    return [r.ttfa_ms for r in records if r.ttfa_ms is not None]
+
+
+async def _main(cfg: LoadConfig, sweep: bool, json_path: Path | None, png_path: Path | None) -> int:
+    async with grpc.aio.insecure_channel(cfg.target) as channel:
+        await wait_until_serving(channel, cfg.target, cfg.connect_timeout_s)
+        stub = pb_grpc.TextToSpeechStub(channel)
+        info = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        pacing = f"llm pacing at {cfg.tokens_per_s:g} tokens/s" if cfg.pace == "llm" else "sentence pacing"
+        arrival = f"poisson at {cfg.rate:g}/s" if cfg.arrival == "poisson" else "burst"
+        print(f"target {cfg.target}: {info.backend} on {info.device}, voice {info.default_voice}; "
+              f"{arrival}, {pacing}, precision {cfg.precision}", flush=True)
+        report: dict[str, Any] = {"config": asdict(cfg)}
+        if not sweep:
+            records, summary = await run_load(stub, cfg, cfg.sessions)
+            print(_describe(records, summary))
+            curves = [(f"{summary.sessions} sessions", _ttfas(records))]
+        else:
+            results: dict[int, bool] = {}
+            runs: dict[int, tuple[list[SessionRecord], Summary]] = {}
+            while (n := next_probe(results, cfg.sessions)) is not None:
+                runs[n] = await run_load(stub, cfg, n)
+                results[n] = sweep_passes(runs[n][1])
+                print(f"probe N={n}: {summary_line(runs[n][1])} -> {'pass' if results[n] else 'fail'}", flush=True)
+            best = best_probe(results)
+            print(f"sweep: largest N with pass_rate >= {SWEEP_PASS_RATE} and ttfa_p99 <= {SWEEP_TTFA_P99_MS:g} ms: "
+                  f"{best or 'none'} (searched up to {cfg.sessions})")
+            records, summary = runs[best] if best else runs[min(runs)]
+            print(_describe(records, summary))
+            report["sweep"] = {"best_sessions": best, "probes": [
+                {"sessions": k, "passed": results[k], "summary": asdict(runs[k][1])} for k in sorted(runs)
+            ]}
+            curves = [(f"N={k}", _ttfas(runs[k][0])) for k in sorted(runs)]
+    report["summary"] = asdict(summary)
+    report["sessions"] = _records_json(records)
+    if json_path is not None:
+        json_path.write_text(json.dumps(_jsonable(report), indent=1), "utf-8")
+        print(f"wrote {json_path}")
+    if png_path is not None and plot_ttfa_cdf(png_path, [(k, v) for k, v in curves if v]):
+        print(f"wrote {png_path}")
+    print(summary_line(summary))
+    return 0
+
+
+def run_bench_load(cfg: LoadConfig, sweep: bool = False, json_path: Path | None = None,
+                   png_path: Path | None = None) -> int:
+    """Validate, run (or sweep), report. Raises ConnectionError when the target cannot be used."""
+    if cfg.sessions < 1:
+        raise ValueError("--sessions must be at least 1")
+    if cfg.rate <= 0 or cfg.tokens_per_s <= 0:
+        raise ValueError("--rate and --tokens-per-s must be positive")
+    if cfg.duration_s is not None and cfg.arrival != "poisson":
+        raise ValueError("--duration applies to --arrival poisson only")
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {cfg.precision!r}; use auto, fp16 or fp32")
+    if cfg.arrival not in ("burst", "poisson") or cfg.pace not in ("sentence", "llm"):
+        raise ValueError("--arrival is burst or poisson, --pace is sentence or llm")
+    return asyncio.run(_main(cfg, sweep, json_path, png_path))

@@ -1,0 +1,194 @@
+"""`cadenza bench load`: the pure parts, then end to end against a real local server."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+if TYPE_CHECKING:
+    from tests.api.native_server import ServerThread
+from service.cli import main
+from service.tools.bench_load import (
+    SessionRecord,
+    arrival_times,
+    best_probe,
+    next_probe,
+    percentile,
+    pick_texts,
+    plot_ttfa_cdf,
+    summarise,
+    summary_line,
+    text_deltas,
+    worst_underrun,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data"
+LAST_LINE = r"pass_rate=(\S+) ttfa_p50_ms=(\S+) ttfa_p99_ms=(\S+) sessions=(\d+) rtfx=(\S+)"
+
+
+def test_on_time_chunks_never_underrun() -> None:
+    # 0.5 s chunks, each arriving well before the previous audio has played out
+    assert worst_underrun([10.0, 10.1, 10.4, 10.9], [0.5, 0.5, 0.5, 0.5]) == 0.0
+    assert worst_underrun([], []) == 0.0
+    assert worst_underrun([3.0], [0.2]) == 0.0
+
+
+def test_a_late_chunk_is_late_against_the_audio_before_it() -> None:
+    # 0.2 s of audio from t=1.0 plays out at 1.2; the second chunk comes at 1.35: 150 ms late
+    assert worst_underrun([1.0, 1.35], [0.2, 0.2]) == pytest.approx(0.15)
+    # the third is due at 1.0 + 0.4 = 1.4 and comes at 1.45: the clock does not wait, so the
+    # earlier 150 ms stays the worst
+    assert worst_underrun([1.0, 1.35, 1.45], [0.2, 0.2, 1.0]) == pytest.approx(0.15)
+
+
+def test_underruns_add_up_like_a_player_that_waits() -> None:
+    # two 100 ms stalls: chunk 1 due 0.1, comes 0.2; chunk 2 due 0.2, comes 0.4 -> 200 ms behind
+    assert worst_underrun([0.0, 0.2, 0.4], [0.1, 0.1, 0.1]) == pytest.approx(0.2)
+    with pytest.raises(ValueError):
+        worst_underrun([0.0, 1.0], [0.1])
+
+
+def test_percentile_matches_numpy() -> None:
+    values = [random.Random(3).uniform(0, 100) for _ in range(37)]
+    for q in (0, 1, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert np.isnan(percentile([], 50))
+    assert percentile([7.0], 99) == 7.0
+
+
+def _record(ttfa: float | None, underrun: float = 0.0, code: str = "OK", audio: float = 2.0) -> SessionRecord:
+    return SessionRecord(index=0, start_s=0.0, end_s=1.0, text="x", ttfa_ms=ttfa, worst_underrun_ms=underrun,
+                         audio_seconds=audio, code=code)
+
+
+def test_summary_and_its_line() -> None:
+    records = [_record(40.0), _record(60.0, underrun=100.0), _record(80.0, underrun=100.1),
+               _record(None, code="RESOURCE_EXHAUSTED", audio=0.0)]
+    s = summarise(records, wall_s=3.0)
+    assert (s.sessions, s.passed, s.errors) == (4, 2, 1)
+    assert s.ttfa_p50_ms == 60.0 and np.isnan(s.server_ttfa_p50_ms)
+    assert summary_line(s) == "pass_rate=0.500 ttfa_p50_ms=60.0 ttfa_p99_ms=79.6 sessions=4 rtfx=2.00"
+    none = summarise([_record(None, code="UNAVAILABLE", audio=0.0)], wall_s=1.0)
+    assert summary_line(none) == "pass_rate=0.000 ttfa_p50_ms=nan ttfa_p99_ms=nan sessions=1 rtfx=0.00"
+
+
+def _search(capacity: int, upper: int) -> tuple[int, list[int]]:
+    """Run the sweep against a fake server that passes up to `capacity` sessions."""
+    results: dict[int, bool] = {}
+    tried = []
+    while (n := next_probe(results, upper)) is not None:
+        assert n not in results
+        tried.append(n)
+        results[n] = n <= capacity
+    return best_probe(results), tried
+
+
+def test_sweep_doubles_then_bisects() -> None:
+    assert _search(37, 256) == (37, [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37])
+    assert _search(64, 256) == (64, [1, 2, 4, 8, 16, 32, 64, 128, 96, 80, 72, 68, 66, 65])
+    assert _search(1000, 100) == (100, [1, 2, 4, 8, 16, 32, 64, 100])
+    assert _search(0, 100) == (0, [1])
+    for capacity in range(0, 70):
+        assert _search(capacity, 50)[0] == min(capacity, 50)
+
+
+def test_arrivals_texts_and_pacing_are_deterministic() -> None:
+    assert arrival_times("burst", 3, 1.0, None, random.Random(0)) == [0.0, 0.0, 0.0]
+    poisson = arrival_times("poisson", 50, 4.0, None, random.Random(5))
+    assert poisson == arrival_times("poisson", 50, 4.0, None, random.Random(5))
+    assert len(poisson) == 50 and poisson[0] == 0.0 and poisson == sorted(poisson)
+    capped = arrival_times("poisson", 1000, 4.0, 3.0, random.Random(5))
+    assert 1 < len(capped) < 1000 and max(capped) < 3.0
+    texts = pick_texts(random.Random(1), 20)
+    assert texts == pick_texts(random.Random(1), 20)
+    assert all(len(t) in (2, 3) and len(set(t)) == len(t) for t in texts)
+
+    sentences = ["Hello there.", "How can I help you today?"]
+    whole = text_deltas(sentences, "sentence", 30.0)
+    assert whole == [(0.0, "Hello there."), (0.0, " How can I help you today?")]
+    tokens = text_deltas(sentences, "llm", 10.0)
+    assert "".join(t for _, t in tokens) == "Hello there. How can I help you today?"
+    assert [t for _, t in tokens][:3] == ["Hello", " there.", " How"]
+    assert [round(at, 6) for at, _ in tokens] == [k / 10 for k in range(len(tokens))]
+
+
+def test_missing_matplotlib_skips_the_png(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    assert plot_ttfa_cdf(tmp_path / "x.png", [("3 sessions", [1.0, 2.0])]) is False
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    """The tiny test voice on CPU, as tests/api does (imported here: the pure tests need no engine)."""
+    from service.api.server import ServerConfig
+    from service.engine.config import EngineConfig, Limits
+    from tests.api.native_server import ServerThread
+
+    s = ServerThread(ServerConfig(
+        host="127.0.0.1", port=0, limits=Limits(max_sessions=16),
+        engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
+                            cache_bytes=0),
+    ))
+    yield s
+    s.close()
+
+
+def test_burst_against_a_real_server(server: ServerThread, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    out, png = tmp_path / "load.json", tmp_path / "load.png"
+    assert main(["bench", "load", "--target", server.addr, "--sessions", "3", "--arrival", "burst",
+                 "--json", str(out), "--png", str(png), "--seed", "2"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.fullmatch(LAST_LINE, last)
+    assert m, last
+    pass_rate, p50, p99, sessions, rtfx = (float(g) for g in m.groups())
+    assert sessions == 3 and 0.0 <= pass_rate <= 1.0 and 0 < p50 <= p99 and rtfx > 0
+    report = json.loads(out.read_text())
+    assert report["summary"]["sessions"] == 3 and report["summary"]["errors"] == 0
+    assert len(report["sessions"]) == 3
+    for record in report["sessions"]:
+        assert record["code"] == "OK" and record["ttfa_ms"] > 0 and record["audio_seconds"] > 0
+        assert record["ttfa_ms"] >= record["server_ttfa_ms"] - 1.0  # the client's span holds the server's
+        assert len(record["gaps_ms"]) == record["chunks"] - 1 and record["worst_underrun_ms"] >= 0
+    assert png.stat().st_size > 5_000
+
+
+def test_llm_pacing_and_a_small_sweep(server: ServerThread, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sweep.json"
+    assert main(["bench", "load", "--target", server.addr, "--sessions", "2", "--pace", "llm",
+                 "--tokens-per-s", "200", "--sweep", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("probe N=1: pass_rate=") for line in lines)
+    assert lines[-1].startswith("pass_rate=")
+    report = json.loads(out.read_text())
+    assert report["sweep"]["probes"][0]["sessions"] == 1
+    assert all(r["code"] == "OK" for r in report["sessions"])
+
+
+def test_unreachable_target_is_a_clear_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "bench", "load", "--target", f"127.0.0.1:{port}",
+         "--connect-timeout", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 1
+    assert f"cadenza: error: cannot reach 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
