@@ -8,6 +8,7 @@ another's."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,6 +65,8 @@ class TorchBackend:
         self.pins = tuple(pins)
         self.models: dict[str, VitsModel] = {"fp32": voice.model.to(self._device).eval()}
         self._streams = StreamPool(self._device, stream_pool_size) if self._device.type == "cuda" else None
+        self._encoder_graphs = _EncoderGraphs(self.models["fp32"], self._device) if self._device.type == "cuda" \
+            else None
         if self._device.type == "cuda":
             # FP32 must mean FP32: TF32 tensor-core math keeps only 10 mantissa bits, no
             # better than FP16, and the FP32 path is the numerical safety net.
@@ -99,12 +102,22 @@ class TorchBackend:
         # some lengths (H200: 88-127 ms for one conv, 0.5-0.8 s per encoder call, instead of
         # ~1 ms); PyTorch's own kernels take 13-20 ms for the whole stage at every length.
         dev = self._device
+        if self._encoder_graphs is not None:
+            out = self._encoder_graphs.run(ids, lengths, dp_noise, sid)
+            if out is not None:
+                return out
         with torch.backends.cudnn.flags(enabled=False):
             m_p, logs_p, logw, _ = self.models["fp32"].encode(
                 torch.as_tensor(ids, device=dev), torch.as_tensor(lengths, device=dev),
                 torch.as_tensor(dp_noise, device=dev), self._sid(sid),
             )
         return EncodeOut(m_p.float().cpu().numpy(), logs_p.float().cpu().numpy(), logw.float().cpu().numpy())
+
+    def capture_encoder(self, max_batch: int) -> None:
+        """Capture the acoustic stage's CUDA graphs for every batch bucket up to `max_batch`
+        and the usual sentence lengths now, so no session waits for a capture."""
+        if self._encoder_graphs is not None:
+            self._encoder_graphs.capture_all(max_batch)
 
     @torch.inference_mode()
     def flow(self, z_p: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> np.ndarray:
@@ -206,6 +219,93 @@ class TorchBackend:
         if bad.any():
             out_audio[bad] = np.nan_to_num(out_audio[bad], nan=0.0, posinf=0.0, neginf=0.0)
         return VocodeOut(audio=out_audio, nonfinite=nonfinite, peak=peak, precision=precision)
+
+
+class _EncoderGraphs:
+    """The acoustic stage as CUDA graphs, one per (batch bucket, phoneme-length bucket): the
+    encoder and the duration predictor are hundreds of small kernels, so launching them costs
+    more than running them. Rows and phonemes are padded (masked, as in any batch); padding
+    rows get length 1. Longer inputs than `max_phonemes` run eagerly."""
+
+    BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+    def __init__(self, model: VitsModel, device: torch.device, length_step: int = 32, max_phonemes: int = 512,
+                 warm_phonemes: int = 256) -> None:
+        self.model = model
+        self.device = device
+        self.length_step = length_step
+        self.max_phonemes = max_phonemes
+        self.warm_phonemes = warm_phonemes
+        self.multi_speaker = model.emb_g is not None
+        self.channels = model.hp.inter_channels
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
+                                                   tuple[torch.Tensor, ...]]] = {}
+        self._pool: Any = None  # the graphs' shared memory pool
+
+    def _bucket(self, batch: int, length: int) -> tuple[int, int] | None:
+        rows = next((b for b in self.BATCHES if b >= batch), None)
+        padded = -(-length // self.length_step) * self.length_step
+        if rows is None or padded > self.max_phonemes:
+            return None
+        return rows, padded
+
+    def capture_all(self, max_batch: int) -> None:
+        for rows in self.BATCHES:
+            if rows > max(1, max_batch):
+                break
+            for length in range(self.length_step, self.warm_phonemes + 1, self.length_step):
+                self._get(rows, length)
+
+    def _get(self, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
+                                                    tuple[torch.Tensor, ...]]:
+        key = (rows, length)
+        if key not in self._graphs:
+            dev = self.device
+            inputs = (torch.zeros(rows, length, dtype=torch.long, device=dev),
+                      torch.ones(rows, dtype=torch.long, device=dev),
+                      torch.zeros(rows, 2, length, dtype=torch.float32, device=dev),
+                      torch.zeros(rows, dtype=torch.long, device=dev))
+            stream = torch.cuda.Stream(device=dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.inference_mode(), torch.backends.cudnn.flags(enabled=False):
+                with torch.cuda.stream(stream):
+                    self._run(*inputs)
+                torch.cuda.current_stream(dev).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    outputs = self._run(*inputs)
+            self._graphs[key] = (graph, inputs, outputs)
+        return self._graphs[key]
+
+    def _run(self, ids: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
+             sid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        m_p, logs_p, logw, _ = self.model.encode(ids, lengths, noise, sid if self.multi_speaker else None)
+        return m_p, logs_p, logw
+
+    @torch.inference_mode()
+    def run(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray,
+            sid: np.ndarray | None) -> EncodeOut | None:
+        batch, length = ids.shape
+        bucket = self._bucket(batch, length)
+        if bucket is None:
+            return None
+        graph, (s_ids, s_len, s_noise, s_sid), (m_p, logs_p, logw) = self._get(*bucket)
+        dev = self.device
+        s_ids.zero_()
+        s_ids[:batch, :length].copy_(torch.as_tensor(ids, device=dev))
+        s_len.fill_(1)
+        s_len[:batch].copy_(torch.as_tensor(lengths, device=dev))
+        s_noise.zero_()
+        s_noise[:batch, :, :length].copy_(torch.as_tensor(dp_noise, device=dev))
+        s_sid.zero_()
+        if sid is not None:
+            s_sid[:batch].copy_(torch.as_tensor(sid, device=dev))
+        graph.replay()
+        cut = (slice(0, batch), slice(None), slice(0, length))
+        return EncodeOut(m_p[cut].float().cpu().numpy(), logs_p[cut].float().cpu().numpy(),
+                         logw[cut].float().cpu().numpy())
 
 
 def _to_host(audio: torch.Tensor, precision: str) -> VocodeOut:

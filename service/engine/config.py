@@ -7,6 +7,7 @@ from pathlib import Path
 
 from service.engine.precision import PrecisionPolicyConfig
 from service.synthesis import ChunkSchedule
+from service.text.frontend_pool import FrontendPoolConfig
 from service.text.segment import SegmenterConfig
 
 
@@ -34,7 +35,7 @@ class BatchConfig:
     cuda_graphs: bool = True  # capture each (batch bucket, step size) as a CUDA graph
     max_ahead_s: float = 3.0  # backpressure: a session whose client has this much audio unread is not stepped
     urgent_slack_s: float = 0.3  # a playing session with less buffered is stepped before new sentences
-    acoustic_max_batch: int = 32  # sentences per acoustic-stage call
+    acoustic_max_batch: int = 64  # sentences per acoustic-stage call
     acoustic_lookahead_s: float = 2.0  # a session's next sentence waits while this much audio is queued
     # Staged decoding: while another session is starting or has less than `cpu_urgent_slack_s`
     # of audio left, a chunk is cut to at most this many frames, so one session's big chunk does
@@ -59,6 +60,7 @@ class EngineConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
+    frontend: FrontendPoolConfig = field(default_factory=FrontendPoolConfig)  # phonemiser processes
     limits: Limits = field(default_factory=Limits)
     cache_bytes: int = 64 << 20  # result cache bound (float32 model-rate audio); 0 disables
     precision: PrecisionPolicyConfig = field(default_factory=PrecisionPolicyConfig)  # how AUTO decides

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +32,7 @@ from service.engine.state import (
 )
 from service.synthesis import ShadowSampler
 from service.text.frontend import PhonemizedSentence
+from service.text.frontend_pool import FrontendPool, FrontendPoolConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,10 @@ class EngineCore:
 
     def __init__(
         self, batch: BatchConfig, cache: ResultCache, on_trip: Callable[[str], None] | None = None,
-        shadow: ShadowSampler | None = None,
+        shadow: ShadowSampler | None = None, frontend: FrontendPoolConfig | None = None,
     ) -> None:
         self.batch = batch
+        self.frontend_config = frontend or FrontendPoolConfig()
         self.stats = EngineStats()
         self.scheduler = Scheduler(batch)
         self.executor = Executor(batch, self.stats, shadow, on_trip)
@@ -62,13 +64,13 @@ class EngineCore:
         self._poked = False  # a client took audio since the last plan
         self._specs: dict[int, WorkSpec] = {}  # for the frontend thread (guarded by _cv)
         self._texts_sent: dict[int, int] = {}  # per session: texts handed to the frontend (loop side)
-        self._frontend: ThreadPoolExecutor | None = None
+        self._frontend: FrontendPool | None = None
         self._thread = threading.Thread(target=self._run, name="cadenza-engine", daemon=True)
 
     # --- any thread ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._frontend = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadenza-frontend")
+        self._frontend = FrontendPool(self.frontend_config)
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -77,7 +79,7 @@ class EngineCore:
             self._cv.notify()
         self._thread.join(timeout)
         if self._frontend is not None:
-            self._frontend.shutdown(wait=False, cancel_futures=True)
+            self._frontend.close()
 
     def _post(self, kind: str, session_id: int, payload: object = None) -> None:
         with self._cv:
@@ -91,11 +93,18 @@ class EngineCore:
         self._post("open", spec.session_id, spec)
 
     def submit_text(self, session_id: int, text: str) -> None:
-        """Phonemised off the engine thread, then queued for the acoustic stage in order."""
+        """Phonemised off the engine thread (a session's first text ahead of others' later
+        ones), then queued for the acoustic stage in the order it was sent."""
         seq = self._texts_sent.get(session_id, 0)
         self._texts_sent[session_id] = seq + 1
         assert self._frontend is not None, "start() the engine first"
-        self._frontend.submit(self._phonemize, session_id, seq, text)
+        with self._cv:
+            spec = self._specs.get(session_id)
+        if spec is None:
+            return
+        future = self._frontend.submit(spec.runtime.voice.info.config_path, text, spec.custom_dictionary,
+                                       priority=seq)
+        future.add_done_callback(lambda f: self._phonemized(session_id, seq, text, f))
 
     def submit_end(self, session_id: int) -> None:
         """No more text: carries how many texts came before it, so it is applied after them."""
@@ -113,20 +122,17 @@ class EngineCore:
             self._specs.pop(session_id, None)
         self._post("cancel", session_id)
 
-    def _phonemize(self, session_id: int, seq: int, text: str) -> None:
-        with self._cv:
-            spec = self._specs.get(session_id)
-        if spec is None:
-            return  # cancelled meanwhile
-        try:
-            sentences = [s for s in spec.runtime.voice.frontend.sentences(text, spec.custom_dictionary)
-                         if s.phoneme_ids]
-        except Exception as exc:
+    def _phonemized(self, session_id: int, seq: int, text: str, future: Future[list[PhonemizedSentence]]) -> None:
+        """Frontend done (on a frontend thread): hand the sentences to the engine thread."""
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is not None:
             from service.engine.api import InvalidArgument
 
             self._post("error", session_id, InvalidArgument("text", f"cannot phonemise {text[:40]!r}: {exc}"))
             return
-        self._post("text", session_id, (seq, sentences))
+        self._post("text", session_id, (seq, [s for s in future.result() if s.phoneme_ids]))
 
     @property
     def active_work(self) -> int:

@@ -64,7 +64,8 @@ class TtsEngine:
         self.backend_name = default_backend(self.device) if config.backend == "auto" else config.backend
         self.cache = ResultCache(config.cache_bytes)
         self.shadow = ShadowVerifier(config.shadow_fraction) if config.shadow_fraction > 0 else None
-        self._loop = EngineCore(config.batch, self.cache, on_trip=self._on_trip, shadow=self.shadow)
+        self._loop = EngineCore(config.batch, self.cache, on_trip=self._on_trip, shadow=self.shadow,
+                                frontend=config.frontend)
         self._policy: PrecisionPolicy | None = None
         self._voices: dict[str, VoiceInfo] = {}
         self._default: VoiceInfo | None = None
@@ -81,6 +82,9 @@ class TtsEngine:
         """Load the default voice, start the engine thread and warm it up through a real
         session (every step shape the decoder uses is prepared before the first caller)."""
         await asyncio.get_running_loop().run_in_executor(None, self._start_sync)
+        assert self._default is not None
+        self._loop.frontend_config = dataclasses.replace(
+            self.config.frontend, preload=(*self.config.frontend.preload, str(self._default.config_path)))
         self._loop.start()
         self.ready = True
         for precision in self._warm_precisions():
@@ -104,7 +108,10 @@ class TtsEngine:
             raise VoiceNotFoundError(
                 f"unknown default voice {self.config.voice!r}; available: {', '.join(sorted(self._voices))} (--voice)"
             )
-        self._runtime(self._default)
+        runtime = self._runtime(self._default)
+        capture = getattr(runtime.backend, "capture_encoder", None)
+        if capture is not None:
+            capture(self.config.batch.acoustic_max_batch)
 
     async def stop(self) -> None:
         for session in list(self._sessions.values()):

@@ -25,6 +25,9 @@ in order keep their futures in order.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -49,16 +52,13 @@ VoiceKey = str | os.PathLike[str]
 name (the built-in ``en_US-joe-medium``, or one in ``voices_dir``) or a ``.onnx`` path."""
 
 
-def _default_workers() -> int:
+def default_workers() -> int:
+    """min(4, CPUs this process may run on)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     return max(1, min(4, cpus))
-
-
-DEFAULT_WORKERS = _default_workers()
-"""min(4, CPUs this process may run on), worked out once at import."""
 
 _WARM_TEXT = "Hello."
 _STOP_TIMEOUT_S = 5.0
@@ -69,17 +69,18 @@ _START_TRIES = 3
 
 @dataclass(frozen=True)
 class FrontendPoolConfig:
-    """``workers``: frontend processes; 0 phonemises in this process on one thread.
+    """``workers``: frontend processes; 0 phonemises in this process on one thread; None:
+    ``default_workers()``, decided when the pool starts.
     ``voices_dir``: where voice names (not paths) are looked up, as ``find_voice`` does.
     ``preload``: voices every worker loads, and phonemises a word with, before its first
     request (and again after a restart), so the first sessions do not pay for it."""
 
-    workers: int = DEFAULT_WORKERS
+    workers: int | None = None
     voices_dir: Path | None = None
     preload: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.workers < 0:
+        if self.workers is not None and self.workers < 0:
             raise ValueError(f"workers must be >= 0, not {self.workers}")
 
 
@@ -322,7 +323,7 @@ class _Worker:
         there is none queued). Sets ``self.stopping`` on the end marker."""
         while True:
             try:
-                request = self.pool._queue.get(block)
+                _, _, request = self.pool._queue.get(block)
             except queue.Empty:
                 return None
             if request is None:
@@ -382,20 +383,27 @@ class FrontendPool:
     """The text frontend across worker processes; ``submit`` may be called from any thread."""
 
     def __init__(self, config: FrontendPoolConfig | None = None) -> None:
-        self.config = config or FrontendPoolConfig()
+        config = config or FrontendPoolConfig()
+        if config.workers is None:
+            config = dataclasses.replace(config, workers=default_workers())
+        self.config = config
         self._submit_lock = threading.Lock()  # closing + queueing
         self._life_lock = threading.Lock()  # starting and stopping processes
         self._closing = False  # no new requests
         self._stopped = False  # no new processes
         self._paths: dict[str, str] = {}
         self._preload_paths = tuple(self._resolve(key) for key in self.config.preload)
-        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
-        self._workers = [_Worker(self, i) for i in range(self.config.workers)] or [_Worker(self, 0, inline=True)]
+        # (priority, order, request): lower priority values first, then first come first served;
+        # the end markers (None) sort last.
+        self._queue: queue.PriorityQueue[tuple[float, int, _Request | None]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._workers = [_Worker(self, i) for i in range(self.workers)] or [_Worker(self, 0, inline=True)]
         for worker in self._workers:
             worker.thread.start()
 
     @property
     def workers(self) -> int:
+        assert self.config.workers is not None
         return self.config.workers
 
     @property
@@ -426,9 +434,11 @@ class FrontendPool:
         return True
 
     def submit(
-        self, voice: VoiceKey, text: str, custom_dictionary: Mapping[str, str] | None = None
+        self, voice: VoiceKey, text: str, custom_dictionary: Mapping[str, str] | None = None, priority: float = 0,
     ) -> Future[list[PhonemizedSentence]]:
         """Phonemise ``text`` with ``voice``'s frontend, as ``Frontend.sentences`` does.
+        Requests with a lower ``priority`` are taken first (the engine puts a session's first
+        text ahead of the later texts of sessions already speaking).
 
         ``voice``: its Piper config path, or a voice name or ``.onnx`` path. The future holds
         the sentences, or the exception the frontend raised (same type and message)."""
@@ -444,7 +454,7 @@ class FrontendPool:
         with self._submit_lock:
             if self._closing:
                 raise RuntimeError("FrontendPool is closed")
-            self._queue.put(_Request(future, config_path, text, dictionary))
+            self._queue.put((priority, next(self._order), _Request(future, config_path, text, dictionary)))
         return future
 
     def close(self, cancel_pending: bool = True) -> None:
@@ -457,7 +467,7 @@ class FrontendPool:
             if cancel_pending:
                 self._cancel_queued()
             for _ in self._workers:
-                self._queue.put(None)  # after every request queued so far
+                self._queue.put((math.inf, next(self._order), None))  # after every request queued so far
         for worker in self._workers:
             worker.thread.join(_STOP_TIMEOUT_S * 3)
         with self._life_lock:
@@ -468,7 +478,7 @@ class FrontendPool:
     def _cancel_queued(self) -> None:
         while True:
             try:
-                request = self._queue.get_nowait()
+                _, _, request = self._queue.get_nowait()
             except queue.Empty:
                 return
             if request is not None:

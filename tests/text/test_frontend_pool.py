@@ -17,7 +17,7 @@ import pytest
 
 from service.text.annotations import AnnotationError
 from service.text.frontend import Frontend, PhonemizedSentence
-from service.text.frontend_pool import DEFAULT_WORKERS, FrontendPool, FrontendPoolConfig
+from service.text.frontend_pool import FrontendPool, FrontendPoolConfig, default_workers
 from service.tools.bench_frontend import call_center_sentences
 from service.voices import BUILTIN_VOICE, VoiceNotFoundError
 
@@ -132,7 +132,8 @@ def test_phonemized_sentences_pickle(frontend: Frontend) -> None:
 
 
 def test_config() -> None:
-    assert FrontendPoolConfig().workers == DEFAULT_WORKERS == max(1, min(4, len(os.sched_getaffinity(0))))
+    assert FrontendPoolConfig().workers is None  # decided when a pool starts, not at import
+    assert default_workers() == max(1, min(4, len(os.sched_getaffinity(0))))
     with pytest.raises(ValueError, match="workers"):
         FrontendPoolConfig(workers=-1)
     assert Path(CONFIG).is_file()
