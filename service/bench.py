@@ -24,7 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from service.audio.encoding import AudioEncoding
+from service.engine.api import AudioOut, SessionConfig
+from service.engine.config import EngineConfig
+from service.engine.local import LocalEngine
 from service.synthesis import SynthesisParams, Synthesizer, open_synthesizer
+from service.text.frontend_pool import FrontendPoolConfig
 
 LONG_TEXT_CHARS = 150
 CORPUS_RESOURCE = "data/corpus_cpu.txt"  # in the service package
@@ -53,15 +58,17 @@ def load_corpus(path: Path | None = None) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 
-def time_cadenza(syn: Synthesizer, text: str, seed: int) -> Run:
+def time_cadenza(local: LocalEngine, text: str, seed: int) -> Run:
+    """One text through the engine the server runs (segmenter, scheduler, decoder, output)."""
     start = time.perf_counter()
-    ttfa, samples = None, 0
-    for chunk in syn.stream(text, SynthesisParams(seed=seed)):
-        if ttfa is None:
-            ttfa = time.perf_counter() - start
-        samples += len(chunk.samples)
+    ttfa, seconds = None, 0.0
+    for event in local.stream(text, SessionConfig(seed=seed, encoding=AudioEncoding.FLOAT32)):
+        if isinstance(event, AudioOut) and event.num_samples:
+            if ttfa is None:
+                ttfa = time.perf_counter() - start
+            seconds += event.num_samples / event.sample_rate
     total = time.perf_counter() - start
-    return Run(ttfa or total, total, samples / syn.sample_rate)
+    return Run(ttfa or total, total, seconds)
 
 
 def time_whole(syn: Synthesizer, text: str, seed: int) -> Run:
@@ -127,20 +134,31 @@ def run_cpu_bench(
     import torch
 
     torch.set_num_threads(threads)
-    syn = open_synthesizer(None, backend=backend, device="cpu", threads=threads)
+    # Like piper, phonemise in this process (a frontend pool pays off for many sessions, not one).
+    local = LocalEngine(EngineConfig(backend=backend, device="cpu", threads=threads, cache_bytes=0,
+                                     frontend=FrontendPoolConfig(workers=0)))
     piper = load_piper(threads)
     texts = load_corpus(corpus)
     runners: dict[str, Callable[[str, int], Run]] = {
-        "cadenza": lambda text, seed: time_cadenza(syn, text, seed),
+        "cadenza": lambda text, seed: time_cadenza(local, text, seed),
         "piper": lambda text, seed: time_piper(piper, text),
     }
     if whole:
+        syn = open_synthesizer(None, backend=backend, device="cpu", threads=threads)
         runners["whole"] = lambda text, seed: time_whole(syn, text, seed)
+    try:
+        return _bench(runners, texts, repeats, settle_s, whole, pick, stat,
+                      f"{local.engine.backend_name}, {local.engine.config.batch.decoder} decoder")
+    finally:
+        local.close()
+
+
+def _bench(runners: dict[str, Callable[[str, int], Run]], texts: list[str], repeats: int, settle_s: float,
+           whole: bool, pick: Callable[[list[float]], float], stat: str, label: str) -> int:
     for text in texts[:2]:  # warm up (allocators, caches)
         for run in runners.values():
             run(text, 0)
-    print(f"cadenza ({syn.backend.name}, chunks {syn.schedule}) vs piper-tts, "
-          f"{threads} threads, {repeats} runs per text ({stat}), rotating order, "
+    print(f"cadenza ({label}) vs piper-tts, {repeats} runs per text ({stat}), rotating order, "
           f"{settle_s * 1000:.0f} ms idle before each run")
     extra = f" {'rtf_w':>6} {'ratio':>6}" if whole else ""
     print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6}{extra}  text")

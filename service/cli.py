@@ -21,38 +21,55 @@ def _add_voice_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_say(args: argparse.Namespace) -> int:
-    from service.audio.wav import write_wav
-    from service.synthesis import SynthesisParams, open_synthesizer
+    """In-process synthesis through the same engine the server runs (no gRPC)."""
+    from pathlib import Path
 
-    syn = open_synthesizer(
-        args.voice, voices_dir=args.voices_dir, backend=args.backend, device=args.device,
-        threads=args.threads,
-    )
-    params = SynthesisParams(
-        speaker=args.speaker, seed=args.seed, length_scale=args.length_scale,
-        noise_scale=args.noise_scale, noise_w=args.noise_w,
-    )
-    start = time.perf_counter()
-    pieces, words, ttfa = [], [], None
-    for chunk in syn.stream(args.text, params):
-        if ttfa is None:
-            ttfa = time.perf_counter() - start
-        pieces.append(chunk.samples)
-        words.extend(chunk.words)
-    elapsed = time.perf_counter() - start
     import numpy as np
 
+    from service.audio.encoding import AudioEncoding
+    from service.audio.wav import write_wav
+    from service.engine.api import AudioOut, SessionConfig
+    from service.engine.config import EngineConfig
+    from service.engine.local import LocalEngine
+    from service.text.frontend_pool import FrontendPoolConfig
+    from service.voices import find_voice
+
+    voices_dir = Path(args.voices_dir) if args.voices_dir else None
+    info = find_voice(args.voice, voices_dir)
+    if args.voice and Path(args.voice).suffix == ".onnx":  # a voice file: serve its folder
+        voices_dir = Path(args.voice).resolve().parent
+    config = EngineConfig(
+        voice=info.name, voices_dir=voices_dir, backend=args.backend, device=args.device, threads=args.threads,
+        cache_bytes=0, frontend=FrontendPoolConfig(workers=0),  # one text: no frontend processes needed
+    )
+    session = SessionConfig(
+        speaker=args.speaker, seed=args.seed, noise_scale=args.noise_scale, noise_w=args.noise_w,
+        speaking_rate=info.length_scale / args.length_scale if args.length_scale else 1.0,
+        encoding=AudioEncoding.FLOAT32, word_timings=True,
+    )
+    with LocalEngine(config) as local:
+        start = time.perf_counter()
+        pieces, words, ttfa = [], [], None
+        for event in local.stream(args.text, session):
+            if not isinstance(event, AudioOut):
+                continue
+            if ttfa is None:
+                ttfa = time.perf_counter() - start
+            pieces.append(np.frombuffer(event.audio, dtype="<f4"))
+            words.extend(event.words)
+        elapsed = time.perf_counter() - start
+        backend, device = local.engine.backend_name, local.engine.device
     audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
-    write_wav(args.output, audio, syn.sample_rate)
-    seconds = len(audio) / syn.sample_rate
-    print(f"wrote {args.output}: {seconds:.2f} s of audio at {syn.sample_rate} Hz "
-          f"({syn.backend.name} on {syn.backend.device}, {elapsed:.3f} s compute, "
-          f"RTF {elapsed / max(seconds, 1e-9):.3f})")
+    rate = info.sample_rate
+    write_wav(args.output, audio, rate)
+    seconds = len(audio) / rate
+    print(f"wrote {args.output}: {seconds:.2f} s of audio at {rate} Hz "
+          f"({backend} on {device}, {elapsed:.3f} s compute, RTF {elapsed / max(seconds, 1e-9):.3f})")
     if args.stream and ttfa is not None:
         print(f"time to first audio: {ttfa * 1000:.1f} ms")
     if args.words:
         for w in words:
-            print(f"  {w.start / syn.sample_rate:7.3f} {w.end / syn.sample_rate:7.3f}  {w.word}")
+            print(f"  {w.start / rate:7.3f} {w.end / rate:7.3f}  {w.word}")
     return 0
 
 
@@ -101,6 +118,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         limits=Limits(
             max_sessions=args.max_sessions, max_text_chars=args.max_text_chars,
             max_message_bytes=args.max_message_bytes, idle_timeout_s=args.idle_timeout,
+            admission_wait_s=args.admission_wait, capacity_streams=args.capacity,
         ),
     )
 
@@ -235,6 +253,8 @@ def _batch_config(args: argparse.Namespace) -> BatchConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from service.engine.config import Limits
+
     parser = argparse.ArgumentParser(prog="cadenza", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -314,28 +334,31 @@ def build_parser() -> argparse.ArgumentParser:
         "load", help="N sessions against a RUNNING server over gRPC: TTFA P50/P99, underruns, pass rate",
         description="Drive a running `cadenza serve` over the native streaming API. A session passes when its "
                     "worst underrun (audio played from its first chunk) is at most 100 ms and it ended OK. "
-                    "Last line: pass_rate= ttfa_p50_ms= ttfa_p99_ms= sessions= rtfx=.",
+                    "Last line: pass_rate= ttfa_p50_ms= ttfa_p99_ms= sessions= rtfx= (sessions: how many ran).",
     )
     bload.add_argument("--target", default="localhost:50051", help="server host:port (default: %(default)s)")
     bload.add_argument("--sessions", type=int, default=8,
-                       help="burst: sessions started at once; poisson: total sessions that arrive; --sweep: the "
+                       help="the load level N. burst: sessions started at once; poisson: the target number of "
+                            "sessions in progress at once (with --rate: the most that arrive); --sweep: the "
                             "largest N tried (default: %(default)s)")
     bload.add_argument("--arrival", choices=("burst", "poisson"), default="burst",
-                       help="burst: all sessions start together; poisson: random arrivals at --rate "
-                            "(default: %(default)s)")
-    bload.add_argument("--rate", type=float, default=2.0,
-                       help="poisson: sessions arriving per second (default: %(default)s)")
+                       help="burst: all sessions start together; poisson: random arrivals at N / (mean session "
+                            "audio seconds) per second, so about N are in progress at once (default: %(default)s)")
+    bload.add_argument("--rate", type=float, default=None,
+                       help="poisson: sessions arriving per second, overriding the rate derived from N; N then "
+                            "caps the arrivals (default: derived)")
     bload.add_argument("--duration", type=float, default=None,
-                       help="poisson: stop arriving after this many seconds, or at --sessions arrivals if that "
-                            "comes first (default: no time limit)")
+                       help="poisson: stop arriving after this many seconds (default: 30, or no limit with "
+                            "--rate)")
     bload.add_argument("--pace", choices=("sentence", "llm"), default="sentence",
-                       help="sentence: each sentence pushed whole; llm: word-sized deltas at --tokens-per-s, "
-                            "and TTFA then includes the time to write the first clause (default: %(default)s)")
+                       help="sentence: each sentence pushed whole, TTFA from the first text; llm: word-sized "
+                            "deltas at --tokens-per-s, TTFA from the delta that completes the first sentence "
+                            "(clamped at 0; the JSON keeps ttfa_from_first_text_ms too) (default: %(default)s)")
     bload.add_argument("--tokens-per-s", type=float, default=30.0,
                        help="llm pacing: text tokens per second (default: %(default)s)")
     bload.add_argument("--sweep", action="store_true",
-                       help="find the largest N <= --sessions with pass_rate >= 0.99 and TTFA p99 <= 150 ms "
-                            "(doubling, then bisection; one line per probe)")
+                       help="find the largest N <= --sessions (poisson: target concurrency) with pass_rate >= "
+                            "0.99 and TTFA p99 <= 150 ms (doubling, then bisection; one line per probe)")
     bload.add_argument("--precision", choices=("auto", "fp16", "fp32"), default="auto",
                        help="precision each session asks for (default: %(default)s)")
     bload.add_argument("--json", default=None, help="write per-session records and the summary here (default: none)")
@@ -352,10 +375,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(device="auto")
     _add_batch_args(serve)
     serve.add_argument("--cache-mb", type=int, default=64, help="result cache size (seeded requests)")
-    serve.add_argument("--max-sessions", type=int, default=64)
-    serve.add_argument("--max-text-chars", type=int, default=100_000, help="characters per session")
-    serve.add_argument("--max-message-bytes", type=int, default=4 << 20)
-    serve.add_argument("--idle-timeout", type=float, default=60.0, help="seconds without a client message")
+    limits = Limits()
+    serve.add_argument("--max-sessions", type=int, default=limits.max_sessions,
+                       help="open sessions; one more gets RESOURCE_EXHAUSTED (default: %(default)s)")
+    serve.add_argument("--max-text-chars", type=int, default=limits.max_text_chars,
+                       help="characters per session (default: %(default)s)")
+    serve.add_argument("--max-message-bytes", type=int, default=limits.max_message_bytes,
+                       help="largest gRPC message either way (default: %(default)s)")
+    serve.add_argument("--idle-timeout", type=float, default=limits.idle_timeout_s,
+                       help="seconds without a client message (default: %(default)s)")
+    serve.add_argument("--admission-wait", type=float, default=limits.admission_wait_s,
+                       help="at the estimated capacity, seconds a new session waits before RESOURCE_EXHAUSTED; "
+                            "0 turns admission control off (default: %(default)s)")
+    serve.add_argument("--capacity", type=float, default=limits.capacity_streams,
+                       help="real-time streams to admit, instead of the estimate measured at start-up")
     serve.add_argument("--drain-grace", type=float, default=30.0, help="seconds open sessions get after SIGTERM")
     serve.set_defaults(func=_cmd_serve)
 

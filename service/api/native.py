@@ -197,6 +197,7 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
         return pb.ServerInfo(
             backend=info.backend, device=info.device, precisions=[_PRECISION_OUT[p] for p in info.precisions],
             default_voice=info.default_voice, fp32_pins=info.fp32_pins, versions=dict(info.versions),
+            capacity_streams=info.capacity_streams or 0.0, open_sessions=info.open_sessions,
         )
 
 

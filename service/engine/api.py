@@ -165,6 +165,8 @@ class ServerInfo:
     default_voice: str
     fp32_pins: list[str]  # modules kept in FP32 when running FP16
     versions: Mapping[str, str]  # package -> version
+    capacity_streams: float | None = None  # real-time streams the server estimates it carries
+    open_sessions: int = 0
 
 
 class Session(Protocol):

@@ -15,10 +15,14 @@ from service.text.segment import SegmenterConfig
 class Limits:
     """Per-server limits; every one is documented in the README's Server section."""
 
-    max_sessions: int = 64  # open sessions; one more -> RESOURCE_EXHAUSTED
+    max_sessions: int = 1024  # open sessions; one more -> RESOURCE_EXHAUSTED (admission control acts first)
     max_text_chars: int = 100_000  # characters one session may send; more -> RESOURCE_EXHAUSTED
     max_message_bytes: int = 4 << 20  # largest gRPC message either way
     idle_timeout_s: float = 60.0  # a stream with no client message for this long is closed
+    # At the estimated capacity (real-time streams, see GetServerInfo) a new session waits this
+    # long for one to end, then gets RESOURCE_EXHAUSTED; 0 turns admission control off.
+    admission_wait_s: float = 1.0
+    capacity_streams: float | None = None  # pins the capacity instead of measuring it
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class BatchConfig:
     slots: int = 1024  # utterances decoding at once per voice and precision (state kept on the device)
     cuda_graphs: bool = True  # capture each (batch bucket, step size) as a CUDA graph
     max_ahead_s: float = 3.0  # backpressure: a session whose client has this much audio unread is not stepped
+    lead_s: float = 1.0  # audio kept ahead of playback; sessions further ahead step only when nothing is urgent
     urgent_slack_s: float = 0.3  # a playing session with less buffered is stepped before new sentences
     acoustic_max_batch: int = 64  # sentences per acoustic-stage call
     acoustic_lookahead_s: float = 2.0  # a session's next sentence waits while this much audio is queued

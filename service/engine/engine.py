@@ -8,6 +8,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 from importlib import metadata
 
 from service.audio.encoding import AudioEncoding
@@ -90,11 +91,17 @@ class TtsEngine:
         for precision in self._warm_precisions():
             session = await self._open_session(SessionConfig(seed=0, precision=precision), internal=True)
             await self._collect(session, self.config.warmup_text)
+        executor = self._loop.executor
+        for precision in self._warm_precisions():
+            estimate = executor.capacity_streams(precision.value)
+            if estimate:
+                log.info("capacity estimate at %s: %.0f real-time streams", precision.value, estimate)
 
     def _warm_precisions(self) -> list[Precision]:
+        """FP32 (every guard trip redoes in it) and what AUTO picks here."""
         assert self._default is not None
-        supported = self._runtimes[self._default.name].backend.supported_precisions()
-        return [Precision(p) for p in supported]
+        auto = self._resolve_precision(Precision.AUTO, self._default.name).precision
+        return [Precision.FP32] + ([Precision(auto)] if auto != "fp32" else [])
 
     def _start_sync(self) -> None:
         voices_dir = self.config.voices_dir
@@ -178,7 +185,31 @@ class TtsEngine:
         precisions = [Precision(p) for p in backend.supported_precisions()] if backend else [Precision.FP32]
         pins = list(getattr(backend, "fp32_pins", []) or [])
         return ServerInfo(self.backend_name, self.device, precisions,
-                          self._default.name if self._default else "", pins, versions)
+                          self._default.name if self._default else "", pins, versions,
+                          capacity_streams=self.capacity_streams(), open_sessions=self.live_sessions)
+
+    def capacity_streams(self) -> float | None:
+        """Real-time streams the engine estimates it carries at the precision AUTO picks."""
+        if self.config.limits.capacity_streams is not None:
+            return self.config.limits.capacity_streams
+        auto = self._policy.resolve("auto", self._default.name, 0).precision if self._policy and self._default \
+            else None
+        return self._loop.executor.capacity_streams(auto) or self._loop.executor.capacity_streams()
+
+    async def _admit(self) -> None:
+        """At capacity, wait a little for a session to end; then refuse with a clear status."""
+        wait = self.config.limits.admission_wait_s
+        capacity = self.capacity_streams() if wait > 0 else None
+        if capacity is None or self.live_sessions < capacity:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            if self.live_sessions < capacity:
+                return
+        raise ResourceExhausted(
+            f"server at capacity: {self.live_sessions} sessions open, about {capacity:.0f} real-time streams fit "
+            f"on this {self.device}; retry shortly or connect to another replica")
 
     # --- sessions ----------------------------------------------------------------------------
 
@@ -195,6 +226,8 @@ class TtsEngine:
             raise ResourceExhausted(
                 f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"
             )
+        if not internal:
+            await self._admit()
         info = self._resolve_voice(config)
         sid = self._resolve_speaker(info, config.speaker)
         params, schedule = self._resolve_params(info, config)

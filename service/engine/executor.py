@@ -41,8 +41,9 @@ class Chunk:
 class _Slots:
     """The decoder slots of one (voice, precision): a streaming decoder and its free list."""
 
-    def __init__(self, decoder: StreamingDecoder) -> None:
+    def __init__(self, decoder: StreamingDecoder, sample_rate: int) -> None:
         self.decoder = decoder
+        self.sample_rate = sample_rate
         self.free = list(range(decoder.capacity - 1, -1, -1))
 
     def take(self) -> int | None:
@@ -62,6 +63,7 @@ class Executor:
         self.shadow = shadow
         self.on_trip = on_trip
         self._slots: dict[tuple[int, str], _Slots] = {}
+        self.host_row_seconds = 0.0  # engine-thread time per row of a large step (moving average)
 
     # --- mode ------------------------------------------------------------------------------------
 
@@ -88,8 +90,32 @@ class Executor:
                 graph_frames=(self.config.step_frames, first + self._lag(backend)),
             )
             decoder.capture_all()
-            pool = self._slots[key] = _Slots(decoder)
+            pool = self._slots[key] = _Slots(decoder, runtime.sample_rate)
         return pool
+
+    # Share of the measured throughput the capacity estimate promises (the frontend, the
+    # acoustic stage and the event loops need the rest).
+    CAPACITY_HEADROOM = 0.8
+
+    def capacity_streams(self, precision: str | None = None) -> float | None:
+        """Real-time streams the decoder can carry: audio seconds made per second at the best
+        measured batch of steady steps (GPU step times timed at warm-up, the host's time per
+        row as measured while serving), or the staged decoder's measured speed. None before
+        anything was measured."""
+        best = 0.0
+        for (_, p), pool in self._slots.items():
+            if precision is not None and p != precision:
+                continue
+            dec, frames = pool.decoder, self.config.step_frames
+            audio = frames * dec.hop / pool.sample_rate  # seconds one row of one step makes
+            for (rows, n), seconds in dec.step_seconds.items():
+                if n == frames and seconds > 0:
+                    best = max(best, rows * audio / seconds)
+            if self.host_row_seconds > 0:
+                best = min(best, audio / self.host_row_seconds) if best else audio / self.host_row_seconds
+        if not best and self.stats.step_seconds > 0 and not self._slots:
+            best = self.stats.audio_seconds / self.stats.step_seconds
+        return best * self.CAPACITY_HEADROOM if best else None
 
     @staticmethod
     def _lag(backend: object) -> int:
@@ -173,6 +199,16 @@ class Executor:
         return out
 
     def _slot_step(self, rows: list[tuple[SessionState, UtteranceState]], precision: str, first: bool) -> list[Chunk]:
+        start = time.perf_counter()
+        out = self._slot_step_rows(rows, precision, first)
+        if len(rows) >= 32 and not first:
+            per_row = (time.perf_counter() - start) / len(rows)
+            old = self.host_row_seconds
+            self.host_row_seconds = per_row if not old else 0.9 * old + 0.1 * per_row
+        return out
+
+    def _slot_step_rows(self, rows: list[tuple[SessionState, UtteranceState]], precision: str,
+                        first: bool) -> list[Chunk]:
         runtime = rows[0][0].spec.runtime
         pool = self.slots(runtime, precision)
         dec = pool.decoder

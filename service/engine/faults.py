@@ -15,23 +15,31 @@ class FaultInjector:
     """Forward hook that overwrites part of a module's output with `value`.
 
     `every`: fire on every n-th call (1 = always); `fraction`: share of each
-    output's last axis (from its start) that is overwritten."""
+    output's last axis (from its start) that is overwritten; `rows`: only these batch
+    rows (None: all); `limit`: fire at most this often (0: no limit)."""
 
     value: float = float("nan")
     every: int = 1
     fraction: float = 0.25
+    rows: tuple[int, ...] | None = None
+    limit: int = 0
     calls: int = 0
     fired: int = 0
     handles: list[RemovableHandle] = field(default_factory=list)
 
     def __call__(self, module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if self.calls % self.every:
+        if self.calls % self.every or (self.limit and self.fired >= self.limit):
             return output
         self.fired += 1
         out = output.clone()
         width = max(1, int(out.shape[-1] * self.fraction))
-        out[..., :width] = self.value
+        if self.rows is None:
+            out[..., :width] = self.value
+        else:
+            for row in self.rows:
+                if row < out.shape[0]:
+                    out[row, ..., :width] = self.value
         return out
 
     def remove(self) -> None:
@@ -41,13 +49,14 @@ class FaultInjector:
 
 
 def inject_nonfinite(
-    model: nn.Module, module_name: str, value: float = float("nan"), every: int = 1, fraction: float = 0.25
+    model: nn.Module, module_name: str, value: float = float("nan"), every: int = 1, fraction: float = 0.25,
+    rows: tuple[int, ...] | None = None, limit: int = 0,
 ) -> FaultInjector:
     """Attach a FaultInjector to `model.<module_name>`; call .remove() to undo."""
     try:
         module = model.get_submodule(module_name)
     except AttributeError as exc:
         raise ValueError(f"no module {module_name!r} to inject a fault into") from exc
-    injector = FaultInjector(value=value, every=every, fraction=fraction)
+    injector = FaultInjector(value=value, every=every, fraction=fraction, rows=rows, limit=limit)
     injector.handles.append(module.register_forward_hook(injector))
     return injector

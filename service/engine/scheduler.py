@@ -5,6 +5,10 @@ stage and which sessions advance by one decoder step, most urgent first:
 
 * a session waiting for its first audio outranks every session already playing, and among
   playing sessions the one with the least audio buffered at its client goes first;
+* deadlines first: a session with at least `lead_s` of audio ahead of its playback is stepped
+  only when no session is waiting for its first audio or below its lead and no sentence
+  waits for the acoustic stage (the GPU then has time to spare: unary requests and clients
+  that buffer still get their audio as fast as it can be made);
 * a session whose client has not yet taken `max_ahead_s` of the audio delivered to it is
   not stepped (backpressure: bounded memory per session, GPU time for those who need it;
   the session wakes the engine when its client catches up);
@@ -65,8 +69,11 @@ class Scheduler:
             plan.acoustic = [(s, u) for _, s, u in acoustic if s.spec.runtime is runtime][: cfg.acoustic_max_batch]
         if decode:
             decode.sort(key=lambda item: item[0])
+            urgent = [item for item in decode if item[0][0] == 0 or item[0][1] < cfg.lead_s]
+            if urgent or acoustic:
+                decode = urgent
             plan.decode = [(s, u) for _, s, u in decode[:max_rows]]
-            plan.decode_first = decode[0][0][0] == 1 and decode[0][0][1] < cfg.urgent_slack_s
+            plan.decode_first = bool(decode) and decode[0][0][0] == 1 and decode[0][0][1] < cfg.urgent_slack_s
         if plan.empty and wake < math.inf:
             plan.wake_at = wake
         return plan

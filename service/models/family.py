@@ -36,6 +36,7 @@ class StreamingDecoder(Protocol):
     hop: int  # audio samples per latent frame
     lag: int  # latent frames the audio trails the input (the stages' right context)
     capacity: int  # slots
+    step_seconds: dict[tuple[int, int], float]  # (rows, frames) -> measured time of one step (may be empty)
 
     def reset(self, slots: Sequence[int]) -> None:
         """Clear the state of `slots` before a new utterance starts in them."""

@@ -1,9 +1,21 @@
 """`cadenza bench load`: a load generator for a RUNNING server, over real gRPC.
 
 `cadenza bench streams` feeds sessions straight into an in-process engine; here every session is a native
-StreamingSynthesize stream on one grpc.aio channel, so the figures also include gRPC, the server's event loop
-and the audio encoding. Each session plays its audio on a simulated real-time clock that starts at its first
-chunk; it passes when its worst underrun is at most 100 ms and the stream ended with status OK."""
+StreamingSynthesize stream over grpc.aio (one channel per SESSIONS_PER_CHANNEL sessions), so the figures also
+include gRPC, the server's event loop and the audio encoding. Each session plays its audio on a simulated
+real-time clock that starts at its first chunk; it passes when its worst underrun is at most 100 ms and the
+stream ended with status OK.
+
+Load level N: burst starts N sessions at once. Poisson treats N as the target CONCURRENCY: sessions arrive at
+N / MEAN_SESSION_S per second for --duration seconds (default 30), so by Little's law about N calls are in
+progress once the first ones have played out (an explicit --rate wins instead, and N then caps the arrivals).
+The summary reports the concurrency measured: open streams, and calls (open until their audio has played).
+
+TTFA: with sentence pacing, first text sent -> first audio. With llm pacing the time from the first token is
+mostly the time the LLM takes to write the first sentence, which the server cannot change, so the headline
+`ttfa_ms` is measured from when the delta that completes the session's first sentence was sent (clamped at 0:
+the server may start at a clause before the sentence ends); `ttfa_from_first_text_ms` keeps the figure from the
+first token. The sweep's pass/fail uses the headline."""
 
 from __future__ import annotations
 
@@ -13,6 +25,7 @@ import json
 import math
 import random
 import re
+import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -30,6 +43,9 @@ UNDERRUN_LIMIT_S = 0.100  # a session passes when no chunk is later than this
 SWEEP_PASS_RATE = 0.99  # --sweep: a probe passes at this pass rate ...
 SWEEP_TTFA_P99_MS = 150.0  # ... and this p99 time to first audio
 SESSION_TIMEOUT_S = 300.0  # per stream: a hung server fails the session instead of the run
+SESSIONS_PER_CHANNEL = 100  # one grpc.aio channel (own TCP connection) per this many sessions, round-robin
+CHARS_PER_AUDIO_S = 20.2  # measured: the 16 SENTENCES via `cadenza say` (built-in voice) = 1398 chars, 69.3 s
+POISSON_DURATION_S = 30.0  # poisson at a target concurrency: how long sessions keep arriving by default
 NATIVE_SERVICE = "cadenza.v1.TextToSpeech"
 PRECISIONS = {"auto": pb.AUTO, "fp16": pb.FP16, "fp32": pb.FP32}
 
@@ -65,8 +81,8 @@ class LoadConfig:
     target: str = "localhost:50051"
     sessions: int = 8
     arrival: str = "burst"  # burst | poisson
-    rate: float = 2.0  # poisson arrivals per second
-    duration_s: float | None = None  # poisson: stop arriving after this long
+    rate: float | None = None  # poisson arrivals per second; None: derived from the target concurrency
+    duration_s: float | None = None  # poisson: stop arriving after this long (None: 30 s, or no limit with rate)
     pace: str = "sentence"  # sentence | llm
     tokens_per_s: float = 30.0  # llm pacing
     precision: str = "auto"
@@ -82,7 +98,9 @@ class SessionRecord:
     start_s: float  # when its stream was opened, seconds after the run started
     end_s: float
     text: str
-    ttfa_ms: float | None  # first text sent -> first audio bytes received
+    ttfa_ms: float | None  # headline: first sentence complete (llm pacing) or first text sent -> first audio
+    ttfa_from_first_text_ms: float | None = None  # first text sent -> first audio (same as ttfa_ms for sentences)
+    first_audio_s: float | None = None  # when its first audio came, seconds after the run started
     server_ttfa_ms: float | None = None  # the server's own figure (summary): the rest is gRPC and the loops
     gaps_ms: list[float] = field(default_factory=list)  # between consecutive audio chunks
     worst_underrun_ms: float = 0.0
@@ -110,6 +128,13 @@ class Summary:
     wall_s: float
     rtfx: float  # audio seconds delivered per wall second
     client_loop_lag_max_ms: float  # this process's own event loop: large values mean the client was the limit
+    ttfa_from_first_text_p50_ms: float = math.nan  # equals ttfa_p50_ms with sentence pacing
+    target_concurrency: float = math.nan  # burst: N; poisson: N, or with --rate: rate x MEAN_SESSION_S
+    arrival_rate_per_s: float = math.nan  # poisson only
+    open_mean: float = math.nan  # gRPC streams open at once, time-averaged from first to last arrival
+    open_peak: int = 0
+    calls_mean: float = math.nan  # sessions open or still playing their audio (a caller still listening)
+    calls_peak: int = 0
 
 
 # ---- pure parts ---------------------------------------------------------------------------------------------
@@ -139,10 +164,35 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def summarise(records: Sequence[SessionRecord], wall_s: float, loop_lag_s: float = 0.0) -> Summary:
+def concurrency(intervals: Sequence[tuple[float, float]], window_s: float) -> tuple[float, int]:
+    """(time-averaged count over [0, window_s], peak count) of (start, end) intervals.
+
+    An interval that ends when another starts does not overlap it. With window_s <= 0 the mean is nan."""
+    inside = sum(max(0.0, min(end, window_s) - max(start, 0.0)) for start, end in intervals)
+    events = sorted([(end, -1) for _, end in intervals] + [(start, 1) for start, _ in intervals])
+    open_now = peak = 0
+    for _, step in events:
+        open_now += step
+        peak = max(peak, open_now)
+    return (inside / window_s if window_s > 0 else math.nan), peak
+
+
+def call_interval(r: SessionRecord) -> tuple[float, float]:
+    """A call lasts until its stream ended or its audio, played from the first chunk, did: whichever is later."""
+    played = r.first_audio_s + r.audio_seconds if r.first_audio_s is not None else r.end_s
+    return r.start_s, max(r.end_s, played)
+
+
+def summarise(records: Sequence[SessionRecord], wall_s: float, loop_lag_s: float = 0.0,
+              target_concurrency: float = math.nan, arrival_rate: float = math.nan,
+              window_s: float | None = None) -> Summary:
+    """Figures over one run; concurrency is averaged over [0, window_s] (default: the whole run)."""
     ttfa = [r.ttfa_ms for r in records if r.ttfa_ms is not None]
     audio = sum(r.audio_seconds for r in records)
     passed = sum(r.passed for r in records)
+    window = wall_s if window_s is None else window_s
+    open_mean, open_peak = concurrency([(r.start_s, r.end_s) for r in records], window)
+    calls_mean, calls_peak = concurrency([call_interval(r) for r in records], window)
     return Summary(
         sessions=len(records), passed=passed, errors=sum(r.code != "OK" for r in records),
         pass_rate=passed / len(records) if records else 0.0,
@@ -151,6 +201,10 @@ def summarise(records: Sequence[SessionRecord], wall_s: float, loop_lag_s: float
         worst_underrun_ms=max((r.worst_underrun_ms for r in records), default=0.0),
         audio_seconds=audio, wall_s=wall_s, rtfx=audio / wall_s if wall_s > 0 else 0.0,
         client_loop_lag_max_ms=loop_lag_s * 1000,
+        ttfa_from_first_text_p50_ms=percentile(
+            [r.ttfa_from_first_text_ms for r in records if r.ttfa_from_first_text_ms is not None], 50),
+        target_concurrency=target_concurrency, arrival_rate_per_s=arrival_rate,
+        open_mean=open_mean, open_peak=open_peak, calls_mean=calls_mean, calls_peak=calls_peak,
     )
 
 
@@ -183,18 +237,40 @@ def best_probe(results: Mapping[int, bool]) -> int:
     return max((n for n, ok in results.items() if ok), default=0)
 
 
-def arrival_times(arrival: str, n: int, rate: float, duration_s: float | None, rng: random.Random) -> list[float]:
+def mean_session_chars() -> float:
+    """Expected characters of a pick_texts() session: 2 or 3 distinct sentences (mean 2.5) joined by spaces."""
+    return 2.5 * statistics.fmean(len(s) for s in SENTENCES) + 1.5
+
+
+MEAN_SESSION_S = mean_session_chars() / CHARS_PER_AUDIO_S  # expected audio seconds of one session (~10 s)
+
+
+def poisson_schedule(n: int, rate: float | None, duration_s: float | None) -> tuple[float, float | None, int | None]:
+    """(arrivals per second, arrival window, arrival cap) for a poisson run at load level n.
+
+    No rate: n is the target concurrency, so arrivals come at n / MEAN_SESSION_S (Little's law: rate x mean
+    session length = sessions in progress) for duration_s (default POISSON_DURATION_S), with no cap on their
+    number. An explicit rate wins, and n caps the arrivals (as does duration_s if given)."""
+    if rate is not None:
+        return rate, duration_s, n
+    return n / MEAN_SESSION_S, POISSON_DURATION_S if duration_s is None else duration_s, None
+
+
+def arrival_times(arrival: str, n: int | None, rate: float, duration_s: float | None,
+                  rng: random.Random) -> list[float]:
     """Seconds after the start at which each session opens its stream.
 
     burst: all n at once. poisson: exponential gaps at `rate` per second, the first at 0, until n sessions
-    have arrived or `duration_s` has passed, whichever comes first."""
+    have arrived (None: no cap) or `duration_s` has passed, whichever comes first; one of them must be set."""
     if arrival == "burst":
-        return [0.0] * n
+        return [0.0] * (n or 0)
     if arrival != "poisson":
         raise ValueError(f"unknown arrival {arrival!r}; use burst or poisson")
+    if n is None and duration_s is None:
+        raise ValueError("poisson arrivals need a count or a duration")
     times: list[float] = []
     t = 0.0
-    while len(times) < n and (duration_s is None or t < duration_s):
+    while (n is None or len(times) < n) and (duration_s is None or t < duration_s):
         times.append(t)
         t += rng.expovariate(rate)
     return times
@@ -218,22 +294,38 @@ def text_deltas(sentences: Sequence[str], pace: str, tokens_per_s: float) -> lis
     raise ValueError(f"unknown pace {pace!r}; use sentence or llm")
 
 
+def first_sentence_delta(deltas: Sequence[tuple[float, str]], first_sentence: str) -> int:
+    """Index of the delta that completes `first_sentence` (the deltas spell the session's text from its start):
+    the headline TTFA is measured from when it was sent."""
+    written = 0
+    for k, (_, piece) in enumerate(deltas):
+        written += len(piece)
+        if written >= len(first_sentence):
+            return k
+    return len(deltas) - 1
+
+
 # ---- one run over gRPC --------------------------------------------------------------------------------------
 
 
-async def _requests(config: pb.SessionConfig, deltas: Sequence[tuple[float, str]], sent: list[float]
+async def _requests(config: pb.SessionConfig, deltas: Sequence[tuple[float, str]], marks: dict[int, float]
                     ) -> AsyncIterator[pb.StreamingSynthesizeRequest]:
-    """Config, the text deltas on their schedule, end of input. `sent[0]` is when the first text left."""
+    """Config, the text deltas on their schedule, end of input. `marks[k]` becomes the time delta k left, for
+    the delta indices already in `marks` (only those: one clock read per marked delta)."""
     yield pb.StreamingSynthesizeRequest(config=config)
     base = time.perf_counter()
-    for offset, piece in deltas:
+    for k, (offset, piece) in enumerate(deltas):
         delay = base + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        if not sent:
-            sent.append(time.perf_counter())
+        if k in marks:
+            marks[k] = time.perf_counter()
         yield pb.StreamingSynthesizeRequest(text=piece)
     yield pb.StreamingSynthesizeRequest(end_input=True)
+
+
+def _ms(seconds: float) -> float | None:
+    return None if math.isnan(seconds) else seconds * 1000
 
 
 async def _session(stub: pb_grpc.TextToSpeechStub, cfg: LoadConfig, index: int, sentences: list[str],
@@ -241,26 +333,33 @@ async def _session(stub: pb_grpc.TextToSpeechStub, cfg: LoadConfig, index: int, 
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     opened = time.perf_counter()
     config = pb.SessionConfig(precision=PRECISIONS[cfg.precision], request_id=f"bench-load-{index}")
-    sent: list[float] = []
+    deltas = text_deltas(sentences, cfg.pace, cfg.tokens_per_s)
+    ref = first_sentence_delta(deltas, sentences[0])
+    marks = dict.fromkeys((0, ref), math.nan)
     arrivals: list[float] = []
     durations: list[float] = []
     code, message = "OK", ""
     server_ttfa: float | None = None
-    call = stub.StreamingSynthesize(_requests(config, text_deltas(sentences, cfg.pace, cfg.tokens_per_s), sent),
-                                    timeout=SESSION_TIMEOUT_S)
+    call = stub.StreamingSynthesize(_requests(config, deltas, marks), timeout=SESSION_TIMEOUT_S)
     try:
         async for msg in call:
-            if msg.WhichOneof("response") == "audio" and msg.audio.audio:
-                arrivals.append(time.perf_counter())
-                durations.append(msg.audio.duration_seconds)
-            elif msg.WhichOneof("response") == "summary":
+            kind = msg.WhichOneof("response")
+            if kind == "audio":
+                if msg.audio.audio:
+                    arrivals.append(time.perf_counter())
+                    durations.append(msg.audio.duration_seconds)
+            elif kind == "summary":
                 server_ttfa = msg.summary.ttfa_seconds * 1000 if msg.summary.ttfa_seconds > 0 else None
     except grpc.aio.AioRpcError as exc:
         code, message = exc.code().name, exc.details() or ""
     ended = time.perf_counter()
+    first = arrivals[0] if arrivals else math.nan
+    from_sentence = _ms(first - marks[ref])  # None when there was no audio or the sentence was never sent
     return SessionRecord(
         index=index, start_s=opened - t0, end_s=ended - t0, text=" ".join(sentences),
-        ttfa_ms=(arrivals[0] - sent[0]) * 1000 if arrivals and sent else None, server_ttfa_ms=server_ttfa,
+        ttfa_ms=None if from_sentence is None else max(0.0, from_sentence),
+        ttfa_from_first_text_ms=_ms(first - marks[0]),
+        first_audio_s=first - t0 if arrivals else None, server_ttfa_ms=server_ttfa,
         gaps_ms=[(b - a) * 1000 for a, b in itertools.pairwise(arrivals)],
         worst_underrun_ms=worst_underrun(arrivals, durations) * 1000,
         audio_seconds=sum(durations), chunks=len(arrivals), code=code, message=message,
@@ -277,20 +376,28 @@ async def _watch_loop(stop: asyncio.Event, period_s: float = 0.01) -> float:
     return worst
 
 
-async def run_load(stub: pb_grpc.TextToSpeechStub, cfg: LoadConfig, n: int) -> tuple[list[SessionRecord], Summary]:
-    """One load run of up to `n` sessions (arrival, texts and pacing from `cfg`)."""
+async def run_load(stubs: Sequence[pb_grpc.TextToSpeechStub], cfg: LoadConfig, n: int
+                   ) -> tuple[list[SessionRecord], Summary]:
+    """One load run at level `n` (see the module docstring); sessions take the stubs in turn."""
     rng = random.Random(cfg.seed)
-    starts = arrival_times(cfg.arrival, n, cfg.rate, cfg.duration_s, rng)
+    if cfg.arrival == "poisson":
+        rate, window, cap = poisson_schedule(n, cfg.rate, cfg.duration_s)
+        starts = arrival_times("poisson", cap, rate, window, rng)
+        target = float(n) if cfg.rate is None else rate * MEAN_SESSION_S  # offered load, by Little's law
+        window_s = starts[-1] if len(starts) > 1 else None  # concurrency averaged from first to last arrival
+    else:
+        rate, target, window_s = math.nan, float(n), None
+        starts = arrival_times("burst", n, 1.0, None, rng)
     texts = pick_texts(rng, len(starts))
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch_loop(stop))
     t0 = time.perf_counter()
     records = await asyncio.gather(*(
-        _session(stub, cfg, i, texts[i], starts[i], t0) for i in range(len(starts))
+        _session(stubs[i % len(stubs)], cfg, i, texts[i], starts[i], t0) for i in range(len(starts))
     ))
     wall = time.perf_counter() - t0
     stop.set()
-    return list(records), summarise(records, wall, await watcher)
+    return list(records), summarise(records, wall, await watcher, target, rate, window_s)
 
 
 async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: float) -> None:
@@ -326,8 +433,13 @@ def _describe(records: Sequence[SessionRecord], s: Summary) -> str:
         if r.code != "OK":
             key = f"{r.code}: {r.message}"
             errors[key] = errors.get(key, 0) + 1
-    line = (f"{s.sessions} sessions: {s.passed} passed, {s.errors} errors, TTFA p50 {s.ttfa_p50_ms:.1f} ms "
-            f"(server-side {s.server_ttfa_p50_ms:.1f} ms), worst underrun "
+    arrival = "" if math.isnan(s.arrival_rate_per_s) else f", poisson {s.arrival_rate_per_s:.2f}/s"
+    llm = s.ttfa_from_first_text_p50_ms != s.ttfa_p50_ms and not math.isnan(s.ttfa_from_first_text_p50_ms)
+    from_text = f", from first text p50 {s.ttfa_from_first_text_p50_ms:.1f} ms" if llm else ""
+    line = (f"{s.sessions} sessions at target concurrency {s.target_concurrency:g}{arrival} (measured: open streams "
+            f"mean {s.open_mean:.1f} peak {s.open_peak}, calls until played out mean {s.calls_mean:.1f} peak "
+            f"{s.calls_peak}): {s.passed} passed, {s.errors} errors, TTFA p50 {s.ttfa_p50_ms:.1f} ms p99 "
+            f"{s.ttfa_p99_ms:.1f} ms (server-side p50 {s.server_ttfa_p50_ms:.1f} ms{from_text}), worst underrun "
             f"{s.worst_underrun_ms:.1f} ms, {s.audio_seconds:.1f} s of audio in {s.wall_s:.2f} s, "
             f"client loop lag max {s.client_loop_lag_max_ms:.1f} ms")
     return "\n".join([line, *(f"  {count} x {what}" for what, count in errors.items())])
@@ -377,36 +489,56 @@ def _ttfas(records: Sequence[SessionRecord]) -> list[float]:
     return [r.ttfa_ms for r in records if r.ttfa_ms is not None]
 
 
+def _arrival_text(cfg: LoadConfig) -> str:
+    if cfg.arrival == "burst":
+        return "burst"
+    if cfg.rate is not None:
+        return f"poisson at {cfg.rate:g}/s"
+    return (f"poisson at N / {MEAN_SESSION_S:.1f} s mean session per second for "
+            f"{POISSON_DURATION_S if cfg.duration_s is None else cfg.duration_s:g} s")
+
+
 async def _main(cfg: LoadConfig, sweep: bool, json_path: Path | None, png_path: Path | None) -> int:
-    async with grpc.aio.insecure_channel(cfg.target) as channel:
-        await wait_until_serving(channel, cfg.target, cfg.connect_timeout_s)
-        stub = pb_grpc.TextToSpeechStub(channel)
-        info = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-        pacing = f"llm pacing at {cfg.tokens_per_s:g} tokens/s" if cfg.pace == "llm" else "sentence pacing"
-        arrival = f"poisson at {cfg.rate:g}/s" if cfg.arrival == "poisson" else "burst"
-        print(f"target {cfg.target}: {info.backend} on {info.device}, voice {info.default_voice}; "
-              f"{arrival}, {pacing}, precision {cfg.precision}", flush=True)
-        report: dict[str, Any] = {"config": asdict(cfg)}
-        if not sweep:
-            records, summary = await run_load(stub, cfg, cfg.sessions)
-            print(_describe(records, summary))
-            curves = [(f"{summary.sessions} sessions", _ttfas(records))]
-        else:
-            results: dict[int, bool] = {}
-            runs: dict[int, tuple[list[SessionRecord], Summary]] = {}
-            while (n := next_probe(results, cfg.sessions)) is not None:
-                runs[n] = await run_load(stub, cfg, n)
-                results[n] = sweep_passes(runs[n][1])
-                print(f"probe N={n}: {summary_line(runs[n][1])} -> {'pass' if results[n] else 'fail'}", flush=True)
-            best = best_probe(results)
-            print(f"sweep: largest N with pass_rate >= {SWEEP_PASS_RATE} and ttfa_p99 <= {SWEEP_TTFA_P99_MS:g} ms: "
-                  f"{best or 'none'} (searched up to {cfg.sessions})")
-            records, summary = runs[best] if best else runs[min(runs)]
-            print(_describe(records, summary))
-            report["sweep"] = {"best_sessions": best, "probes": [
-                {"sessions": k, "passed": results[k], "summary": asdict(runs[k][1])} for k in sorted(runs)
-            ]}
-            curves = [(f"N={k}", _ttfas(runs[k][0])) for k in sorted(runs)]
+    # Separate connections: grpc shares one subchannel between channels with the same target and arguments.
+    channels = [grpc.aio.insecure_channel(cfg.target, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(math.ceil(cfg.sessions / SESSIONS_PER_CHANNEL))]
+    try:
+        return await _drive(channels, cfg, sweep, json_path, png_path)
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
+
+
+async def _drive(channels: Sequence[grpc.aio.Channel], cfg: LoadConfig, sweep: bool, json_path: Path | None,
+                 png_path: Path | None) -> int:
+    await wait_until_serving(channels[0], cfg.target, cfg.connect_timeout_s)
+    stubs = [pb_grpc.TextToSpeechStub(c) for c in channels]
+    info = await stubs[0].GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    pacing = (f"llm pacing at {cfg.tokens_per_s:g} tokens/s (TTFA from the first sentence's last token)"
+              if cfg.pace == "llm" else "sentence pacing")
+    print(f"target {cfg.target}: {info.backend} on {info.device}, voice {info.default_voice}; "
+          f"{_arrival_text(cfg)}, {pacing}, precision {cfg.precision}, {len(channels)} channel(s)", flush=True)
+    report: dict[str, Any] = {"config": asdict(cfg)}
+    if not sweep:
+        records, summary = await run_load(stubs, cfg, cfg.sessions)
+        print(_describe(records, summary))
+        curves = [(f"{summary.sessions} sessions", _ttfas(records))]
+    else:
+        results: dict[int, bool] = {}
+        runs: dict[int, tuple[list[SessionRecord], Summary]] = {}
+        while (n := next_probe(results, cfg.sessions)) is not None:
+            runs[n] = await run_load(stubs, cfg, n)
+            results[n] = sweep_passes(runs[n][1])
+            print(f"probe N={n}: {summary_line(runs[n][1])} -> {'pass' if results[n] else 'fail'}", flush=True)
+        best = best_probe(results)
+        level = "N (target concurrency)" if cfg.arrival == "poisson" else "N"
+        print(f"sweep: largest {level} with pass_rate >= {SWEEP_PASS_RATE} and ttfa_p99 <= {SWEEP_TTFA_P99_MS:g} ms: "
+              f"{best or 'none'} (searched up to {cfg.sessions})")
+        records, summary = runs[best] if best else runs[min(runs)]
+        print(_describe(records, summary))
+        report["sweep"] = {"best_n": best, "probes": [
+            {"n": k, "passed": results[k], "summary": asdict(runs[k][1])} for k in sorted(runs)
+        ]}
+        curves = [(f"N={k}", _ttfas(runs[k][0])) for k in sorted(runs)]
     report["summary"] = asdict(summary)
     report["sessions"] = _records_json(records)
     if json_path is not None:
@@ -423,10 +555,12 @@ def run_bench_load(cfg: LoadConfig, sweep: bool = False, json_path: Path | None 
     """Validate, run (or sweep), report. Raises ConnectionError when the target cannot be used."""
     if cfg.sessions < 1:
         raise ValueError("--sessions must be at least 1")
-    if cfg.rate <= 0 or cfg.tokens_per_s <= 0:
+    if (cfg.rate is not None and cfg.rate <= 0) or cfg.tokens_per_s <= 0:
         raise ValueError("--rate and --tokens-per-s must be positive")
-    if cfg.duration_s is not None and cfg.arrival != "poisson":
-        raise ValueError("--duration applies to --arrival poisson only")
+    if cfg.duration_s is not None and cfg.duration_s <= 0:
+        raise ValueError("--duration must be positive")
+    if (cfg.duration_s is not None or cfg.rate is not None) and cfg.arrival != "poisson":
+        raise ValueError("--rate and --duration apply to --arrival poisson only")
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"unknown precision {cfg.precision!r}; use auto, fp16 or fp32")
     if cfg.arrival not in ("burst", "poisson") or cfg.pace not in ("sentence", "llm"):

@@ -19,6 +19,7 @@ from service.engine.api import (
     SessionConfig,
     SessionSummary,
 )
+from service.engine.config import BatchConfig, Limits
 from tests.engine.conftest import EngineHarness, tiny_engine_config
 
 TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day, and everyone was happy!"
@@ -269,5 +270,48 @@ def test_auto_precision_on_a_tensor_core_gpu_is_fp16_and_says_why() -> None:
         data, _, summary = h.run(h.engine.synthesize_all(SessionConfig(seed=3, encoding=FLOAT), "Hello there."))
         assert summary.precision is Precision.FP16 and "tensor cores" in summary.precision_reason
         assert np.isfinite(_samples(data)).all() and len(data) > 0
+    finally:
+        h.close()
+
+
+def test_admission_control_waits_for_a_free_stream_then_refuses() -> None:
+    """At the capacity estimate a new session waits up to `admission_wait_s`: it gets in when
+    another ends meanwhile, else RESOURCE_EXHAUSTED with a message that says what to do."""
+    h = EngineHarness(tiny_engine_config(limits=Limits(capacity_streams=2, admission_wait_s=0.3)))
+    try:
+        async def run() -> None:
+            a = await h.engine.open_session(SessionConfig())
+            b = await h.engine.open_session(SessionConfig())
+            t0 = time.monotonic()
+            with pytest.raises(ResourceExhausted, match=r"capacity: 2 sessions open.*retry"):
+                await h.engine.open_session(SessionConfig())
+            assert time.monotonic() - t0 >= 0.3
+
+            async def end_one_soon() -> None:
+                await asyncio.sleep(0.1)
+                a.cancel()
+
+            ending = asyncio.create_task(end_one_soon())
+            c = await h.engine.open_session(SessionConfig())
+            await ending
+            assert h.engine.server_info().open_sessions == 2
+            b.cancel()
+            c.cancel()
+
+        h.run(run())
+        assert h.engine.server_info().capacity_streams == 2
+    finally:
+        h.close()
+
+
+def test_capacity_is_measured_from_the_decoder() -> None:
+    """Without a pinned figure the capacity comes from the decoder's measured speed (the
+    staged decoder: its warm-up), and GetServerInfo reports it."""
+    h = EngineHarness(tiny_engine_config(batch=BatchConfig(decoder="staged")))
+    try:
+        capacity = h.engine.server_info().capacity_streams
+        stats = h.engine.stats()
+        assert capacity is not None and capacity > 0
+        assert capacity == pytest.approx(0.8 * stats["step_audio_seconds"] / stats["step_seconds"])
     finally:
         h.close()

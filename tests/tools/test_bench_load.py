@@ -18,13 +18,21 @@ if TYPE_CHECKING:
     from tests.api.native_server import ServerThread
 from service.cli import main
 from service.tools.bench_load import (
+    CHARS_PER_AUDIO_S,
+    MEAN_SESSION_S,
+    POISSON_DURATION_S,
     SessionRecord,
     arrival_times,
     best_probe,
+    call_interval,
+    concurrency,
+    first_sentence_delta,
+    mean_session_chars,
     next_probe,
     percentile,
     pick_texts,
     plot_ttfa_cdf,
+    poisson_schedule,
     summarise,
     summary_line,
     text_deltas,
@@ -109,6 +117,9 @@ def test_arrivals_texts_and_pacing_are_deterministic() -> None:
     assert len(poisson) == 50 and poisson[0] == 0.0 and poisson == sorted(poisson)
     capped = arrival_times("poisson", 1000, 4.0, 3.0, random.Random(5))
     assert 1 < len(capped) < 1000 and max(capped) < 3.0
+    assert arrival_times("poisson", None, 4.0, 3.0, random.Random(5)) == capped  # no count cap: the window ends it
+    with pytest.raises(ValueError):
+        arrival_times("poisson", None, 4.0, None, random.Random(5))
     texts = pick_texts(random.Random(1), 20)
     assert texts == pick_texts(random.Random(1), 20)
     assert all(len(t) in (2, 3) and len(set(t)) == len(t) for t in texts)
@@ -120,6 +131,62 @@ def test_arrivals_texts_and_pacing_are_deterministic() -> None:
     assert "".join(t for _, t in tokens) == "Hello there. How can I help you today?"
     assert [t for _, t in tokens][:3] == ["Hello", " there.", " How"]
     assert [round(at, 6) for at, _ in tokens] == [k / 10 for k in range(len(tokens))]
+
+
+def test_poisson_rate_holds_n_sessions_by_littles_law() -> None:
+    # a session is 2 or 3 distinct sentences: the expected length matches what pick_texts really picks
+    picked = [len(" ".join(t)) for t in pick_texts(random.Random(7), 20_000)]
+    assert sum(picked) / len(picked) == pytest.approx(mean_session_chars(), rel=0.01)
+    assert MEAN_SESSION_S == pytest.approx(mean_session_chars() / CHARS_PER_AUDIO_S)
+    assert 8.0 < MEAN_SESSION_S < 14.0  # 2.5 call-center sentences of ~87 characters
+    # N is the target concurrency: rate x mean session length = N, arriving for 30 s with no count cap
+    rate, window, cap = poisson_schedule(100, None, None)
+    assert rate * MEAN_SESSION_S == pytest.approx(100) and window == POISSON_DURATION_S == 30.0 and cap is None
+    assert poisson_schedule(10, None, 5.0) == (pytest.approx(10 / MEAN_SESSION_S), 5.0, None)
+    # an explicit rate wins; N then caps the arrivals and the duration stays as given
+    assert poisson_schedule(100, 2.0, None) == (2.0, None, 100)
+    assert poisson_schedule(100, 2.0, 7.0) == (2.0, 7.0, 100)
+    # 60 s at 100 concurrent, ~11 s each: ~550 arrivals
+    arrivals = arrival_times("poisson", None, rate, 60.0, random.Random(3))
+    assert len(arrivals) == pytest.approx(60 * rate, rel=0.15)
+
+
+def test_concurrency_over_a_hand_made_timeline() -> None:
+    #   0    1    2    3    4    5
+    #   [-------------------)          a
+    #        [----)                    b
+    #             [-------------)      c   (starts as b ends: no overlap with b)
+    #                  [--)            d
+    intervals = [(0.0, 4.0), (1.0, 2.0), (2.0, 5.0), (3.0, 3.5)]
+    mean, peak = concurrency(intervals, window_s=4.0)
+    assert mean == pytest.approx((4 + 1 + 2 + 0.5) / 4) and peak == 3
+    assert concurrency(intervals, window_s=5.0)[0] == pytest.approx((4 + 1 + 3 + 0.5) / 5)
+    assert concurrency([], 1.0) == (0.0, 0)
+    assert np.isnan(concurrency([(0.0, 1.0)], 0.0)[0])
+    # a call lasts until its audio has played from the first chunk, or its stream ended if that is later
+    played = SessionRecord(index=0, start_s=0.5, end_s=2.0, text="x", ttfa_ms=50.0, first_audio_s=0.6,
+                           audio_seconds=3.0)
+    assert call_interval(played) == (0.5, pytest.approx(3.6))
+    assert call_interval(_record(None, code="UNAVAILABLE", audio=0.0)) == (0.0, 1.0)
+    s = summarise([played, _record(40.0)], wall_s=4.0, target_concurrency=2.0, arrival_rate=0.5)
+    assert (s.open_mean, s.open_peak) == (pytest.approx((1.5 + 1) / 4), 2)  # [0.5, 2) and [0, 1) over 4 s
+    assert (s.calls_mean, s.calls_peak) == (pytest.approx((3.1 + 1) / 4), 2)  # [0.5, 3.6) and [0, 1)
+    assert summarise([played], wall_s=4.0, window_s=2.0).open_mean == pytest.approx(1.5 / 2)
+    assert (s.target_concurrency, s.arrival_rate_per_s) == (2.0, 0.5)
+
+
+def test_llm_ttfa_starts_when_the_first_sentence_is_complete() -> None:
+    sentences = ["Hello there.", "How can I help you today?"]
+    tokens = text_deltas(sentences, "llm", 10.0)
+    ref = first_sentence_delta(tokens, sentences[0])
+    assert ref == 1 and tokens[ref] == (pytest.approx(0.1), " there.")  # sent 100 ms after the first token
+    long = ["I can see that your last payment was received on the fourteenth of March.", "Thanks."]
+    tokens = text_deltas(long, "llm", 30.0)
+    ref = first_sentence_delta(tokens, long[0])
+    assert "".join(t for _, t in tokens[:ref + 1]) == long[0] and tokens[ref][1] == " March."
+    assert tokens[ref][0] == pytest.approx(13 / 30)  # the 14th word: TTFA from the first token would add 433 ms
+    # sentence pacing: the first delta is the whole first sentence, so both TTFA figures are the same
+    assert first_sentence_delta(text_deltas(long, "sentence", 30.0), long[0]) == 0
 
 
 def test_missing_matplotlib_skips_the_png(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -177,8 +244,32 @@ def test_llm_pacing_and_a_small_sweep(server: ServerThread, tmp_path: Path,
     assert any(line.startswith("probe N=1: pass_rate=") for line in lines)
     assert lines[-1].startswith("pass_rate=")
     report = json.loads(out.read_text())
-    assert report["sweep"]["probes"][0]["sessions"] == 1
-    assert all(r["code"] == "OK" for r in report["sessions"])
+    assert report["sweep"]["probes"][0]["n"] == 1
+    for r in report["sessions"]:
+        assert r["code"] == "OK"
+        # the headline is measured from the first sentence's last token: never more than from the first token
+        assert 0 <= r["ttfa_ms"] <= r["ttfa_from_first_text_ms"]
+
+
+def test_poisson_at_a_target_concurrency(server: ServerThread, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    out = tmp_path / "poisson.json"
+    assert main(["bench", "load", "--target", server.addr, "--sessions", "3", "--arrival", "poisson",
+                 "--duration", "3", "--seed", "1", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    m = re.fullmatch(LAST_LINE, lines[-1])
+    assert m, lines[-1]
+    assert any("at target concurrency 3, poisson" in line for line in lines)
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert summary["target_concurrency"] == 3
+    assert summary["arrival_rate_per_s"] == pytest.approx(3 / MEAN_SESSION_S)
+    assert summary["sessions"] == int(m.group(4)) == len(report["sessions"]) >= 1
+    assert summary["open_peak"] >= 1 and summary["calls_peak"] >= summary["open_peak"]
+    assert summary["calls_mean"] > 0 and summary["errors"] == 0
+    assert all(r["start_s"] < 3.0 for r in report["sessions"])  # arrivals stop after --duration
 
 
 def test_unreachable_target_is_a_clear_error() -> None:

@@ -16,6 +16,7 @@ the first and last samples. Frames past the end are fed as zeros until the audio
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,7 @@ class VitsStreamingDecoder:
         self.graph_frames = frozenset(graph_frames)  # other step sizes (FP32 redo replays) run eagerly
         self.buckets = tuple(sorted(b for b in buckets if b <= capacity)) or (capacity,)
         self._captured: dict[tuple[int, int], _CapturedStep] = {}
+        self.step_seconds: dict[tuple[int, int], float] = {}  # (rows, frames) -> one step, measured
         self._pool: Any = None  # the CUDA graphs' shared memory pool
 
     # --- state ---------------------------------------------------------------------------------
@@ -145,7 +147,8 @@ class VitsStreamingDecoder:
     # --- CUDA graphs ---------------------------------------------------------------------------
 
     def capture_all(self) -> None:
-        """Capture every (bucket, frames) graph now, so no session waits for a capture later."""
+        """Capture every (bucket, frames) graph now, so no session waits for a capture later,
+        and time each one (`step_seconds`: the capacity estimate starts from these)."""
         if not self.graphs:
             return
         with torch.inference_mode():
@@ -153,6 +156,15 @@ class VitsStreamingDecoder:
                 for bucket in self.buckets:
                     if (bucket, frames) not in self._captured:
                         self._captured[(bucket, frames)] = self._capture(bucket, frames)
+                    graph = self._captured[(bucket, frames)].graph
+                    torch.cuda.synchronize(self.device)
+                    best = float("inf")
+                    for _ in range(3):
+                        t0 = time.perf_counter()
+                        graph.replay()
+                        torch.cuda.synchronize(self.device)
+                        best = min(best, time.perf_counter() - t0)
+                    self.step_seconds[(bucket, frames)] = best
 
     def _graph_step(self, rows: StepRows, bucket: int) -> torch.Tensor:
         frames = rows.inputs.shape[2]

@@ -202,7 +202,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("backend", "device", "precisions", "default_voice", "fp32_pins", "versions")
+    __slots__ = ("backend", "device", "precisions", "default_voice", "fp32_pins", "versions", "capacity_streams", "open_sessions")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -216,10 +216,14 @@ class ServerInfo(_message.Message):
     DEFAULT_VOICE_FIELD_NUMBER: _ClassVar[int]
     FP32_PINS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     device: str
     precisions: _containers.RepeatedScalarFieldContainer[Precision]
     default_voice: str
     fp32_pins: _containers.RepeatedScalarFieldContainer[str]
     versions: _containers.ScalarMap[str, str]
-    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., default_voice: _Optional[str] = ..., fp32_pins: _Optional[_Iterable[str]] = ..., versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    capacity_streams: float
+    open_sessions: int
+    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., default_voice: _Optional[str] = ..., fp32_pins: _Optional[_Iterable[str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., capacity_streams: _Optional[float] = ..., open_sessions: _Optional[int] = ...) -> None: ...

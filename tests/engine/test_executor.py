@@ -1,0 +1,80 @@
+"""The executor: one batched slot step, its guard, and the FP32 redo of tripped rows only."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+
+from service.backends.torch_backend import TorchBackend
+from service.engine.config import BatchConfig
+from service.engine.executor import Executor
+from service.engine.faults import inject_nonfinite
+from service.engine.state import EngineStats, ReadCursor, SessionState, UtteranceState, UtteranceStatus, WorkSpec
+from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, open_synthesizer
+from service.text.frontend import PhonemizedSentence
+
+
+class _Sink:
+    def on_chunk(self, chunk: object) -> None: ...
+
+    def on_done(self) -> None: ...
+
+    def on_error(self, exc: BaseException) -> None: ...
+
+
+def _rows(runtime: Synthesizer, precision: str, loop: asyncio.AbstractEventLoop
+          ) -> list[tuple[SessionState, UtteranceState]]:
+    texts = ["The first session speaks here.", "A second one, a little longer than that.", "And a third."]
+    rows = []
+    for i, text in enumerate(texts):
+        spec = WorkSpec(i, runtime, "tiny", 0, SynthesisParams(seed=i), ChunkSchedule(), precision, None, _Sink(),
+                        loop, ReadCursor())
+        utt = runtime.prepare(text, SynthesisParams(seed=i, speaker=0))[0]
+        u = UtteranceState(0, PhonemizedSentence(text, [], utt.phoneme_ids, []), UtteranceStatus.DECODING, precision)
+        u.utt = utt
+        s = SessionState(spec, None)
+        s.utterances.append(u)
+        rows.append((s, u))
+    return rows
+
+
+def _decode_all(executor: Executor, rows: list[tuple[SessionState, UtteranceState]]) -> list[list]:  # type: ignore[type-arg]
+    out: list[list] = [[] for _ in rows]  # type: ignore[type-arg]
+    while any(u.samples_done < u.frames * 256 for _, u in rows):
+        live = [(s, u) for s, u in rows if u.samples_done < u.frames * 256]
+        for chunk in executor.decode(live, 0.0, lambda s: False):
+            chunk.utterance.samples_done += len(chunk.samples)
+            chunk.utterance.chunk_index += 1
+            out[chunk.session.spec.session_id].append(chunk)
+    return out
+
+
+def test_a_guard_trip_in_a_batch_redoes_only_the_tripped_row(tiny_voice_path: Path) -> None:
+    runtime = open_synthesizer(str(tiny_voice_path), backend="torch")
+    backend = runtime.backend
+    assert isinstance(backend, TorchBackend)
+    loop = asyncio.new_event_loop()
+    try:
+        reference = _decode_all(Executor(BatchConfig(step_frames=16), EngineStats()), _rows(runtime, "fp32", loop))
+        fault = inject_nonfinite(backend.model_for("fp16"), "dec.resblocks.0", rows=(1,), every=3, limit=1)
+        stats = EngineStats()
+        chunks = _decode_all(Executor(BatchConfig(step_frames=16), stats), _rows(runtime, "fp16", loop))
+        fault.remove()
+    finally:
+        loop.close()
+    assert fault.fired == 1 and stats.fallbacks == 1
+    assert [c.fallback for c in chunks[1]].count(True) == 1
+    assert not any(c.fallback for c in chunks[0] + chunks[2])
+    assert all(c.precision == "fp16" for c in chunks[0] + chunks[2])
+    k = next(i for i, c in enumerate(chunks[1]) if c.fallback)
+    assert all(c.precision == "fp32" for c in chunks[1][k:])  # the rest of the utterance stays FP32
+    for got, ref in zip(chunks, reference, strict=True):
+        audio = np.concatenate([c.samples for c in got])
+        expected = np.concatenate([c.samples for c in ref])
+        assert np.isfinite(audio).all() and audio.shape == expected.shape
+    # The redone chunk and everything after it equal the pure FP32 decode.
+    redone = np.concatenate([c.samples for c in chunks[1][k:]])
+    expected = np.concatenate([c.samples for c in reference[1][k:]])
+    np.testing.assert_allclose(redone, expected, atol=1e-4, rtol=0)

@@ -1,0 +1,106 @@
+"""The scheduler's decisions (pure planning: no backend calls)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.engine.config import BatchConfig
+from service.engine.scheduler import Scheduler
+from service.engine.state import ReadCursor, SessionState, UtteranceState, UtteranceStatus, WorkSpec
+from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, Utterance, open_synthesizer
+from service.text.frontend import PhonemizedSentence
+
+NOW = 1000.0
+
+
+LOOP = asyncio.new_event_loop()  # sessions name their event loop; nothing runs on it here
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_voice_path: Path) -> Iterator[Synthesizer]:
+    yield open_synthesizer(str(tiny_voice_path), backend="torch")
+    LOOP.close()
+
+
+class _Sink:
+    def on_chunk(self, chunk: object) -> None: ...
+
+    def on_done(self) -> None: ...
+
+    def on_error(self, exc: BaseException) -> None: ...
+
+
+def _session(runtime: Synthesizer, sid: int, *, playing_for: float | None = None, slack: float = 0.0,
+             decoding: bool = True, acoustic: int = 0, unread: float = 0.0, frames: int = 400) -> SessionState:
+    """A session whose head utterance is decoding (or waiting for the acoustic stage), that
+    started playing `playing_for` seconds ago (None: no audio yet) with `slack` seconds left."""
+    spec = WorkSpec(sid, runtime, "tiny", 0, SynthesisParams(), ChunkSchedule(), "fp32", None, _Sink(),
+                    LOOP, ReadCursor(delivered_s=unread))
+    s = SessionState(spec, None, ready_since=NOW - sid * 1e-3)
+    sentence = PhonemizedSentence("hi", ["h", "i"], [1, 2, 3], [])
+    if decoding:
+        u = UtteranceState(0, sentence, UtteranceStatus.DECODING)
+        u.utt = Utterance("hi", [1, 2, 3], np.zeros((4, frames), np.float32), np.ones(3, np.int64), 0, [])
+        s.utterances.append(u)
+    for k in range(acoustic):
+        s.utterances.append(UtteranceState(1 + k, sentence))
+    if playing_for is not None:
+        s.first_audio_at = NOW - playing_for
+        s.samples_out = round((playing_for + slack) * runtime.sample_rate)
+        if s.utterances and s.utterances[0].utt is not None:
+            s.utterances[0].chunk_index = 1
+            s.utterances[0].samples_done = s.samples_out
+    return s
+
+
+def test_first_chunks_first_then_least_buffered(runtime: Synthesizer) -> None:
+    low = _session(runtime, 1, playing_for=2.0, slack=0.2)
+    mid = _session(runtime, 2, playing_for=2.0, slack=0.6)
+    new = _session(runtime, 3)
+    plan = Scheduler(BatchConfig()).plan([low, mid, new], NOW, max_rows=8)
+    assert [s for s, _ in plan.decode] == [new, low, mid]
+    assert not plan.decode_first  # the head of the queue is a first chunk, not a playing session
+
+
+def test_row_cap_keeps_the_most_urgent(runtime: Synthesizer) -> None:
+    sessions = [_session(runtime, i, playing_for=1.0, slack=0.1 * i) for i in range(1, 6)]
+    plan = Scheduler(BatchConfig()).plan(sessions[::-1], NOW, max_rows=2)
+    assert [s.spec.session_id for s, _ in plan.decode] == [1, 2]
+
+
+def test_sessions_ahead_of_their_lead_wait_while_others_are_urgent(runtime: Synthesizer) -> None:
+    cfg = BatchConfig(lead_s=1.0)
+    ahead = _session(runtime, 1, playing_for=1.0, slack=2.5)
+    behind = _session(runtime, 2, playing_for=1.0, slack=0.5)
+    plan = Scheduler(cfg).plan([ahead, behind], NOW, max_rows=8)
+    assert [s for s, _ in plan.decode] == [behind]
+    starting = _session(runtime, 3, decoding=False, acoustic=1)
+    plan = Scheduler(cfg).plan([ahead, starting], NOW, max_rows=8)
+    assert plan.decode == [] and [s for s, _ in plan.acoustic] == [starting]
+    # Nothing urgent: the GPU's spare time goes to sessions already ahead.
+    plan = Scheduler(cfg).plan([ahead], NOW, max_rows=8)
+    assert [s for s, _ in plan.decode] == [ahead]
+
+
+def test_backpressure_on_unread_audio(runtime: Synthesizer) -> None:
+    cfg = BatchConfig(max_ahead_s=3.0)
+    stalled = _session(runtime, 1, playing_for=1.0, slack=0.1, unread=3.5)
+    reading = _session(runtime, 2, playing_for=1.0, slack=0.1, unread=0.5)
+    plan = Scheduler(cfg).plan([stalled, reading], NOW, max_rows=8)
+    assert [s for s, _ in plan.decode] == [reading]
+
+
+def test_acoustic_lookahead_and_running_dry_goes_first(runtime: Synthesizer) -> None:
+    cfg = BatchConfig(acoustic_lookahead_s=2.0, urgent_slack_s=0.3)
+    # ~4.6 s of its current sentence still to decode: its next sentence waits.
+    long_queue = _session(runtime, 1, playing_for=1.0, slack=0.1, acoustic=3, frames=400)
+    fresh = _session(runtime, 2, decoding=False, acoustic=1)
+    plan = Scheduler(cfg).plan([long_queue, fresh], NOW, max_rows=8)
+    assert [s for s, _ in plan.acoustic] == [fresh]
+    assert [s for s, _ in plan.decode] == [long_queue]
+    assert plan.decode_first  # 0.1 s left to play: its step runs before the acoustic batch
