@@ -121,6 +121,11 @@ class Executor:
     def _lag(backend: object) -> int:
         return int(backend.streaming_lag())  # type: ignore[attr-defined]
 
+    def free_slots(self, session: SessionState, u: UtteranceState) -> int:
+        """Slots free for `u`'s voice and precision (all of them before the first use)."""
+        pool = self._slots.get((id(session.spec.runtime), u.precision))
+        return self.config.slots if pool is None else len(pool.free)
+
     def release(self, session: SessionState, u: UtteranceState) -> None:
         """Give back the slot an utterance holds (done, failed or cancelled)."""
         if u.slot is not None:

@@ -21,7 +21,7 @@ stage and which sessions advance by one decoder step, most urgent first:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from service.engine.config import BatchConfig
@@ -46,7 +46,11 @@ class Scheduler:
     def __init__(self, config: BatchConfig) -> None:
         self.config = config
 
-    def plan(self, sessions: Iterable[SessionState], now: float, max_rows: int) -> Plan:
+    def plan(self, sessions: Iterable[SessionState], now: float, max_rows: int,
+             free_slots: Callable[[SessionState, UtteranceState], int] | None = None) -> Plan:
+        """`free_slots(s, u)`: decoder slots free for `u`'s voice and precision (None: no slots,
+        e.g. the staged decoder). An utterance that needs a slot is planned only while one is
+        free, so waiting starts never crowd out the sessions that hold the slots."""
         cfg = self.config
         plan = Plan()
         acoustic: list[tuple[tuple[float, float], SessionState, UtteranceState]] = []
@@ -72,8 +76,28 @@ class Scheduler:
             urgent = [item for item in decode if item[0][0] == 0 or item[0][1] < cfg.lead_s]
             if urgent or acoustic:
                 decode = urgent
-            plan.decode = [(s, u) for _, s, u in decode[:max_rows]]
+            plan.decode = self._take(decode, max_rows, free_slots)
             plan.decode_first = bool(decode) and decode[0][0][0] == 1 and decode[0][0][1] < cfg.urgent_slack_s
         if plan.empty and wake < math.inf:
             plan.wake_at = wake
         return plan
+
+    @staticmethod
+    def _take(ranked: Sequence[tuple[object, SessionState, UtteranceState]], max_rows: int,
+              free_slots: Callable[[SessionState, UtteranceState], int] | None,
+              ) -> list[tuple[SessionState, UtteranceState]]:
+        """The first `max_rows` rows that can run: a row without a slot needs a free one."""
+        out: list[tuple[SessionState, UtteranceState]] = []
+        starts: dict[tuple[int, str], int] = {}
+        for _, s, u in ranked:
+            if len(out) >= max_rows:
+                break
+            if free_slots is not None and u.slot is None:
+                key = (id(s.spec.runtime), u.precision)
+                if key not in starts:
+                    starts[key] = free_slots(s, u)
+                if starts[key] <= 0:
+                    continue
+                starts[key] -= 1
+            out.append((s, u))
+        return out

@@ -104,3 +104,17 @@ def test_acoustic_lookahead_and_running_dry_goes_first(runtime: Synthesizer) -> 
     assert [s for s, _ in plan.acoustic] == [fresh]
     assert [s for s, _ in plan.decode] == [long_queue]
     assert plan.decode_first  # 0.1 s left to play: its step runs before the acoustic batch
+
+
+def test_starts_wait_for_a_free_slot_and_never_crowd_out_slot_holders(runtime: Synthesizer) -> None:
+    """With every decoder slot taken, new utterances (most urgent by rank) are left out and
+    the sessions that hold the slots are stepped, so slots free up (no livelock)."""
+    holders = [_session(runtime, i, playing_for=1.0, slack=0.5) for i in range(1, 4)]
+    for k, s in enumerate(holders):
+        s.utterances[0].slot = k
+    starts = [_session(runtime, 10 + i) for i in range(5)]
+    full = Scheduler(BatchConfig()).plan(starts + holders, NOW, max_rows=4, free_slots=lambda s, u: 0)
+    assert {id(s) for s, _ in full.decode} == {id(s) for s in holders}
+    one = Scheduler(BatchConfig()).plan(starts + holders, NOW, max_rows=4, free_slots=lambda s, u: 1)
+    planned = [s for s, _ in one.decode]
+    assert len(planned) == 4 and planned[0] in starts and {id(s) for s in planned[1:]} == {id(s) for s in holders}
