@@ -91,6 +91,11 @@ class TtsEngine:
         for precision in self._warm_precisions():
             session = await self._open_session(SessionConfig(seed=0, precision=precision), internal=True)
             await self._collect(session, self.config.warmup_text)
+        # Once more, warm, for the decoder's measured speed (first runs are slower than serving).
+        stats = self._loop.stats
+        stats.step_seconds = stats.audio_seconds = 0.0
+        session = await self._open_session(SessionConfig(seed=1), internal=True)
+        await self._collect(session, self.config.warmup_text)
         executor = self._loop.executor
         for precision in self._warm_precisions():
             estimate = executor.capacity_streams(precision.value)
