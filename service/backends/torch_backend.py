@@ -8,13 +8,13 @@ another's."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from service.backends.base import EncodeOut, VocodeOut
 from service.engine.guard import guard
+from service.models.cuda_graphs import GraphCapturer
 from service.models.vits.model import VitsModel
 from service.models.vits.precision import VITS_FP32_PINS, to_mixed_precision
 from service.models.vits.receptive_field import decoder_stage_table
@@ -240,7 +240,7 @@ class _EncoderGraphs:
         self.channels = model.hp.inter_channels
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
                                                    tuple[torch.Tensor, ...]]] = {}
-        self._pool: Any = None  # the graphs' shared memory pool
+        self._capturer = GraphCapturer(device)
 
     def _bucket(self, batch: int, length: int) -> tuple[int, int] | None:
         rows = next((b for b in self.BATCHES if b >= batch), None)
@@ -265,17 +265,8 @@ class _EncoderGraphs:
                       torch.ones(rows, dtype=torch.long, device=dev),
                       torch.zeros(rows, 2, length, dtype=torch.float32, device=dev),
                       torch.zeros(rows, dtype=torch.long, device=dev))
-            stream = torch.cuda.Stream(device=dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.inference_mode(), torch.backends.cudnn.flags(enabled=False):
-                with torch.cuda.stream(stream):
-                    self._run(*inputs)
-                torch.cuda.current_stream(dev).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    outputs = self._run(*inputs)
+                graph, outputs = self._capturer.capture(self._run, *inputs, warmups=1)
             self._graphs[key] = (graph, inputs, outputs)
         return self._graphs[key]
 

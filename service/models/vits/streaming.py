@@ -19,11 +19,11 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from service.models.cuda_graphs import GraphCapturer
 from service.models.family import StepRows
 from service.models.vits.model import VitsModel
 from service.models.vits.receptive_field import decoder_stage_table
@@ -89,7 +89,7 @@ class VitsStreamingDecoder:
         self.buckets = tuple(sorted(b for b in buckets if b <= capacity)) or (capacity,)
         self._captured: dict[tuple[int, int], _CapturedStep] = {}
         self.step_seconds: dict[tuple[int, int], float] = {}  # (rows, frames) -> one step, measured
-        self._pool: Any = None  # the CUDA graphs' shared memory pool
+        self._capturer = GraphCapturer(device)
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -195,17 +195,7 @@ class VitsStreamingDecoder:
             torch.zeros(bucket, dtype=torch.long, device=dev),
             torch.zeros(bucket, dtype=torch.long, device=dev),
         )
-        stream = torch.cuda.Stream(device=dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels and allocator outside the graph
-                self._run(*static)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._run(*static)
+        graph, out = self._capturer.capture(self._run, *static)
         # Warm-up and capture wrote into the scratch slot only; it holds no session.
         return _CapturedStep(graph, *static, out)
 

@@ -1,0 +1,37 @@
+"""Capturing a function of static tensors as a CUDA graph (shared by the decoder steps and
+the acoustic stage): warm it up on a side stream first, so lazy initialisation and the
+allocator's first allocations stay out of the graph, then capture into a shared pool."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class GraphCapturer:
+    """Captures graphs on `device` into one memory pool (graphs that never run at the same
+    time can share it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pool: Any = None
+
+    def capture(
+        self, fn: Callable[..., Any], *static: torch.Tensor, warmups: int = 2
+    ) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """(graph, outputs): replaying the graph recomputes `outputs` from `static`'s contents."""
+        dev = self.device
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(warmups):
+                fn(*static)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = fn(*static)
+        return graph, out
