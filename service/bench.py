@@ -12,7 +12,6 @@ whichever run came next would pay for it (measured: +7 ms on a 10 ms encoder cal
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import time
@@ -76,11 +75,10 @@ def time_whole(syn: Synthesizer, text: str, seed: int) -> Run:
     split at a first clause), then the flow and the vocoder each over whole utterances
     in one call. Comparing it with the streamed run separates the cost of streaming
     from the cost per frame."""
-    whole = Synthesizer(syn.voice, syn.backend, dataclasses.replace(syn.schedule, fast_start_chars=0))
     start = time.perf_counter()
     samples = 0
     params = SynthesisParams(seed=seed)
-    for utt in whole.prepare(text, params):
+    for utt in syn.prepare(text, params):
         sid = utt.sid_batch
         z = syn.backend.flow(utt.z_p[None], sid, "fp32")
         samples += syn.backend.vocode(z, sid, "fp32").audio.shape[-1]

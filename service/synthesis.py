@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,22 +42,15 @@ class SynthesisParams:
 @dataclass(frozen=True)
 class ChunkSchedule:
     """Latent frames per vocoder chunk: small first (time to first audio), then
-    growing (throughput: every chunk pays its receptive-field context), capped.
-
-    `fast_start_chars`: when a stream's first sentence is at least this long, its
-    first clause (at a , ; : boundary, between `fast_start_min_clause` and
-    `fast_start_chars` characters in) is synthesised as its own utterance, so the
-    whole-utterance acoustic stage for the first audio only covers that clause.
-    0 turns it off."""
+    growing (throughput: every chunk pays its receptive-field context), capped. Where a
+    stream's text is cut into utterances is the segmenter's business (one rule, see
+    service/text/segment.py), not the schedule's."""
 
     first_frames: int = 32  # 372 ms of audio at 22 kHz: room for the next chunk even with 8 sessions on 2 cores
     growth: float = 16.0  # 32 -> 512 -> 1024: chunk k+1 still finishes well before chunk k has played
     max_frames: int = 1024
-    fast_start_chars: int = 120
-    fast_start_min_clause: int = 20
     later_first_frames: int = 1024  # first chunk of a stream's later utterances (audio is already playing)
     flow_at_once_frames: int = 160  # utterances this short run the whole flow in their first call
-    bucket_frames: int = 0  # >1: round window lengths up (with extra left context) for batching
     flow_piece_frames: int = 256  # after the first chunk, the staged flow runs at least this far ahead
 
     def __post_init__(self) -> None:
@@ -158,7 +150,6 @@ class UtteranceDecoder:
         self.utt = utt
         self.hop = hop
         self.flow_at_once = schedule.flow_at_once_frames
-        self.bucket = schedule.bucket_frames
         self.bounds = schedule.boundaries(utt.frames, first_frames)
         self.flow_halo = flow_halo
         self.voc_halo = voc_halo
@@ -182,18 +173,9 @@ class UtteranceDecoder:
             # flow is cheap per frame but pays its context on every call).
             keep_hi = need_hi if self.z_done == 0 and t > self.flow_at_once else t
             hi = min(t, keep_hi + self.flow_halo)
-            flow = Window(self._bucketed(max(0, self.z_done - self.flow_halo), hi), hi, self.z_done, keep_hi)
-        voc = Window(self._bucketed(max(0, a - self.voc_halo), need_hi), need_hi, a, b)
+            flow = Window(max(0, self.z_done - self.flow_halo), hi, self.z_done, keep_hi)
+        voc = Window(max(0, a - self.voc_halo), need_hi, a, b)
         return flow, voc
-
-    def _bucketed(self, lo: int, hi: int) -> int:
-        """Move a window's start left (more real context: results do not change) so
-        its length is a multiple of the bucket, letting windows of different
-        sessions share a batch."""
-        if self.bucket <= 1:
-            return lo
-        target = -(-(hi - lo) // self.bucket) * self.bucket
-        return max(0, hi - target)
 
     def accept_flow(self, w: Window, z_window: np.ndarray) -> None:
         self.z[:, w.keep_lo : w.keep_hi] = z_window[:, w.keep_lo - w.lo : w.keep_hi - w.lo]
@@ -378,13 +360,8 @@ class Synthesizer:
                 offset += len(audio)
 
     def _sentences(self, text: str, params: SynthesisParams) -> Iterator[PhonemizedSentence]:
-        """Phonemised sentences, made as they are asked for: the first audio does not
-        wait for the frontend to finish the rest of the text."""
-        frontend = self.voice.frontend
-        cut = first_clause_cut(text, self.schedule)
-        parts = [text] if cut is None else [text[:cut], text[cut:]]
-        for part in parts:
-            yield from (s for s in frontend.sentences(part, params.custom_dictionary) if s.phoneme_ids)
+        """Phonemised sentences of `text` (the model-level tools' split: whole sentences)."""
+        yield from (s for s in self.voice.frontend.sentences(text, params.custom_dictionary) if s.phoneme_ids)
 
     def synthesize(
         self, text: str, params: SynthesisParams | None = None
@@ -451,30 +428,6 @@ class ShadowSampler(Protocol):
         self, backend: Backend, z_p: np.ndarray, span: tuple[int, int], halos: tuple[int, int], hop: int,
         sid: np.ndarray | None, audio: np.ndarray,
     ) -> None: ...
-
-
-_CLAUSE_END = re.compile(r"[,;:](?=\s)")
-
-
-_SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
-
-
-def first_clause_cut(text: str, schedule: ChunkSchedule) -> int | None:
-    """Character index just after the first clause boundary worth splitting at:
-    inside a first sentence of at least `fast_start_chars` characters."""
-    if not schedule.fast_start_chars:
-        return None
-    start = len(text) - len(text.lstrip())
-    end = _SENTENCE_END.search(text, start)
-    sentence_end = end.end() if end else len(text)
-    if sentence_end - start < schedule.fast_start_chars:
-        return None
-    for match in _CLAUSE_END.finditer(text, start, sentence_end):
-        if match.end() - start > schedule.fast_start_chars:
-            return None
-        if match.end() - start >= schedule.fast_start_min_clause:
-            return match.end()
-    return None
 
 
 __all__ = [

@@ -8,7 +8,7 @@ from importlib import resources
 import numpy as np
 
 from service.quality import psnr_db
-from service.synthesis import ChunkSchedule, SynthesisParams, open_synthesizer
+from service.synthesis import SynthesisParams, open_synthesizer
 
 
 def check_sentences() -> list[str]:
@@ -24,7 +24,7 @@ def run_voice_check(
     name = "torch" if backend == "auto" else backend
     # Whole sentences, like Piper (no fast-start clause split); chunked decoding stays on.
     syn = open_synthesizer(voice, voices_dir=voices_dir, backend=name, device=device,
-                           threads=threads, schedule=ChunkSchedule(fast_start_chars=0))
+                           threads=threads)
     info = syn.voice.info
     opts = onnxruntime.SessionOptions()
     if threads:

@@ -10,12 +10,11 @@ import pytest
 from service.bench import load_corpus, run_cpu_bench, time_cadenza, time_whole
 from service.engine.config import EngineConfig
 from service.engine.local import LocalEngine
-from service.synthesis import ChunkSchedule, Synthesizer, open_synthesizer
+from service.synthesis import open_synthesizer
 from service.text.frontend_pool import FrontendPoolConfig
 
 
 def test_bench_reports_ratios_and_the_cost_of_streaming(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("piper")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("# comment\nThank you for calling.\n\nOne moment, please.\n", "utf-8")
     assert load_corpus(corpus) == ["Thank you for calling.", "One moment, please."]
@@ -51,7 +50,6 @@ def test_whole_and_streamed_runs_give_the_same_audio_length() -> None:
     """The streamed run goes through the engine the server runs; the whole-utterance run
     through the model directly: the same sentence gives the same amount of audio."""
     syn = open_synthesizer(None, threads=1)
-    syn = Synthesizer(syn.voice, syn.backend, ChunkSchedule(fast_start_chars=0))
     text = "The weather tomorrow will be mostly sunny with a high of seventy two degrees."
     with LocalEngine(EngineConfig(threads=1, cache_bytes=0, frontend=FrontendPoolConfig(workers=0))) as local:
         streamed = time_cadenza(local, text, 3)

@@ -8,16 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, first_clause_cut, open_synthesizer
+from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, open_synthesizer
 
 TEXT = "Hello there, this is a test of chunked decoding. It has two sentences!"
 SCHEDULES = [
-    ChunkSchedule(first_frames=1, growth=1.0, max_frames=1, fast_start_chars=0),
-    ChunkSchedule(first_frames=3, growth=2.0, max_frames=16, fast_start_chars=0),
-    ChunkSchedule(first_frames=8, growth=4.0, max_frames=256, fast_start_chars=0),
-    ChunkSchedule(first_frames=5, growth=1.5, max_frames=7, fast_start_chars=0),
+    ChunkSchedule(first_frames=1, growth=1.0, max_frames=1),
+    ChunkSchedule(first_frames=3, growth=2.0, max_frames=16),
+    ChunkSchedule(first_frames=8, growth=4.0, max_frames=256),
+    ChunkSchedule(first_frames=5, growth=1.5, max_frames=7),
 ]
-FULL = ChunkSchedule(first_frames=1 << 20, growth=1.0, max_frames=1 << 20, fast_start_chars=0)
+FULL = ChunkSchedule(first_frames=1 << 20, growth=1.0, max_frames=1 << 20)
 
 
 def synth(path: Path | None, backend: str, schedule: ChunkSchedule, cache: str) -> Synthesizer:
@@ -104,14 +104,6 @@ def test_word_timings_follow_durations(builtin_ort: Synthesizer) -> None:
     assert words[3].start > words[2].end
 
 
-def test_first_clause_cut() -> None:
-    sched = ChunkSchedule(fast_start_chars=40, fast_start_min_clause=10)
-    long = "When the call connects, we greet the caller and ask how we can help today."
-    assert first_clause_cut(long, sched) == len("When the call connects,")
-    assert first_clause_cut("Short, sentence.", sched) is None
-    assert first_clause_cut("No clause boundary in this rather long sentence at all, really.", sched) is None
-
-
 def test_builtin_voice_end_to_end_is_speech(builtin_ort: Synthesizer) -> None:
     """Real voice: non-silent, plausible length, and recognisable by an ASR."""
     import soxr
@@ -140,29 +132,6 @@ def word_error_rate(ref: list[str], hyp: list[str]) -> float:
         for j in range(1, len(hyp) + 1):
             d[i, j] = min(d[i - 1, j] + 1, d[i, j - 1] + 1, d[i - 1, j - 1] + (ref[i - 1] != hyp[j - 1]))
     return float(d[-1, -1]) / max(len(ref), 1)
-
-
-@pytest.mark.parametrize("bucket", [16, 32])
-def test_bucketed_windows_change_nothing(tiny_voice_path: Path, onnx_cache_dir: str, bucket: int) -> None:
-    """Rounding window lengths up with extra left context keeps the audio (<= 1e-4)."""
-    params = SynthesisParams(seed=9, speaker=2)
-    plain = ChunkSchedule(first_frames=4, growth=2.0, max_frames=32, fast_start_chars=0)
-    ref, _ = synth(tiny_voice_path, "torch", plain, onnx_cache_dir).synthesize(TEXT, params)
-    bucketed = ChunkSchedule(first_frames=4, growth=2.0, max_frames=32, fast_start_chars=0, bucket_frames=bucket)
-    syn = synth(tiny_voice_path, "torch", bucketed, onnx_cache_dir)
-    out, _ = syn.synthesize(TEXT, params)
-    assert out.shape == ref.shape
-    assert float(np.abs(out - ref).max()) <= 1e-4 * max(float(np.abs(ref).max()), 1e-3)
-    utt = syn.prepare(TEXT, params)[0]
-    from service.synthesis import UtteranceDecoder
-
-    dec = UtteranceDecoder(utt, bucketed, syn.flow_halo, syn.voc_halo, None, syn.hop)
-    while not dec.done:
-        flow_w, voc_w = dec.next_windows()
-        assert voc_w.lo == 0 or (voc_w.hi - voc_w.lo) % bucket == 0
-        if flow_w is not None:
-            dec.accept_flow(flow_w, syn.backend.flow(utt.z_p[None, :, flow_w.lo : flow_w.hi], None, "fp32")[0])
-        dec.index += 1
 
 
 def test_batched_acoustic_stage_keeps_every_duration(builtin_ort: Synthesizer) -> None:
