@@ -315,3 +315,31 @@ def test_capacity_is_measured_from_the_decoder() -> None:
         assert capacity == pytest.approx(0.8 * stats["step_audio_seconds"] / stats["step_seconds"])
     finally:
         h.close()
+
+
+def test_backpressure_holds_a_session_whose_client_stops_reading() -> None:
+    """A client that stops taking audio gets at most `max_ahead_s` (plus one step) delivered
+    and queued; when it reads again, the rest comes and the session completes."""
+    h = EngineHarness(tiny_engine_config(batch=BatchConfig(max_ahead_s=1.0, step_frames=16)))
+    try:
+        async def run() -> tuple[float, float, SessionSummary]:
+            session = await h.engine.open_session(SessionConfig(seed=5, encoding=FLOAT))
+            session.push_text(TEXT * 8)  # tens of seconds of audio
+            session.end_input()
+            await asyncio.sleep(2.0)  # not reading: the engine must stop
+            held = session.setup.cursor.delivered_s
+            await asyncio.sleep(0.5)
+            still = session.setup.cursor.delivered_s
+            summary = None
+            async for event in session.events():
+                if isinstance(event, SessionSummary):
+                    summary = event
+            assert summary is not None
+            return held, still, summary
+
+        held, still, summary = h.run(run())
+        step_s = 16 * 256 / 16000  # one step of the tiny voice
+        assert held <= 1.0 + 2 * step_s and still == held
+        assert summary.audio_seconds > 10 * held  # and everything came once the client read
+    finally:
+        h.close()
