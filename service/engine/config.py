@@ -23,6 +23,9 @@ class Limits:
     # long for one to end, then gets RESOURCE_EXHAUSTED; 0 turns admission control off.
     admission_wait_s: float = 1.0
     capacity_streams: float | None = None  # pins the capacity instead of measuring it
+    # ... and while a session has waited this long for its first audio (the engine is behind,
+    # whatever the estimate says), new sessions wait too.
+    admission_first_audio_s: float = 0.5
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,8 @@ class EngineCore:
         self._sessions: dict[int, SessionState] = {}  # engine thread only
         self._stopping = False
         self._poked = False  # a client took audio since the last plan
+        # The longest any session now waits for its first audio (read by admission control).
+        self.first_audio_wait_s = 0.0
         self._specs: dict[int, WorkSpec] = {}  # for the frontend thread (guarded by _cv)
         self._texts_sent: dict[int, int] = {}  # per session: texts handed to the frontend (loop side)
         self._frontend: FrontendPool | None = None
@@ -187,6 +189,8 @@ class EngineCore:
                     s.applied += 1
                 s.status = SessionStatus.ACTIVE
                 s.ready_since = now
+                if s.first_text_at is None and s.utterances:
+                    s.first_text_at = now
             elif kind == "end":
                 assert isinstance(payload, int)
                 s.end_after = payload
@@ -202,6 +206,9 @@ class EngineCore:
     def _iterate(self) -> tuple[bool, float | None]:
         """One plan -> execute -> deliver round. Returns (idle, when to wake without input)."""
         now = time.monotonic()
+        waits = [now - s.first_text_at for s in self._sessions.values()
+                 if s.first_audio_at is None and s.first_text_at is not None]
+        self.first_audio_wait_s = max(waits, default=0.0)
         for s in list(self._sessions.values()):
             self.output.replay_cached(s, now)
             self._finish_if_done(s)

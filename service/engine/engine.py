@@ -202,21 +202,29 @@ class TtsEngine:
         return self._loop.executor.capacity_streams(auto) or self._loop.executor.capacity_streams()
 
     async def _admit(self) -> None:
-        """At capacity, wait a little for a session to end; then refuse with a clear status."""
-        wait = self.config.limits.admission_wait_s
-        capacity = self.capacity_streams() if wait > 0 else None
-        if capacity is None or self.live_sessions < capacity:
+        """At capacity, or while the engine is behind (a session waits too long for its first
+        audio), wait a little for room; then refuse with a clear status."""
+        limits = self.config.limits
+        if limits.admission_wait_s <= 0:
             return
-        deadline = time.monotonic() + wait
+        capacity = self.capacity_streams()
+
+        def full() -> bool:
+            at_capacity = capacity is not None and self.live_sessions >= capacity
+            return at_capacity or self._loop.first_audio_wait_s > limits.admission_first_audio_s
+
+        if not full():
+            return
+        deadline = time.monotonic() + limits.admission_wait_s
         while time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-            if self.live_sessions < capacity:
+            if not full():
                 return
+        behind = self._loop.first_audio_wait_s
         raise ResourceExhausted(
-            f"server at capacity: {self.live_sessions} sessions open, about {capacity:.0f} real-time streams fit "
-            f"on this {self.device}; retry shortly or connect to another replica")
-
-    # --- sessions ----------------------------------------------------------------------------
+            f"server at capacity: {self.live_sessions} sessions open (about {capacity or 0:.0f} real-time streams "
+            f"fit on this {self.device}; a session has waited {behind:.1f} s for its first audio); retry shortly or "
+            "connect to another replica")
 
     async def open_session(self, config: SessionConfig) -> EngineSession:
         return await self._open_session(config, internal=False)

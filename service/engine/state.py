@@ -127,6 +127,7 @@ class SessionState:
     next_index: int = 0
     samples_out: int = 0  # model-rate samples delivered (the playback clock)
     first_audio_at: float | None = None
+    first_text_at: float | None = None  # when its first sentence reached the engine
     ready_since: float = 0.0  # when it last got new work or output (ties in urgency)
 
     @property
