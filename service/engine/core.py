@@ -62,8 +62,7 @@ class EngineCore:
         self._sessions: dict[int, SessionState] = {}  # engine thread only
         self._stopping = False
         self._poked = False  # a client took audio since the last plan
-        # The longest any session now waits for its first audio (read by admission control).
-        self.first_audio_wait_s = 0.0
+        self._first_audio_wait_s = 0.0
         self._specs: dict[int, WorkSpec] = {}  # for the frontend thread (guarded by _cv)
         self._texts_sent: dict[int, int] = {}  # per session: texts handed to the frontend (loop side)
         self._frontend: FrontendPool | None = None
@@ -135,6 +134,11 @@ class EngineCore:
             self._post("error", session_id, InvalidArgument("text", f"cannot phonemise {text[:40]!r}: {exc}"))
             return
         self._post("text", session_id, (seq, [s for s in future.result() if s.phoneme_ids]))
+
+    def first_audio_wait(self) -> float:
+        """The longest any session waited for its first audio at the last iteration (seconds;
+        admission control reads it from the event loop)."""
+        return self._first_audio_wait_s
 
     @property
     def active_work(self) -> int:
@@ -208,7 +212,7 @@ class EngineCore:
         now = time.monotonic()
         waits = [now - s.first_text_at for s in self._sessions.values()
                  if s.first_audio_at is None and s.first_text_at is not None]
-        self.first_audio_wait_s = max(waits, default=0.0)
+        self._first_audio_wait_s = max(waits, default=0.0)
         for s in list(self._sessions.values()):
             self.output.replay_cached(s, now)
             self._finish_if_done(s)

@@ -211,7 +211,7 @@ class TtsEngine:
 
         def full() -> bool:
             at_capacity = capacity is not None and self.live_sessions >= capacity
-            return at_capacity or self._loop.first_audio_wait_s > limits.admission_first_audio_s
+            return at_capacity or self._loop.first_audio_wait() > limits.admission_first_audio_s
 
         if not full():
             return
@@ -220,7 +220,7 @@ class TtsEngine:
             await asyncio.sleep(0.02)
             if not full():
                 return
-        behind = self._loop.first_audio_wait_s
+        behind = self._loop.first_audio_wait()
         raise ResourceExhausted(
             f"server at capacity: {self.live_sessions} sessions open (about {capacity or 0:.0f} real-time streams "
             f"fit on this {self.device}; a session has waited {behind:.1f} s for its first audio); retry shortly or "

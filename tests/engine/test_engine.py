@@ -345,17 +345,18 @@ def test_backpressure_holds_a_session_whose_client_stops_reading() -> None:
         h.close()
 
 
-def test_admission_waits_while_the_engine_is_behind() -> None:
+def test_admission_waits_while_the_engine_is_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever the capacity estimate says, a session waiting too long for its first audio
     makes new sessions wait (and be refused if it lasts)."""
     h = EngineHarness(tiny_engine_config(limits=Limits(capacity_streams=100, admission_wait_s=0.2,
                                                        admission_first_audio_s=0.5)))
     try:
         async def run() -> None:
-            h.engine._loop.first_audio_wait_s = 2.0  # as the engine thread reports when behind (it is idle here)
+            core = h.engine._loop
+            monkeypatch.setattr(core, "first_audio_wait", lambda: 2.0)  # what the engine reports when behind
             with pytest.raises(ResourceExhausted, match=r"waited 2.0 s for its first audio"):
                 await h.engine.open_session(SessionConfig())
-            h.engine._loop.first_audio_wait_s = 0.0
+            monkeypatch.setattr(core, "first_audio_wait", lambda: 0.0)
             (await h.engine.open_session(SessionConfig())).cancel()
 
         h.run(run())
