@@ -8,28 +8,36 @@ may pick another (or ``random``) with the ``x-cadenza-seed`` metadata header.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+import re
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import TypeVar
 
 import grpc
 
-from service.api.errors import IdleTimeout
+from service.api.errors import IdleTimeout, renamed
+from service.audio.encoding import AudioEncoding
 from service.engine.api import (
+    MAX_SAMPLE_RATE,
+    MIN_SAMPLE_RATE,
     Engine,
-    EngineError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    OutOfRange,
     Session,
     SessionEvent,
     VoiceDescription,
+    echo,
 )
 
 __all__ = [
     "DEFAULT_COMPAT_SEED",
     "DEFAULT_IDLE_TIMEOUT_S",
     "SEED_METADATA_KEY",
+    "UNARY_CHARS_PER_SECOND",
     "CompatServicer",
+    "check_response_size",
+    "check_unary_size",
     "language_matches",
     "next_request",
     "normalize_language",
@@ -37,6 +45,7 @@ __all__ = [
     "renamed",
     "seed_from_metadata",
     "speaker_value",
+    "unary_text",
     "voice_for_language",
 ]
 
@@ -45,6 +54,10 @@ DEFAULT_COMPAT_SEED = 0
 _RANDOM_SEED_WORDS = frozenset({"random", "none"})
 _MAX_SEED = 2**64 - 1
 DEFAULT_IDLE_TIMEOUT_S = 60.0
+# Unary size check: characters per second of audio, on the low side (voices speak about 14-16 at
+# rate 1.0), so a text refused up front would almost surely not have fit in one message.
+UNARY_CHARS_PER_SECOND = 10.0
+_SPEAKER_INDEX = re.compile(r"[0-9]{1,9}")
 T = TypeVar("T")
 
 
@@ -83,24 +96,61 @@ def parse_seed(text: str, field: str) -> int | None:
     try:
         seed = int(text)
     except ValueError:
-        raise InvalidArgument(field, f"expected an integer seed 0..2^64-1 or 'random', got {text!r}") from None
+        raise InvalidArgument(field, f"expected an integer seed 0..2^64-1 or 'random', got {echo(text)}") from None
     if not 0 <= seed <= _MAX_SEED:
         raise InvalidArgument(field, f"seed must be in 0..2^64-1, got {seed}")
     return seed
 
 
 def speaker_value(label: str | None) -> int | str | None:
-    """A speaker label as the native API reads it: digits are an index, anything else a name."""
+    """A speaker label as the native API reads it: ASCII digits are an index, anything else a name
+    ("²" passes str.isdigit() but is no number: the engine answers NOT_FOUND for it)."""
     if not label:
         return None
-    return int(label) if label.isdigit() else label
+    return int(label) if _SPEAKER_INDEX.fullmatch(label) else label
 
 
-def renamed(error: EngineError, fields: Mapping[str, str]) -> EngineError:
-    """The error with a native field name (``config.sample_rate``) replaced by the foreign API's."""
-    if not isinstance(error, InvalidArgument) or error.field not in fields:
-        return error
-    return InvalidArgument(fields[error.field], error.message.removeprefix(f"{error.field}: "))
+def unary_text(text: str, field: str = "text") -> str:
+    """The text of a one-shot request: empty or whitespace-only is INVALID_ARGUMENT."""
+    if not text.strip():
+        raise InvalidArgument(field, "text is empty; send the text to speak")
+    return text
+
+
+def check_unary_size(
+    text: str,
+    *,
+    sample_rate: int,
+    encoding: AudioEncoding,
+    speaking_rate: float,
+    max_message_bytes: int,
+    extra_bytes: int,
+    streaming_rpc: str,
+) -> None:
+    """Refuse (OUT_OF_RANGE) a text whose audio would not fit in one response message, before any
+    synthesis: the audio is estimated at `UNARY_CHARS_PER_SECOND` (scaled by the speaking rate)
+    and `extra_bytes` covers the rest of the response (headers, echoed text, word timings)."""
+    if not MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE:
+        return  # the engine refuses the rate itself (INVALID_ARGUMENT)
+    seconds = len(text) / (UNARY_CHARS_PER_SECOND * max(speaking_rate, 1e-3))
+    estimate = int(seconds * sample_rate) * encoding.bytes_per_sample + extra_bytes
+    if estimate <= max_message_bytes:
+        return
+    fits = int((max_message_bytes - extra_bytes) / (sample_rate * encoding.bytes_per_sample) * UNARY_CHARS_PER_SECOND
+               * max(speaking_rate, 1e-3))
+    raise OutOfRange(
+        f"text of {len(text)} characters makes about {seconds:.0f} s of audio (~{estimate / 1e6:.1f} MB at "
+        f"{sample_rate} Hz {encoding.name}), more than one response message may carry ({max_message_bytes} bytes); "
+        f"send it through {streaming_rpc}, which streams the audio in chunks (or keep unary texts under about "
+        f"{max(fits, 0)} characters)"
+    )
+
+
+def check_response_size(size: int, max_message_bytes: int, streaming_rpc: str) -> None:
+    """After synthesis: a response past the message limit is OUT_OF_RANGE too (the estimate was low)."""
+    if size > max_message_bytes:
+        raise OutOfRange(f"the audio came to {size} bytes, more than one response message may carry "
+                         f"({max_message_bytes} bytes); send this text through {streaming_rpc}")
 
 
 def normalize_language(code: str) -> str:
@@ -127,7 +177,7 @@ def voice_for_language(
         if language_matches(language, voice.language):
             return voice
     languages = ", ".join(sorted({v.language for v in voices}))
-    raise NotFound(f"{field}: no voice speaks {language!r}; languages available: {languages}")
+    raise NotFound(f"{field}: no voice speaks {echo(language)}; languages available: {languages}")
 
 
 def check_language(voice: VoiceDescription, language: str, field: str) -> None:
@@ -135,7 +185,8 @@ def check_language(voice: VoiceDescription, language: str, field: str) -> None:
     if not language_matches(language, voice.language):
         raise InvalidArgument(
             field,
-            f"voice {voice.name} speaks {voice.language}, not {language!r}; send {voice.language} or leave it empty",
+            f"voice {voice.name} speaks {voice.language}, not {echo(language)}; "
+            f"send {voice.language} or leave it empty",
         )
 
 

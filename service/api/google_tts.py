@@ -26,25 +26,27 @@ from service.api.compat import (
     DEFAULT_IDLE_TIMEOUT_S,
     CompatServicer,
     check_language,
+    check_response_size,
+    check_unary_size,
     language_matches,
     next_request,
     relay_events,
-    renamed,
     speaker_value,
+    unary_text,
     voice_for_language,
 )
-from service.api.errors import abort_with
+from service.api.errors import Method, add_service
 from service.audio.encoding import AudioEncoding
 from service.audio.wav import wav_header
 from service.engine.api import (
     AudioOut,
     Engine,
-    EngineError,
     InvalidArgument,
     NotFound,
     Session,
     SessionConfig,
     VoiceDescription,
+    echo,
 )
 
 __all__ = [
@@ -72,6 +74,13 @@ StreamingSynthesizeResponse: Any = cloud_tts.StreamingSynthesizeResponse.pb()
 _GoogleEncoding: Any = cloud_tts.AudioEncoding
 _PhoneticEncoding: Any = cloud_tts.CustomPronunciationParams.PhoneticEncoding
 
+# The RPCs as Google's service defines them (proto-plus builds no service descriptor to read).
+GOOGLE_METHODS = {
+    "ListVoices": Method(ListVoicesRequest, ListVoicesResponse, False, False),
+    "SynthesizeSpeech": Method(SynthesizeSpeechRequest, SynthesizeSpeechResponse, False, False),
+    "StreamingSynthesize": Method(StreamingSynthesizeRequest, StreamingSynthesizeResponse, True, True),
+}
+
 MIN_GOOGLE_RATE = 0.25
 MAX_GOOGLE_RATE = 2.0
 # Native field names in engine errors -> the Google request fields that set them.
@@ -82,6 +91,7 @@ _UNARY_FIELDS = {
     "config.custom_dictionary": "input.custom_pronunciations",
     "config.language": "voice.language_code",
     "config.voice": "voice.name",
+    "text": "input.text",
 }
 _STREAMING_FIELDS = {
     "config.encoding": "streaming_audio_config.audio_encoding",
@@ -90,6 +100,7 @@ _STREAMING_FIELDS = {
     "config.custom_dictionary": "custom_pronunciations",
     "config.language": "voice.language_code",
     "config.voice": "voice.name",
+    "text": "input.text",
 }
 _PIPER_NAME = re.compile(r"[a-z]{2,3}_[A-Z]{2}-(?P<short>.+)-(?:x_low|low|medium|high)")
 
@@ -158,7 +169,7 @@ def resolve_voice(
     chosen = by_name.get(params.name)
     if chosen is None:
         known = ", ".join(g.name for g in google_voices(voices))
-        raise NotFound(f"voice.name: unknown voice {params.name!r}; available: {known}")
+        raise NotFound(f"voice.name: unknown voice {echo(params.name)}; available: {known}")
     check_language(chosen.voice, params.language_code, "voice.language_code")
     return chosen.voice, chosen.speaker
 
@@ -182,10 +193,15 @@ def _encoding(value: int, table: dict[int, tuple[AudioEncoding, bool]], field: s
 def _dictionary(pronunciations: Any, field: str) -> dict[str, str] | None:
     """Google custom pronunciations (IPA only) as a Cadenza custom dictionary."""
     entries: dict[str, str] = {}
-    for item in pronunciations.pronunciations:
+    known = {e.value: e.name for e in _PhoneticEncoding}
+    for index, item in enumerate(pronunciations.pronunciations):
         if item.phonetic_encoding != _PhoneticEncoding.PHONETIC_ENCODING_IPA:
-            name = _PhoneticEncoding(item.phonetic_encoding).name
-            raise InvalidArgument(field, f"{name} is not supported; use PHONETIC_ENCODING_IPA")
+            name = known.get(item.phonetic_encoding, f"unknown value {item.phonetic_encoding}")
+            raise InvalidArgument(f"{field}.pronunciations[{index}].phonetic_encoding",
+                                  f"{name} is not supported; use PHONETIC_ENCODING_IPA")
+        for part in ("phrase", "pronunciation"):
+            if not getattr(item, part).strip():
+                raise InvalidArgument(f"{field}.pronunciations[{index}].{part}", "is empty")
         entries[item.phrase] = f"[[{item.pronunciation}]]"
     return entries or None
 
@@ -280,24 +296,28 @@ async def _push_inputs(requests: AsyncIterator[Any], session: Session, idle_time
 
 
 class GoogleTextToSpeechServicer(CompatServicer):
-    """Google's three TTS RPCs, each a translation onto `Engine` calls."""
+    """Google's three TTS RPCs, each a translation onto `Engine` calls. They run behind
+    `service.api.errors.boundary` (see `add_google`): errors are raised, not caught here."""
 
     async def ListVoices(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Every voice (and speaker) by its Google-style name."""
         return list_voices_response(self._engine.voices(), request.language_code)
 
     async def SynthesizeSpeech(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """Whole audio for one text."""
-        try:
-            default = self._engine.server_info().default_voice
-            config, text, header, voice = unary_session_config(
-                request, self._engine.voices(), default, self._seed(context)
-            )
-            audio, _, _ = await self._engine.synthesize_all(config, text)
-        except EngineError as error:
-            await abort_with(context, renamed(error, _UNARY_FIELDS))
+        """Whole audio for one text (refused up front if it cannot fit in one response)."""
+        info = self._engine.server_info()
+        config, text, header, voice = unary_session_config(
+            request, self._engine.voices(), info.default_voice, self._seed(context)
+        )
+        text = unary_text(text, "input.text")
         rate = config.sample_rate or voice.sample_rate
-        return SynthesizeSpeechResponse(audio_content=wrap_unary_audio(audio, config.encoding, rate, header))
+        limit = info.max_message_bytes
+        check_unary_size(text, sample_rate=rate, encoding=config.encoding, speaking_rate=config.speaking_rate,
+                         max_message_bytes=limit, extra_bytes=1024, streaming_rpc="StreamingSynthesize")
+        audio, _, _ = await self._engine.synthesize_all(config, text)
+        response = SynthesizeSpeechResponse(audio_content=wrap_unary_audio(audio, config.encoding, rate, header))
+        check_response_size(response.ByteSize(), limit, "StreamingSynthesize")
+        return response
 
     async def StreamingSynthesize(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -323,8 +343,6 @@ class GoogleTextToSpeechServicer(CompatServicer):
                     yield StreamingSynthesizeResponse(audio_content=event.audio)
             await reader
             session = None
-        except EngineError as error:
-            await abort_with(context, renamed(error, _STREAMING_FIELDS))
         finally:
             if reader is not None and not reader.done():
                 reader.cancel()
@@ -340,21 +358,5 @@ def add_google(
 ) -> None:
     """Serve ``google.cloud.texttospeech.v1.TextToSpeech`` on `server` under Google's method paths."""
     servicer = GoogleTextToSpeechServicer(engine, default_seed, idle_timeout_s)
-    handlers = {
-        "ListVoices": grpc.unary_unary_rpc_method_handler(
-            servicer.ListVoices,
-            request_deserializer=ListVoicesRequest.FromString,
-            response_serializer=ListVoicesResponse.SerializeToString,
-        ),
-        "SynthesizeSpeech": grpc.unary_unary_rpc_method_handler(
-            servicer.SynthesizeSpeech,
-            request_deserializer=SynthesizeSpeechRequest.FromString,
-            response_serializer=SynthesizeSpeechResponse.SerializeToString,
-        ),
-        "StreamingSynthesize": grpc.stream_stream_rpc_method_handler(
-            servicer.StreamingSynthesize,
-            request_deserializer=StreamingSynthesizeRequest.FromString,
-            response_serializer=StreamingSynthesizeResponse.SerializeToString,
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    add_service(server, SERVICE_NAME, servicer, GOOGLE_METHODS,
+                fields={"SynthesizeSpeech": _UNARY_FIELDS, "StreamingSynthesize": _STREAMING_FIELDS})

@@ -9,14 +9,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from service.api.errors import IdleTimeout, abort_with
+from service.api.compat import speaker_value, unary_text
+from service.api.errors import IdleTimeout, add_service, methods_of
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
 from service.audio.encoding import AudioEncoding
 from service.engine.api import (
     AudioOut,
     Engine,
-    EngineError,
+    FailedPrecondition,
     InvalidArgument,
     Precision,
     Session,
@@ -52,9 +53,7 @@ def session_config(msg: pb.SessionConfig) -> SessionConfig:
     for name in ("first_chunk_frames", "max_chunk_frames"):
         if getattr(msg, name) < 0:
             raise InvalidArgument(f"config.{name}", "must be >= 0 (0 = server default)")
-    speaker: int | str | None = msg.speaker or None
-    if isinstance(speaker, str) and speaker.isdigit():
-        speaker = int(speaker)
+    speaker = speaker_value(msg.speaker)
     rate = msg.speaking_rate if msg.speaking_rate != 0 else 1.0
     if not math.isfinite(rate):
         raise InvalidArgument("config.speaking_rate", f"{rate} is not a number")
@@ -105,6 +104,8 @@ def _chunk(a: AudioOut) -> pb.AudioChunk:
 
 
 class NativeServicer(pb_grpc.TextToSpeechServicer):
+    """Every RPC runs behind `service.api.errors.boundary` (see `add_native`): errors are raised, not caught."""
+
     def __init__(self, engine: Engine, idle_timeout_s: float) -> None:
         self.engine = engine
         self.idle_timeout_s = idle_timeout_s
@@ -127,8 +128,6 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
             async for event in _relay(session, reader):
                 for msg in responses(event):
                     yield msg
-        except EngineError as exc:
-            await abort_with(context, exc)
         finally:
             if reader is not None:
                 reader.cancel()
@@ -148,7 +147,9 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
                 from None
 
     async def _read(self, requests: AsyncIterator[pb.StreamingSynthesizeRequest], session: Session) -> None:
-        """Client messages -> session calls; a half-close without end_input ends the input too."""
+        """Client messages -> session calls; a half-close without end_input ends the input too.
+        After end_input the stream is still read (no idle limit: the audio may take long) so that a
+        late message fails the RPC (FAILED_PRECONDITION) instead of being dropped unseen."""
         while (req := await self._next(requests)) is not None:
             kind = req.WhichOneof("request")
             if kind == "text":
@@ -157,26 +158,31 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
                 session.flush()
             elif kind == "end_input":
                 session.end_input()
-                return
+                break
             elif kind == "config":
                 raise InvalidArgument("config", "sent twice; the config goes only in the first message")
             else:
                 raise InvalidArgument("request", "empty message; set text, flush or end_input")
-        session.end_input()
+        else:
+            session.end_input()
+            return
+        async for late in requests:
+            raise FailedPrecondition(f"{late.WhichOneof('request') or 'a message'} sent after end_input; the "
+                                     "session's input has ended (open a new session for more text)")
 
     async def Synthesize(
         self, request: pb.SynthesizeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamingSynthesizeResponse]:
         session: Session | None = None
         try:
-            session = await self.engine.open_session(session_config(request.config))
-            session.push_text(request.text)
+            config = session_config(request.config)
+            text = unary_text(request.text)
+            session = await self.engine.open_session(config)
+            session.push_text(text)
             session.end_input()
             async for event in session.events():
                 for msg in responses(event):
                     yield msg
-        except EngineError as exc:
-            await abort_with(context, exc)
         finally:
             if session is not None:
                 session.cancel()
@@ -225,5 +231,10 @@ async def _relay(session: Session, reader: asyncio.Task[None]) -> AsyncIterator[
                 pending.exception()  # retrieved: no "never retrieved" warning
 
 
+NATIVE_METHODS = methods_of(pb.DESCRIPTOR.services_by_name["TextToSpeech"])
+
+
 def add_native(server: grpc.aio.Server, engine: Engine, idle_timeout_s: float) -> None:
-    pb_grpc.add_TextToSpeechServicer_to_server(NativeServicer(engine, idle_timeout_s), server)
+    """Serve ``cadenza.v1.TextToSpeech`` on `server`, every RPC behind the shared error boundary."""
+    service = pb.DESCRIPTOR.services_by_name["TextToSpeech"].full_name
+    add_service(server, service, NativeServicer(engine, idle_timeout_s), NATIVE_METHODS)

@@ -25,26 +25,28 @@ from service.api.compat import (
     DEFAULT_IDLE_TIMEOUT_S,
     CompatServicer,
     check_language,
+    check_response_size,
+    check_unary_size,
     next_request,
     parse_seed,
     relay_events,
-    renamed,
     speaker_value,
+    unary_text,
     voice_for_language,
 )
-from service.api.errors import abort_with
+from service.api.errors import add_service, methods_of
 from service.audio.encoding import AudioEncoding
 from service.engine.api import (
     MAX_SPEAKING_RATE,
     MIN_SPEAKING_RATE,
     AudioOut,
     Engine,
-    EngineError,
     InvalidArgument,
     NotFound,
     SessionConfig,
     VoiceDescription,
     WordTiming,
+    echo,
 )
 
 __all__ = [
@@ -75,6 +77,7 @@ _FIELDS = {
     "config.language": "language_code",
     "config.voice": "voice_name",
 }
+RIVA_RPCS = ("Synthesize", "SynthesizeOnline", "GetRivaSynthesisConfig")
 _SPACED_ARPABET = re.compile(r"[A-Z]{1,2}[0-2]?(?: [A-Z]{1,2}[0-2]?)*")
 _ENTRY_SPLIT = re.compile(r"\s{2,}|\t")
 
@@ -95,7 +98,7 @@ def parse_custom_dictionary(value: str) -> dict[str, str]:
             parts = entry.split(None, 1)
         if len(parts) != 2 or not parts[1].strip():
             raise InvalidArgument(
-                "custom_dictionary", f"entry {entry!r} is not 'word  pronunciation' (two spaces between them)"
+                "custom_dictionary", f"entry {echo(entry)} is not 'word  pronunciation' (two spaces between them)"
             )
         word, pronunciation = parts[0].strip(), parts[1].strip()
         if not _SPACED_ARPABET.fullmatch(pronunciation):
@@ -118,9 +121,23 @@ def resolve_voice(
         base, _, label = name.rpartition(".")  # "voice." (an empty subvoice) means the default speaker
         voice = by_name.get(base)
     if voice is None:
-        raise NotFound(f"voice_name: unknown voice {voice_name!r}; available: {', '.join(sorted(by_name))}")
+        raise NotFound(f"voice_name: unknown voice {echo(voice_name)}; available: {', '.join(sorted(by_name))}")
     check_language(voice, language_code, "language_code")
-    return voice, speaker_value(label)
+    return voice, _speaker(voice, label)
+
+
+def _speaker(voice: VoiceDescription, label: str) -> int | str | None:
+    """The subvoice after the dot: a speaker name or index of `voice`, else NOT_FOUND naming voice_name."""
+    speaker = speaker_value(label)
+    if speaker is None:
+        return None
+    names = {s.name for s in voice.speakers if s.name}
+    ids = {s.id for s in voice.speakers} or {0}
+    if speaker in names or speaker in ids:
+        return speaker
+    known = ", ".join(f"{s.name or s.id}" for s in voice.speakers) or "none (a single-speaker voice)"
+    raise NotFound(f"voice_name: voice {voice.name} has no subvoice {echo(label)}; subvoices: {known}, "
+                   "by name or by index in ASCII digits")
 
 
 def _custom_configuration(values: Mapping[str, str], seed: int | None) -> tuple[int | None, float]:
@@ -133,7 +150,7 @@ def _custom_configuration(values: Mapping[str, str], seed: int | None) -> tuple[
             try:
                 rate = float(value)
             except ValueError:
-                raise InvalidArgument("custom_configuration[speaking_rate]", f"not a number: {value!r}") from None
+                raise InvalidArgument("custom_configuration[speaking_rate]", f"not a number: {echo(value)}") from None
             if not MIN_SPEAKING_RATE <= rate <= MAX_SPEAKING_RATE:
                 raise InvalidArgument(
                     "custom_configuration[speaking_rate]",
@@ -141,7 +158,7 @@ def _custom_configuration(values: Mapping[str, str], seed: int | None) -> tuple[
                 )
         else:
             raise InvalidArgument(
-                "custom_configuration", f"unknown key {key!r}; supported keys: {', '.join(_CUSTOM_KEYS)}"
+                "custom_configuration", f"unknown key {echo(key)}; supported keys: {', '.join(_CUSTOM_KEYS)}"
             )
     return seed, rate
 
@@ -186,7 +203,7 @@ def config_response(voices: Sequence[VoiceDescription], model_name: str = "") ->
     """``RivaSynthesisConfigResponse``: one model per voice, parameters as Riva's talk.py reads them."""
     chosen = [v for v in voices if not model_name or v.name == model_name]
     if model_name and not chosen:
-        raise NotFound(f"model_name: unknown voice {model_name!r}; available: {', '.join(v.name for v in voices)}")
+        raise NotFound(f"model_name: unknown voice {echo(model_name)}; available: {', '.join(v.name for v in voices)}")
     response = rtts.RivaSynthesisConfigResponse()
     for voice in chosen:
         model = response.model_config.add(model_name=voice.name)
@@ -199,7 +216,8 @@ def config_response(voices: Sequence[VoiceDescription], model_name: str = "") ->
 
 
 class RivaSynthesisServicer(CompatServicer, rtts_grpc.RivaSpeechSynthesisServicer):
-    """Riva's three TTS RPCs, each a translation onto `Engine` calls."""
+    """Riva's three TTS RPCs, each a translation onto `Engine` calls. They run behind
+    `service.api.errors.boundary` (see `add_riva`): errors are raised, not caught here."""
 
     def _config(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[SessionConfig, VoiceDescription]:
         seed = self._seed(context)
@@ -207,12 +225,15 @@ class RivaSynthesisServicer(CompatServicer, rtts_grpc.RivaSpeechSynthesisService
         return session_config(request, self._engine.voices(), default, seed)
 
     async def Synthesize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """Whole audio for one text in one response."""
-        try:
-            config, voice = self._config(request, context)
-            audio, words, _ = await self._engine.synthesize_all(config, request.text)
-        except EngineError as error:
-            await abort_with(context, renamed(error, _FIELDS))
+        """Whole audio for one text in one response (refused up front if it cannot fit in one)."""
+        text = unary_text(request.text)
+        config, voice = self._config(request, context)
+        limit = self._engine.server_info().max_message_bytes
+        extra = 2 * len(text.encode()) + (8 * len(text) if config.word_timings else 0) + 1024  # meta, timings
+        check_unary_size(text, sample_rate=config.sample_rate or voice.sample_rate, encoding=config.encoding,
+                         speaking_rate=config.speaking_rate, max_message_bytes=limit, extra_bytes=extra,
+                         streaming_rpc="SynthesizeOnline")
+        audio, words, _ = await self._engine.synthesize_all(config, text)
         response = rtts.SynthesizeSpeechResponse(audio=audio)
         response.meta.text = request.text
         response.meta.processed_text = request.text
@@ -220,6 +241,7 @@ class RivaSynthesisServicer(CompatServicer, rtts_grpc.RivaSpeechSynthesisService
             response.meta.words.extend(riva_words(words, config.sample_rate or voice.sample_rate))
         if request.HasField("id"):
             response.id.CopyFrom(request.id)
+        check_response_size(response.ByteSize(), limit, "SynthesizeOnline")
         return response
 
     async def SynthesizeOnline(
@@ -234,8 +256,9 @@ class RivaSynthesisServicer(CompatServicer, rtts_grpc.RivaSpeechSynthesisService
                 if request is None:
                     return
                 config, _ = self._config(request, context)
+                text = unary_text(request.text)
                 session = await self._engine.open_session(config)
-                session.push_text(request.text)
+                session.push_text(text)
                 session.end_input()
                 async for event in relay_events(session):
                     if not isinstance(event, AudioOut):
@@ -247,18 +270,13 @@ class RivaSynthesisServicer(CompatServicer, rtts_grpc.RivaSpeechSynthesisService
                         response.id.CopyFrom(request.id)
                     yield response
                 session = None
-            except EngineError as error:
-                await abort_with(context, renamed(error, _FIELDS))
             finally:
                 if session is not None:
                     session.cancel()
 
     async def GetRivaSynthesisConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """The voices, one Riva "model" each."""
-        try:
-            return config_response(self._engine.voices(), request.model_name)
-        except EngineError as error:
-            await abort_with(context, renamed(error, _FIELDS))
+        return config_response(self._engine.voices(), request.model_name)
 
 
 def add_riva(
@@ -269,4 +287,5 @@ def add_riva(
 ) -> None:
     """Serve ``nvidia.riva.tts.RivaSpeechSynthesis`` on `server`."""
     servicer = RivaSynthesisServicer(engine, default_seed, idle_timeout_s)
-    rtts_grpc.add_RivaSpeechSynthesisServicer_to_server(servicer, server)
+    service = rtts.DESCRIPTOR.services_by_name["RivaSpeechSynthesis"]
+    add_service(server, service.full_name, servicer, methods_of(service), fields=dict.fromkeys(RIVA_RPCS, _FIELDS))

@@ -16,6 +16,7 @@ from service.audio.encoding import AudioEncoding
 from service.synthesis import WordTiming
 
 __all__ = [
+    "MAX_ECHO_CHARS",
     "MAX_SAMPLE_RATE",
     "MAX_SPEAKING_RATE",
     "MIN_SAMPLE_RATE",
@@ -26,6 +27,7 @@ __all__ = [
     "FailedPrecondition",
     "InvalidArgument",
     "NotFound",
+    "OutOfRange",
     "Precision",
     "ResourceExhausted",
     "ServerInfo",
@@ -37,12 +39,24 @@ __all__ = [
     "Unavailable",
     "VoiceDescription",
     "WordTiming",
+    "check_text",
+    "echo",
 ]
 
 MIN_SAMPLE_RATE = 8000
 MAX_SAMPLE_RATE = 48000
 MIN_SPEAKING_RATE = 0.25
 MAX_SPEAKING_RATE = 4.0
+MAX_ECHO_CHARS = 80  # client input quoted in an error message is cut to this many characters
+
+
+def echo(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """Client input as an error message quotes it: repr, cut to `limit` characters with an ellipsis
+    (a 10 000-character language code must not come back whole)."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
 
 
 class Precision(enum.Enum):
@@ -132,6 +146,10 @@ class ResourceExhausted(EngineError):
     """Too many sessions, too much text: try later or send less."""
 
 
+class OutOfRange(EngineError):
+    """The request is valid but too large for this RPC (e.g. a unary response message): use another."""
+
+
 class FailedPrecondition(EngineError):
     """The request is valid but the server cannot take it now (draining, not ready, closed session)."""
 
@@ -167,6 +185,13 @@ class ServerInfo:
     versions: Mapping[str, str]  # package -> version
     capacity_streams: float | None = None  # real-time streams the server estimates it carries
     open_sessions: int = 0
+    max_message_bytes: int = 4 << 20  # the largest gRPC message either way (a unary response must fit)
+
+
+def check_text(text: str, field: str = "text") -> None:
+    """Reject text no voice can speak as sent: a NUL character (U+0000)."""
+    if "\x00" in text:
+        raise InvalidArgument(field, "contains a NUL character (U+0000); remove it")
 
 
 class Session(Protocol):

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import re
 import threading
 import time
 from importlib import metadata
@@ -31,6 +32,8 @@ from service.engine.api import (
     Unavailable,
     VoiceDescription,
     WordTiming,
+    check_text,
+    echo,
 )
 from service.engine.cache import ResultCache
 from service.engine.config import EngineConfig
@@ -45,6 +48,7 @@ from service.voices import Voice, VoiceInfo, VoiceNotFoundError, list_voices
 log = logging.getLogger(__name__)
 
 MAX_CHUNK_FRAMES = 1024
+_SPEAKER_INDEX = re.compile(r"[0-9]{1,9}")  # ASCII digits only: "²" and "٣" are names, not indexes
 
 
 def resolve_device(device: str) -> str:
@@ -191,7 +195,8 @@ class TtsEngine:
         pins = list(getattr(backend, "fp32_pins", []) or [])
         return ServerInfo(self.backend_name, self.device, precisions,
                           self._default.name if self._default else "", pins, versions,
-                          capacity_streams=self.capacity_streams(), open_sessions=self.live_sessions)
+                          capacity_streams=self.capacity_streams(), open_sessions=self.live_sessions,
+                          max_message_bytes=self.config.limits.max_message_bytes)
 
     def capacity_streams(self) -> float | None:
         """Real-time streams the engine estimates it carries at the precision AUTO picks."""
@@ -278,10 +283,10 @@ class TtsEngine:
         if config.voice:
             info = self._voices.get(config.voice)
             if info is None:
-                raise NotFound(f"unknown voice {config.voice!r}; available: {', '.join(sorted(self._voices))}")
+                raise NotFound(f"unknown voice {echo(config.voice)}; available: {', '.join(sorted(self._voices))}")
             if lang and not info.language.lower().startswith(lang):
                 raise InvalidArgument(
-                    "config.language", f"voice {info.name} speaks {info.language}, not {config.language}"
+                    "config.language", f"voice {info.name} speaks {info.language}, not {echo(config.language)}"
                 )
             return info
         if not lang or self._default.language.lower().startswith(lang):
@@ -289,11 +294,22 @@ class TtsEngine:
         for info in self._voices.values():
             if info.language.lower().startswith(lang):
                 return info
-        raise NotFound(f"no voice for language {config.language!r}; available: "
+        raise NotFound(f"no voice for language {echo(config.language)}; available: "
                        f"{', '.join(sorted({v.language for v in self._voices.values()}))}")
 
     @staticmethod
     def _resolve_speaker(info: VoiceInfo, speaker: int | str | None) -> int | None:
+        """A speaker index or name; any other string (non-ASCII digits such as "²", a too long
+        number) is NOT_FOUND with the input clipped, never a Python error."""
+        if isinstance(speaker, str) and speaker:
+            if _SPEAKER_INDEX.fullmatch(speaker):
+                speaker = int(speaker)
+            elif info.num_speakers > 1 and speaker in info.speaker_id_map and not speaker.isdigit():
+                pass  # a name
+            else:
+                known = ", ".join(sorted(info.speaker_id_map)) or "none"
+                raise NotFound(f"config.speaker: voice {info.name} has no speaker {echo(speaker)}; speakers are "
+                               f"named ({known}) or numbered 0..{max(info.num_speakers - 1, 0)} in ASCII digits")
         try:
             return Voice(info).speaker_index(speaker)
         except VoiceNotFoundError as exc:
@@ -325,6 +341,8 @@ class TtsEngine:
                                   f"{largest} must be between first_chunk_frames ({first}) and {MAX_CHUNK_FRAMES}")
         if c.custom_dictionary and any(not k.strip() or not v.strip() for k, v in c.custom_dictionary.items()):
             raise InvalidArgument("config.custom_dictionary", "entries need a non-empty word and pronunciation")
+        for word, pronunciation in (c.custom_dictionary or {}).items():
+            check_text(word + pronunciation, "config.custom_dictionary")
         schedule = dataclasses.replace(base, first_frames=first, max_frames=largest)
         params = SynthesisParams(
             length_scale=info.length_scale / rate, noise_scale=c.noise_scale, noise_w=c.noise_w, seed=c.seed,

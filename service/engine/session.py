@@ -20,6 +20,7 @@ from service.engine.api import (
     SessionEvent,
     SessionSummary,
     WordTiming,
+    check_text,
 )
 from service.engine.core import EngineCore
 from service.engine.state import ChunkResult, ReadCursor
@@ -77,6 +78,7 @@ class EngineSession:
 
     def push_text(self, delta: str) -> None:
         self._check_open("push text")
+        check_text(delta)
         if self._chars + len(delta) > self.setup.max_text_chars:
             raise ResourceExhausted(
                 f"session text limit is {self.setup.max_text_chars} characters; open a new session for more"
