@@ -3,43 +3,229 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import logging
+import os
+import re
 import sys
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import IO, TYPE_CHECKING, Any, TextIO
+
+from service.api.ports import DEFAULT_HOST, DEFAULT_PORT
+from service.backends.registry import backend_names
+from service.voices import BUILTIN_VOICE, VoiceNotFoundError
 
 if TYPE_CHECKING:
     from service.engine.config import BatchConfig
 
+EPILOG = "Errors are one line (exit 1; 2 for usage errors). Set CADENZA_DEBUG=1 to see the traceback instead."
+BACKENDS = ("auto", *backend_names())
+DEVICES = "auto, cpu, cuda, cuda:N"
+ENGINE_CONFIG = "service.engine.config"
 
-def _add_voice_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--voice", default=None, help="voice name or path to a Piper .onnx (default: built-in)")
-    p.add_argument("--voices", dest="voices_dir", default=None, help="directory of extra Piper voices")
-    p.add_argument("--backend", default="auto", help="torch | onnxruntime | tensorrt (default: auto)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for inference")
+# Warnings the libraries print on every first run that a user can do nothing about.
+# Filtered here, at the command line's entry, never at import time of a library module.
+KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    # torch.onnx.export of our stage graphs (the ONNX Runtime backend's first run).
+    (r"Constant folding - Only steps=1 can be constant folded", UserWarning),
+)
+
+
+class UsageError(Exception):
+    """A command line that cannot work (exit 2), found after parsing."""
+
+
+# --- defaults from the typed configs ------------------------------------------------------------------
+
+
+class ConfigDefault:
+    """An option's default, read from a typed config dataclass (`module:Class`, field) only when
+    needed: when --help prints it, or when the command runs. Parsing (and with it --version, usage
+    errors, and serve's check of its port) never imports torch that way."""
+
+    def __init__(self, config: str, name: str, convert: Callable[[Any], Any] | None = None) -> None:
+        self.config = config
+        self.name = name
+        self.convert = convert
+
+    def value(self) -> Any:
+        module, _, cls = self.config.partition(":")
+        value = getattr(getattr(importlib.import_module(module), cls)(), self.name)
+        return self.convert(value) if self.convert is not None else value
+
+    def __str__(self) -> str:
+        return str(self.value())
+
+
+def _resolve_defaults(args: argparse.Namespace) -> None:
+    for key, value in vars(args).items():
+        if isinstance(value, ConfigDefault):
+            setattr(args, key, value.value())
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to every option with a default worth showing; options whose
+    default is None or off say what that means in their own help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "%(default)" in text or "(default:" in text
+                or default is None or default is False or default == argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _subcommand(sub: Any, name: str, text: str, **kwargs: Any) -> argparse.ArgumentParser:
+    kwargs.setdefault("description", text[:1].upper() + text[1:] + ".")
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=text, epilog=EPILOG, **kwargs)
+    return parser
+
+
+# --- argument types -----------------------------------------------------------------------------------
+
+
+def device_arg(value: str) -> str:
+    """auto | cpu | cuda | cuda:N."""
+    if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid device {value!r} (choose from {DEVICES})")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _port(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {value!r}") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"port {number} is outside 0..65535")
+    return number
+
+
+def metadata_arg(value: str) -> tuple[str, str | bytes]:
+    """KEY=VALUE, one gRPC metadata entry. Keys are lower-cased (gRPC requires it); a key ending
+    in -bin is binary metadata (the value is sent as its UTF-8 bytes)."""
+    key, sep, item = value.partition("=")
+    key = key.strip().lower()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    if not re.fullmatch(r"[0-9a-z_.-]+", key) or key.startswith("grpc-"):
+        raise argparse.ArgumentTypeError(
+            f"invalid metadata key {key!r}: use letters, digits, '-', '_' and '.', not starting with 'grpc-'"
+        )
+    if key.endswith("-bin"):
+        return key, item.encode("utf-8")
+    if not all(" " <= ch <= "~" for ch in item):
+        raise argparse.ArgumentTypeError(f"metadata {key}: the value must be printable ASCII (or use a -bin key)")
+    return key, item
+
+
+def _resolved_device(device: str) -> str:
+    """For tools that use torch directly: "auto" is CUDA where torch sees a GPU, else the CPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --- output helpers -----------------------------------------------------------------------------------
+
+
+@contextmanager
+def _stdout_reserved_for_data() -> Iterator[IO[bytes]]:
+    """A binary stream on the real stdout; until the block ends, anything else written to
+    stdout (Python's print or a library's C code) goes to stderr, so the data stays clean."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    data = os.fdopen(saved, "wb")
+    os.dup2(2, 1)
+    previous, sys.stdout = sys.stdout, sys.stderr
+    try:
+        yield data
+    finally:
+        data.flush()
+        sys.stdout = previous
+        os.dup2(saved, 1)
+        data.close()
+
+
+def _read_stdin_text() -> str:
+    if sys.stdin is None:
+        raise UsageError("no text: give it as an argument or on stdin")
+    if sys.stdin.isatty():
+        print("cadenza: reading the text from stdin; end it with Ctrl-D", file=sys.stderr)
+    return sys.stdin.read()
+
+
+def _check_stdout_for_wav() -> None:
+    if sys.stdout.isatty():
+        raise UsageError("-o -: stdout is a terminal; pipe the WAV (| aplay) or redirect it (> out.wav)")
+
+
+# --- commands -----------------------------------------------------------------------------------------
+
+
+def _voice_and_dir(voice: str | None, voices_dir: str | None) -> tuple[str | None, str | None]:
+    """--voice PATH.onnx serves that file by its name, from its folder."""
+    from pathlib import Path
+
+    if voice is None or Path(voice).suffix != ".onnx":
+        return voice, voices_dir
+    path = Path(voice).resolve()
+    if not path.is_file():
+        raise VoiceNotFoundError(f"voice model {voice} does not exist (--voice)")
+    if voices_dir is not None and Path(voices_dir).resolve() != path.parent:
+        raise UsageError("--voice PATH.onnx serves the voices of its own folder; with --voices DIR, "
+                         "give --voice as a name from DIR")
+    return path.name.removesuffix(".onnx"), str(path.parent)
 
 
 def _cmd_say(args: argparse.Namespace) -> int:
     """In-process synthesis through the same engine the server runs (no gRPC)."""
     from pathlib import Path
 
+    text = _read_stdin_text() if args.text in (None, "-") else args.text
+    if not text.strip():
+        raise UsageError("no text to speak: give it as an argument, or on stdin")
+    to_stdout = args.output == "-"
+    if to_stdout:
+        _check_stdout_for_wav()
+
     import numpy as np
 
-    from service.audio.encoding import AudioEncoding
-    from service.audio.wav import write_wav
+    from service.audio.encoding import AudioEncoding, encode_linear16
+    from service.audio.wav import wav_header, write_wav
     from service.engine.api import AudioOut, SessionConfig
     from service.engine.config import EngineConfig
     from service.engine.local import LocalEngine
     from service.text.frontend_pool import FrontendPoolConfig
     from service.voices import find_voice
 
-    voices_dir = Path(args.voices_dir) if args.voices_dir else None
-    info = find_voice(args.voice, voices_dir)
-    if args.voice and Path(args.voice).suffix == ".onnx":  # a voice file: serve its folder
-        voices_dir = Path(args.voice).resolve().parent
+    voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
+    info = find_voice(args.voice, Path(voices_dir) if voices_dir else None)
     config = EngineConfig(
-        voice=info.name, voices_dir=voices_dir, backend=args.backend, device=args.device, threads=args.threads,
+        voice=voice and info.name, voices_dir=Path(voices_dir) if voices_dir else None, backend=args.backend,
+        device=args.device, threads=args.threads,
         cache_bytes=0, frontend=FrontendPoolConfig(workers=0),  # one text: no frontend processes needed
     )
     session = SessionConfig(
@@ -50,7 +236,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
     with LocalEngine(config) as local:
         start = time.perf_counter()
         pieces, words, ttfa = [], [], None
-        for event in local.stream(args.text, session):
+        for event in local.stream(text, session):
             if not isinstance(event, AudioOut):
                 continue
             if ttfa is None:
@@ -61,15 +247,22 @@ def _cmd_say(args: argparse.Namespace) -> int:
         backend, device = local.engine.backend_name, local.engine.device
     audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
     rate = info.sample_rate
-    write_wav(args.output, audio, rate)
+    out: TextIO = sys.stderr if to_stdout else sys.stdout
+    if to_stdout:
+        data = encode_linear16(audio)
+        with _stdout_reserved_for_data() as stream:
+            stream.write(wav_header(rate, AudioEncoding.LINEAR16, len(data) // 2) + data)
+    else:
+        write_wav(args.output, audio, rate)
     seconds = len(audio) / rate
-    print(f"wrote {args.output}: {seconds:.2f} s of audio at {rate} Hz "
-          f"({backend} on {device}, {elapsed:.3f} s compute, RTF {elapsed / max(seconds, 1e-9):.3f})")
+    where = "a WAV to stdout" if to_stdout else args.output
+    print(f"wrote {where}: {seconds:.2f} s of audio at {rate} Hz "
+          f"({backend} on {device}, {elapsed:.3f} s compute, RTF {elapsed / max(seconds, 1e-9):.3f})", file=out)
     if args.stream and ttfa is not None:
-        print(f"time to first audio: {ttfa * 1000:.1f} ms")
+        print(f"time to first audio: {ttfa * 1000:.1f} ms", file=out)
     if args.words:
         for w in words:
-            print(f"  {w.start / rate:7.3f} {w.end / rate:7.3f}  {w.word}")
+            print(f"  {w.start / rate:7.3f} {w.end / rate:7.3f}  {w.word}", file=out)
     return 0
 
 
@@ -86,7 +279,7 @@ def _cmd_voices_list(args: argparse.Namespace) -> int:
 def _cmd_voices_check(args: argparse.Namespace) -> int:
     from service.voice_check import run_voice_check
 
-    return run_voice_check(args.voice, args.voices_dir, args.backend, args.device, args.threads)
+    return run_voice_check(args.voice, args.voices_dir, args.backend, _resolved_device(args.device), args.threads)
 
 
 def _cmd_bench_cpu(args: argparse.Namespace) -> int:
@@ -94,23 +287,29 @@ def _cmd_bench_cpu(args: argparse.Namespace) -> int:
 
     from service.bench import run_cpu_bench
 
-    return run_cpu_bench(Path(args.corpus), args.threads, args.repeats, args.backend, args.settle_ms / 1000,
-                         args.whole, args.stat)
+    return run_cpu_bench(Path(args.corpus) if args.corpus else None, args.threads, args.repeats, args.backend,
+                         args.settle_ms / 1000, args.whole, args.stat)
+
+
+def _serve_precheck(args: argparse.Namespace) -> None:
+    """Before anything slow: refuse a port that is taken (the server binds it again, first thing)."""
+    from service.api.ports import check_port_free
+
+    check_port_free(args.host, args.port)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
     from pathlib import Path
 
-    from service.api.server import ServerConfig, serve
+    from service.api.server import CadenzaServer, ServerConfig, serve
     from service.engine.config import EngineConfig, Limits
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
     config = ServerConfig(
         host=args.host, port=args.port, drain_grace_s=args.drain_grace,
         engine=EngineConfig(
-            voice=args.voice, voices_dir=Path(args.voices_dir) if args.voices_dir else None,
+            voice=voice, voices_dir=Path(voices_dir) if voices_dir else None,
             backend=args.backend, device=args.device, threads=args.threads,
             batch=_batch_config(args),
             cache_bytes=args.cache_mb << 20,
@@ -122,17 +321,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         ),
     )
 
-    def ready(server: object) -> None:
-        print(f"cadenza: serving on {args.host}:{getattr(server, 'port', args.port)}", flush=True)
+    def ready(server: CadenzaServer) -> None:
+        print(f"cadenza: serving on {args.host}:{server.port}", flush=True)
 
     asyncio.run(serve(config, on_ready=ready))
     return 0
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
-    from collections.abc import Iterator
 
-    import grpc
+    if args.stdin:
+        pieces: list[str] | Iterator[str] = iter(sys.stdin.readline, "")  # each line as soon as it is typed
+    elif args.text:
+        pieces = [args.text]
+    else:
+        raise UsageError("give the text, or --stdin")
+    to_stdout = args.output == "-"
+    if to_stdout:
+        _check_stdout_for_wav()
 
     from service.api.client import connect, stream
     from service.api.gen.cadenza.v1 import tts_pb2 as pb
@@ -147,33 +353,31 @@ def _cmd_client(args: argparse.Namespace) -> int:
     if args.seed is not None:
         config.seed = args.seed
 
-    if args.stdin:
-        pieces: list[str] | Iterator[str] = iter(sys.stdin.readline, "")  # each line as soon as it is typed
-    elif args.text:
-        pieces = [args.text]
-    else:
-        print("cadenza: error: give the text or --stdin", file=sys.stderr)
-        return 2
     channel, stub = connect(args.addr)
     try:
-        result = stream(stub, config, pieces, flush_each=args.stdin)
-    except grpc.RpcError as exc:
-        print(f"cadenza: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
+        result = stream(stub, config, pieces, flush_each=args.stdin, metadata=args.metadata or None)
     finally:
         channel.close()
     rate = result.sample_rate
     n = len(result.audio) // encoding.bytes_per_sample
-    with open(args.output, "wb") as f:
-        f.write(wav_header(rate, encoding, n) + result.audio)
+    wav = wav_header(rate, encoding, n) + result.audio if rate else b""
+    out: TextIO = sys.stderr if to_stdout else sys.stdout
+    if to_stdout:
+        with _stdout_reserved_for_data() as data:
+            data.write(wav)
+    else:
+        with open(args.output, "wb") as f:
+            f.write(wav)
     for chunk, at in zip(result.chunks, result.arrivals_s, strict=True):
         note = ", fallback" if chunk.fallback else ""
         print(f"  chunk {chunk.seq:3d} at {at * 1000:8.1f} ms: {chunk.duration_seconds * 1000:7.1f} ms of audio "
-              f"(utterance {chunk.utterance}, {pb.Precision.Name(chunk.precision)}{note})")
+              f"(utterance {chunk.utterance}, {pb.Precision.Name(chunk.precision)}{note})", file=out)
     for w in result.words:
-        print(f"  {w.start_sample / rate:7.3f} {w.end_sample / rate:7.3f}  {w.word}")
+        print(f"  {w.start_sample / rate:7.3f} {w.end_sample / rate:7.3f}  {w.word}", file=out)
     ttfa = f"{result.ttfa_s * 1000:.1f} ms" if result.ttfa_s is not None else "n/a"
-    print(f"wrote {args.output}: {n / max(rate, 1):.2f} s at {rate} Hz {encoding.value}; time to first audio: {ttfa}")
+    where = "a WAV to stdout" if to_stdout else args.output
+    print(f"wrote {where}: {n / max(rate, 1):.2f} s at {rate} Hz {encoding.value}; time to first audio: {ttfa}",
+          file=out)
     return 0
 
 
@@ -182,13 +386,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     from service.precision_tools import run_compare
 
-    return run_compare(args.precision, args.voice, args.voices_dir, args.device, Path(args.out), args.limit)
+    return run_compare(args.precision, args.voice, args.voices_dir, _resolved_device(args.device),
+                       Path(args.out) if args.out else None, args.limit)
 
 
 def _cmd_sensitivity(args: argparse.Namespace) -> int:
     from service.precision_tools import run_sensitivity
 
-    return run_sensitivity(args.voice, args.voices_dir, args.device, args.limit)
+    return run_sensitivity(args.voice, args.voices_dir, _resolved_device(args.device), args.limit,
+                           threads=args.threads)
 
 
 def _cmd_bench_gpu(args: argparse.Namespace) -> int:
@@ -197,15 +403,15 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
     from service.bench_gpu import run_gpu_bench
 
     batches = [int(b) for b in args.batches.split(",")]
-    return run_gpu_bench(args.device, batches, args.chunk_frames, args.iters, Path(args.json) if args.json else None)
+    return run_gpu_bench(_resolved_device(args.device), batches, args.chunk_frames, args.iters,
+                         Path(args.json) if args.json else None)
 
 
 def _cmd_bench_streams(args: argparse.Namespace) -> int:
     from service.bench_streams import run_streams_bench
 
     counts = [int(n) for n in args.streams.split(",")]
-    overrides = {"growth": args.growth, "first_frames": args.first_frames}
-    schedule = {k: v for k, v in overrides.items() if v is not None}
+    schedule = {"growth": args.growth, "first_frames": args.first_frames}
     return run_streams_bench(args.device, args.backend, counts, args.precisions.split(","), _batch_config(args),
                              schedule)
 
@@ -220,29 +426,49 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
         pace=args.pace, tokens_per_s=args.tokens_per_s, precision=args.precision, seed=args.seed,
         connect_timeout_s=args.connect_timeout,
     )
-    try:
-        return run_bench_load(config, args.sweep, Path(args.json) if args.json else None,
-                              Path(args.png) if args.png else None)
-    except ConnectionError as exc:
-        print(f"cadenza: error: {exc}", file=sys.stderr)
-        return 1
+    return run_bench_load(config, args.sweep, Path(args.json) if args.json else None,
+                          Path(args.png) if args.png else None)
+
+
+# --- shared option groups -----------------------------------------------------------------------------
+
+
+def _add_voice_args(
+    p: argparse.ArgumentParser, device: str | ConfigDefault, backend: str | ConfigDefault = "auto",
+    backend_help: str = "inference backend; auto: onnxruntime on CPU, torch on CUDA",
+) -> None:
+    p.add_argument("--voice", default=None,
+                   help=f"voice name (see `cadenza voices list`) or path to a Piper .onnx voice "
+                        f"(default: the built-in {BUILTIN_VOICE})")
+    p.add_argument("--voices", dest="voices_dir", default=None, metavar="DIR",
+                   help="directory of extra Piper voices (NAME.onnx + NAME.onnx.json), used by name (default: none)")
+    p.add_argument("--backend", choices=BACKENDS, default=backend, help=backend_help)
+    _add_device_arg(p, device)
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads for inference (default: the runtime's choice, about one per core)")
+
+
+def _add_device_arg(p: argparse.ArgumentParser, default: str | ConfigDefault, extra: str = "") -> None:
+    p.add_argument("--device", type=device_arg, default=default, metavar="{auto,cpu,cuda,cuda:N}",
+                   help=f"where to run: auto (CUDA if torch sees a GPU, else the CPU), cpu, cuda or cuda:N{extra}")
+
+
+def _batch(name: str) -> ConfigDefault:
+    return ConfigDefault(f"{ENGINE_CONFIG}:BatchConfig", name)
 
 
 def _add_batch_args(p: argparse.ArgumentParser) -> None:
-    from service.engine.config import BatchConfig
-
-    d = BatchConfig()
-    p.add_argument("--decoder", choices=("auto", "slots", "staged"), default=d.decoder,
+    p.add_argument("--decoder", choices=("auto", "slots", "staged"), default=_batch("decoder"),
                    help="slots: batched steps with per-session device state (torch); staged: one utterance at a "
-                        "time (ONNX Runtime CPU); auto: slots where the backend has them (default: %(default)s)")
-    p.add_argument("--step-frames", type=int, default=d.step_frames,
-                   help="latent frames each session advances per decoder step (default: %(default)s)")
-    p.add_argument("--max-step-rows", type=int, default=d.max_step_rows,
-                   help="sessions one decoder step advances at most (default: %(default)s)")
-    p.add_argument("--slots", type=int, default=d.slots,
-                   help="utterances decoding at once per voice and precision (default: %(default)s)")
-    p.add_argument("--max-ahead", type=float, default=d.max_ahead_s,
-                   help="seconds of unread audio after which a session is not stepped (default: %(default)s)")
+                        "time (ONNX Runtime CPU); auto: slots where the backend has them")
+    p.add_argument("--step-frames", type=_positive_int, default=_batch("step_frames"),
+                   help="latent frames each session advances per decoder step")
+    p.add_argument("--max-step-rows", type=_positive_int, default=_batch("max_step_rows"),
+                   help="sessions one decoder step advances at most")
+    p.add_argument("--slots", type=_positive_int, default=_batch("slots"),
+                   help="utterances decoding at once per voice and precision")
+    p.add_argument("--max-ahead", type=float, default=_batch("max_ahead_s"),
+                   help="seconds of unread audio after which a session is not stepped")
 
 
 def _batch_config(args: argparse.Namespace) -> BatchConfig:
@@ -252,169 +478,287 @@ def _batch_config(args: argparse.Namespace) -> BatchConfig:
                        slots=args.slots, max_ahead_s=args.max_ahead)
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("cadenza")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+# --- the parser ---------------------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from service.engine.config import Limits
+    parser = _Parser(prog="cadenza", description=__doc__, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    parser = argparse.ArgumentParser(prog="cadenza", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    say = sub.add_parser("say", help="synthesise text to a WAV file in-process")
-    say.add_argument("text")
-    say.add_argument("-o", "--output", default="out.wav")
-    say.add_argument("--speaker", default=None, help="speaker id or name (multi-speaker voices)")
-    say.add_argument("--seed", type=int, default=None)
-    say.add_argument("--length-scale", type=float, default=None, help="> 1 speaks slower")
-    say.add_argument("--noise-scale", type=float, default=None)
-    say.add_argument("--noise-w", type=float, default=None)
+    say = _subcommand(sub, "say", "synthesise text to a WAV file in-process (no server)")
+    say.add_argument("text", nargs="?", default=None,
+                     help="the text to speak; '-' or none: read it from stdin")
+    say.add_argument("-o", "--output", default="out.wav", metavar="FILE",
+                     help="WAV file to write (16-bit PCM); '-' writes it to stdout, and the messages to stderr")
+    say.add_argument("--speaker", default=None,
+                     help="speaker id or name, for multi-speaker voices (default: the voice's first)")
+    say.add_argument("--seed", type=int, default=None,
+                     help="noise seed: the same seed gives the same audio (default: random)")
+    say.add_argument("--length-scale", type=float, default=None,
+                     help="> 1 speaks slower, < 1 faster (default: the voice's own)")
+    say.add_argument("--noise-scale", type=float, default=None,
+                     help="noise of the voice's sound, 0..2 (default: the voice's own)")
+    say.add_argument("--noise-w", type=float, default=None,
+                     help="noise of the phoneme durations, 0..2 (default: the voice's own)")
     say.add_argument("--stream", action="store_true", help="print the time to first audio")
     say.add_argument("--words", action="store_true", help="print word timings")
-    _add_voice_args(say)
+    _add_voice_args(say, device="cpu", backend=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "backend"))
     say.set_defaults(func=_cmd_say)
 
-    voices = sub.add_parser("voices", help="list or check voices")
-    vsub = voices.add_subparsers(dest="voices_command", required=True)
-    vlist = vsub.add_parser("list", help="list available voices")
-    vlist.add_argument("--voices", dest="voices_dir", default=None)
+    voices = _subcommand(sub, "voices", "list or check voices")
+    vsub = voices.add_subparsers(dest="voices_command", required=True, metavar="COMMAND")
+    vlist = _subcommand(vsub, "list", "list the available voices")
+    vlist.add_argument("--voices", dest="voices_dir", default=None, metavar="DIR",
+                       help="also list the Piper voices in this directory (default: the built-in voice only)")
     vlist.set_defaults(func=_cmd_voices_list)
-    vcheck = vsub.add_parser(
-        "check", help="compare our model with the original ONNX voice (PSNR, noise off)"
-    )
-    _add_voice_args(vcheck)
+    vcheck = _subcommand(vsub, "check", "compare our model with the original ONNX voice (PSNR, noise off)")
+    _add_voice_args(vcheck, device="cpu", backend_help="backend of our side; auto: torch")
     vcheck.set_defaults(func=_cmd_voices_check)
-    compare = sub.add_parser("compare", help="FP16 vs FP32 on a fixed corpus: PSNR, JSON report, plot")
-    compare.add_argument("--precision", default="fp16", choices=["fp16"])
-    compare.add_argument("--device", default="cpu")
-    compare.add_argument("--voice", default=None)
-    compare.add_argument("--voices", dest="voices_dir", default=None)
-    compare.add_argument("--out", default="compare-out", help="directory for compare.json and compare.png")
-    compare.add_argument("--limit", type=int, default=None, help="only the first N sentences")
+
+    compare = _subcommand(sub, "compare", "FP16 vs FP32 on a fixed corpus: PSNR, JSON report, plot",
+                          description="FP16 vs FP32 on the check corpus (as served: chunked, guarded): PSNR per "
+                                      "sentence, compare.json and (with matplotlib installed) compare.png. "
+                                      "Last line: min_psnr_db=.")
+    compare.add_argument("--precision", default="fp16", choices=["fp16"], help="the precision compared with FP32")
+    _add_device_arg(compare, "cpu")
+    compare.add_argument("--voice", default=None,
+                         help=f"voice name or path to a Piper .onnx voice (default: the built-in {BUILTIN_VOICE})")
+    compare.add_argument("--voices", dest="voices_dir", default=None, metavar="DIR",
+                         help="directory of extra Piper voices, used by name (default: none)")
+    compare.add_argument("--out", default=None, metavar="DIR",
+                         help="directory for compare.json and compare.png (default: a new temporary directory, "
+                              "printed)")
+    compare.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                         help="only the first N sentences (default: all 12)")
     compare.set_defaults(func=_cmd_compare)
 
-    precision = sub.add_parser("precision", help="precision tools")
-    psub = precision.add_subparsers(dest="precision_command", required=True)
-    sens = psub.add_parser("sensitivity", help="PSNR cost of running each candidate module in FP16 alone")
-    sens.add_argument("--device", default="cpu")
-    sens.add_argument("--voice", default=None)
-    sens.add_argument("--voices", dest="voices_dir", default=None)
-    sens.add_argument("--limit", type=int, default=4, help="sentences to use")
+    precision = _subcommand(sub, "precision", "precision tools")
+    psub = precision.add_subparsers(dest="precision_command", required=True, metavar="COMMAND")
+    sens = _subcommand(psub, "sensitivity", "PSNR cost of running each candidate module in FP16 alone",
+                       description="For each candidate FP32 pin: run that module alone in FP16 (all else FP32) "
+                                   "and print the waveform PSNR against all-FP32 (each utterance decoded whole). "
+                                   "FP16 on a CPU is slow: a sentence takes about a minute for all candidates.")
+    _add_device_arg(sens, "cpu")
+    sens.add_argument("--voice", default=None,
+                      help=f"voice name or path to a Piper .onnx voice (default: the built-in {BUILTIN_VOICE})")
+    sens.add_argument("--voices", dest="voices_dir", default=None, metavar="DIR",
+                      help="directory of extra Piper voices, used by name (default: none)")
+    sens.add_argument("--limit", type=_positive_int, default=2, metavar="N",
+                      help="sentences of the check corpus to use, up to 12 (more: steadier figures, slower)")
+    sens.add_argument("--threads", type=_positive_int, default=None,
+                      help="CPU threads for torch (default: torch's choice, one per core)")
     sens.set_defaults(func=_cmd_sensitivity)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
-    bcpu = bsub.add_parser("cpu", help="Cadenza vs piper-tts on this CPU: TTFA and RTF ratios")
-    bcpu.add_argument("--corpus", default="bench/corpus_cpu.txt")
-    bcpu.add_argument("--threads", type=int, default=2)
-    bcpu.add_argument("--repeats", type=int, default=3)
+    bench = _subcommand(sub, "bench", "benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
+    bcpu = _subcommand(bsub, "cpu", "Cadenza vs piper-tts on this CPU: TTFA and RTF ratios")
+    bcpu.add_argument("--corpus", default=None, metavar="FILE",
+                      help="texts to time, one per line, '#' comments (default: the packaged corpus)")
+    bcpu.add_argument("--threads", type=_positive_int, default=2, help="CPU threads, for both engines")
+    bcpu.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per text and engine")
     bcpu.add_argument("--settle-ms", type=float, default=100.0,
                       help="idle pause before every timed run, so no run inherits another's spinning threads")
     bcpu.add_argument("--whole", action="store_true",
                       help="also time Cadenza without streaming (whole utterances): the cost of streaming")
     bcpu.add_argument("--stat", choices=("median", "min"), default="median",
                       help="summarise each text's repeats by their median or their fastest run")
-    bcpu.add_argument("--backend", default="onnxruntime")
+    bcpu.add_argument("--backend", choices=BACKENDS, default="onnxruntime", help="Cadenza's backend")
     bcpu.set_defaults(func=_cmd_bench_cpu)
-    bgpu = bsub.add_parser("gpu", help="FP16 vs FP32 on a CUDA GPU: throughput by batch, memory, TTFA")
-    bgpu.add_argument("--device", default="cuda")
+    bgpu = _subcommand(bsub, "gpu", "FP16 vs FP32 on a CUDA GPU: throughput by batch, memory, TTFA")
+    _add_device_arg(bgpu, "cuda")
     bgpu.add_argument("--batches", default="1,16,64,256", help="comma-separated batch sizes")
-    bgpu.add_argument("--chunk-frames", type=int, default=64, help="latent frames per chunk (plus context)")
-    bgpu.add_argument("--iters", type=int, default=20)
-    bgpu.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    bgpu.add_argument("--chunk-frames", type=_positive_int, default=64,
+                      help="latent frames per chunk (plus context)")
+    bgpu.add_argument("--iters", type=_positive_int, default=20, help="timed iterations per batch size")
+    bgpu.add_argument("--json", default=None, metavar="FILE", help="also write the figures here (default: none)")
     bgpu.set_defaults(func=_cmd_bench_gpu)
-    bstr = bsub.add_parser("streams", help="N concurrent sessions through the engine: TTFA P50/P99, underruns")
-    bstr.add_argument("--device", default="auto")
-    bstr.add_argument("--backend", default="auto")
+    bstr = _subcommand(bsub, "streams", "N concurrent sessions through the engine: TTFA P50/P99, underruns")
+    _add_device_arg(bstr, ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "device"))
+    bstr.add_argument("--backend", choices=BACKENDS, default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "backend"),
+                      help="inference backend; auto: onnxruntime on CPU, torch on CUDA")
     bstr.add_argument("--streams", default="1,4", help="comma-separated session counts")
     bstr.add_argument("--precisions", default="fp32", help="comma-separated: auto, fp16, fp32")
-    bstr.add_argument("--growth", type=float, default=None, help="chunk growth factor (default: the engine's)")
-    bstr.add_argument("--first-frames", type=int, default=None,
-                      help="first chunk in latent frames (default: the engine's)")
+    bstr.add_argument("--growth", type=float, default=ConfigDefault("service.synthesis:ChunkSchedule", "growth"),
+                      help="chunk growth factor")
+    bstr.add_argument("--first-frames", type=_positive_int,
+                      default=ConfigDefault("service.synthesis:ChunkSchedule", "first_frames"),
+                      help="first chunk in latent frames")
     _add_batch_args(bstr)
     bstr.set_defaults(func=_cmd_bench_streams)
-    bload = bsub.add_parser(
-        "load", help="N sessions against a RUNNING server over gRPC: TTFA P50/P99, underruns, pass rate",
+
+    def load(name: str) -> ConfigDefault:
+        return ConfigDefault("service.tools.bench_load:LoadConfig", name)
+
+    bload = _subcommand(
+        bsub, "load", "N sessions against a RUNNING server over gRPC: TTFA P50/P99, underruns, pass rate",
         description="Drive a running `cadenza serve` over the native streaming API. A session passes when its "
                     "worst underrun (audio played from its first chunk) is at most 100 ms and it ended OK. "
                     "Last line: pass_rate= ttfa_p50_ms= ttfa_p99_ms= sessions= rtfx= (sessions: how many ran).",
     )
-    bload.add_argument("--target", default="localhost:50051", help="server host:port (default: %(default)s)")
-    bload.add_argument("--sessions", type=int, default=8,
+    bload.add_argument("--target", default=load("target"), metavar="HOST:PORT", help="the server")
+    bload.add_argument("--sessions", type=_positive_int, default=load("sessions"),
                        help="the load level N. burst: sessions started at once; poisson: the target number of "
                             "sessions in progress at once (with --rate: the most that arrive); --sweep: the "
-                            "largest N tried (default: %(default)s)")
-    bload.add_argument("--arrival", choices=("burst", "poisson"), default="burst",
+                            "largest N tried")
+    bload.add_argument("--arrival", choices=("burst", "poisson"), default=load("arrival"),
                        help="burst: all sessions start together; poisson: random arrivals at N / (mean session "
-                            "audio seconds) per second, so about N are in progress at once (default: %(default)s)")
+                            "audio seconds) per second, so about N are in progress at once")
     bload.add_argument("--rate", type=float, default=None,
                        help="poisson: sessions arriving per second, overriding the rate derived from N; N then "
                             "caps the arrivals (default: derived)")
     bload.add_argument("--duration", type=float, default=None,
                        help="poisson: stop arriving after this many seconds (default: 30, or no limit with "
                             "--rate)")
-    bload.add_argument("--pace", choices=("sentence", "llm"), default="sentence",
+    bload.add_argument("--pace", choices=("sentence", "llm"), default=load("pace"),
                        help="sentence: each sentence pushed whole, TTFA from the first text; llm: word-sized "
                             "deltas at --tokens-per-s, TTFA from the delta that completes the first sentence "
-                            "(clamped at 0; the JSON keeps ttfa_from_first_text_ms too) (default: %(default)s)")
-    bload.add_argument("--tokens-per-s", type=float, default=30.0,
-                       help="llm pacing: text tokens per second (default: %(default)s)")
+                            "(clamped at 0; the JSON keeps ttfa_from_first_text_ms too)")
+    bload.add_argument("--tokens-per-s", type=float, default=load("tokens_per_s"),
+                       help="llm pacing: text tokens per second")
     bload.add_argument("--sweep", action="store_true",
                        help="find the largest N <= --sessions (poisson: target concurrency) with pass_rate >= "
                             "0.99 and TTFA p99 <= 150 ms (doubling, then bisection; one line per probe)")
-    bload.add_argument("--precision", choices=("auto", "fp16", "fp32"), default="auto",
-                       help="precision each session asks for (default: %(default)s)")
-    bload.add_argument("--json", default=None, help="write per-session records and the summary here (default: none)")
-    bload.add_argument("--png", default=None, help="write the TTFA CDF plot here (default: none)")
-    bload.add_argument("--seed", type=int, default=0,
-                       help="picks each session's texts and the poisson arrivals (default: %(default)s)")
-    bload.add_argument("--connect-timeout", type=float, default=30.0,
-                       help="seconds to wait for the server to be reachable and SERVING (default: %(default)s)")
+    bload.add_argument("--precision", choices=("auto", "fp16", "fp32"), default=load("precision"),
+                       help="precision each session asks for")
+    bload.add_argument("--json", default=None, metavar="FILE",
+                       help="write per-session records and the summary here (default: none)")
+    bload.add_argument("--png", default=None, metavar="FILE", help="write the TTFA CDF plot here (default: none)")
+    bload.add_argument("--seed", type=int, default=load("seed"),
+                       help="picks each session's texts and the poisson arrivals")
+    bload.add_argument("--connect-timeout", type=float, default=load("connect_timeout_s"),
+                       help="seconds to wait for the server to be reachable and SERVING")
     bload.set_defaults(func=_cmd_bench_load)
-    serve = sub.add_parser("serve", help="run the gRPC server")
-    serve.add_argument("--host", default="[::]")
-    serve.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    _add_voice_args(serve)
-    serve.set_defaults(device="auto")
-    _add_batch_args(serve)
-    serve.add_argument("--cache-mb", type=int, default=64, help="result cache size (seeded requests)")
-    limits = Limits()
-    serve.add_argument("--max-sessions", type=int, default=limits.max_sessions,
-                       help="open sessions; one more gets RESOURCE_EXHAUSTED (default: %(default)s)")
-    serve.add_argument("--max-text-chars", type=int, default=limits.max_text_chars,
-                       help="characters per session (default: %(default)s)")
-    serve.add_argument("--max-message-bytes", type=int, default=limits.max_message_bytes,
-                       help="largest gRPC message either way (default: %(default)s)")
-    serve.add_argument("--idle-timeout", type=float, default=limits.idle_timeout_s,
-                       help="seconds without a client message (default: %(default)s)")
-    serve.add_argument("--admission-wait", type=float, default=limits.admission_wait_s,
-                       help="at the estimated capacity, seconds a new session waits before RESOURCE_EXHAUSTED; "
-                            "0 turns admission control off (default: %(default)s)")
-    serve.add_argument("--capacity", type=float, default=limits.capacity_streams,
-                       help="real-time streams to admit, instead of the estimate measured at start-up")
-    serve.add_argument("--drain-grace", type=float, default=30.0, help="seconds open sessions get after SIGTERM")
-    serve.set_defaults(func=_cmd_serve)
 
-    client = sub.add_parser("client", help="stream text to a server, write a WAV, print TTFA and chunk timings")
-    client.add_argument("text", nargs="?", default=None)
-    client.add_argument("-o", "--output", default="out.wav")
-    client.add_argument("--addr", default="localhost:50051")
+    def limit(name: str) -> ConfigDefault:
+        return ConfigDefault(f"{ENGINE_CONFIG}:Limits", name)
+
+    serve = _subcommand(sub, "serve", "run the gRPC server (native, Riva and Google Cloud TTS APIs on one port)")
+    serve.add_argument("--host", default=DEFAULT_HOST,
+                       help="address to listen on; [::] is every interface, IPv6 and IPv4")
+    serve.add_argument("--port", type=_port, default=DEFAULT_PORT,
+                       help="port to listen on; 0 picks a free one (printed); a port in use is refused")
+    _add_voice_args(serve, device=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "device"),
+                    backend=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "backend"))
+    _add_batch_args(serve)
+    serve.add_argument("--cache-mb", type=int,
+                       default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "cache_bytes", lambda n: n >> 20),
+                       help="result cache size in MiB (seeded requests); 0 turns it off")
+    serve.add_argument("--max-sessions", type=_positive_int, default=limit("max_sessions"),
+                       help="open sessions; one more gets RESOURCE_EXHAUSTED")
+    serve.add_argument("--max-text-chars", type=_positive_int, default=limit("max_text_chars"),
+                       help="characters per session")
+    serve.add_argument("--max-message-bytes", type=_positive_int, default=limit("max_message_bytes"),
+                       help="largest gRPC message either way")
+    serve.add_argument("--idle-timeout", type=float, default=limit("idle_timeout_s"),
+                       help="seconds without a client message before a session is closed")
+    serve.add_argument("--admission-wait", type=float, default=limit("admission_wait_s"),
+                       help="at the estimated capacity, seconds a new session waits before RESOURCE_EXHAUSTED; "
+                            "0 turns admission control off")
+    serve.add_argument("--capacity", type=float, default=limit("capacity_streams"),
+                       help="real-time streams to admit (default: the estimate measured at start-up)")
+    serve.add_argument("--drain-grace", type=float, default=ConfigDefault("service.api.server:ServerConfig",
+                                                                          "drain_grace_s"),
+                       help="seconds open sessions get to finish after SIGTERM")
+    serve.set_defaults(func=_cmd_serve, precheck=_serve_precheck)
+
+    client = _subcommand(sub, "client", "stream text to a server, write a WAV, print TTFA and chunk timings")
+    client.add_argument("text", nargs="?", default=None, help="the text to send (or --stdin)")
+    client.add_argument("-o", "--output", default="out.wav", metavar="FILE",
+                        help="WAV file to write; '-' writes it to stdout, and the messages to stderr")
+    client.add_argument("--addr", default=f"localhost:{DEFAULT_PORT}", metavar="HOST:PORT", help="the server")
     client.add_argument("--stdin", action="store_true", help="stream stdin line by line (each line flushed)")
-    client.add_argument("--encoding", default="linear16", choices=["linear16", "mulaw", "alaw", "float32"])
-    client.add_argument("--rate", type=int, default=None, help="output sample rate (Hz)")
-    client.add_argument("--seed", type=int, default=None)
-    client.add_argument("--voice", default=None)
-    client.add_argument("--speaker", default=None)
-    client.add_argument("--speaking-rate", type=float, default=1.0)
+    client.add_argument("--encoding", default="linear16", choices=["linear16", "mulaw", "alaw", "float32"],
+                        help="audio encoding of the WAV")
+    client.add_argument("--rate", type=_positive_int, default=None,
+                        help="output sample rate in Hz (default: the voice's own)")
+    client.add_argument("--seed", type=int, default=None,
+                        help="noise seed: the same seed gives the same audio (default: random)")
+    client.add_argument("--voice", default=None, help="voice name (default: the server's default voice)")
+    client.add_argument("--speaker", default=None,
+                        help="speaker id or name, for multi-speaker voices (default: the voice's first)")
+    client.add_argument("--speaking-rate", type=float, default=1.0, help="speed factor: 2 is twice as fast")
     client.add_argument("--words", action="store_true", help="print word timings")
+    client.add_argument("--metadata", type=metadata_arg, action="append", default=None, metavar="KEY=VALUE",
+                        help="gRPC metadata sent with the call (e.g. authorization=Bearer ...); repeatable "
+                             "(default: none)")
     client.set_defaults(func=_cmd_client)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except (LookupError, ValueError) as exc:
-        print(f"cadenza: error: {exc}", file=sys.stderr)
+# --- entry --------------------------------------------------------------------------------------------
+
+
+def _quiet_known_warnings() -> None:
+    if sys.warnoptions:  # the user asked for warnings (python -W): leave them alone
+        return
+    for message, category in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def _setup_logging(command: str) -> None:
+    """serve: INFO with timestamps (a server log). Other commands: warnings, plus the progress of
+    slow one-time work (the first export of a voice), as `cadenza: ...` lines on stderr."""
+    if command == "serve":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return
+    logging.basicConfig(level=logging.WARNING, format="cadenza: %(message)s")
+    logging.getLogger("service.backends.stage_export").setLevel(logging.INFO)
+
+
+def _error_exit_code(exc: BaseException) -> int | None:
+    """2 for a bad value on the command line, 1 for other expected errors, None: a bug (traceback)."""
+    if isinstance(exc, (UsageError, VoiceNotFoundError)):
         return 2
+    api = sys.modules.get("service.engine.api")
+    if api is not None and isinstance(exc, api.EngineError):
+        return 2 if isinstance(exc, (api.InvalidArgument, api.NotFound)) else 1
+    grpc = sys.modules.get("grpc")
+    if grpc is not None and isinstance(exc, grpc.RpcError):
+        return 1
+    if isinstance(exc, (ValueError, OSError)):  # OSError: a port in use, a missing file, no server, ...
+        return 1
+    return None
+
+
+def _error_message(exc: BaseException) -> str:
+    grpc = sys.modules.get("grpc")
+    if grpc is not None and isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, OSError) and exc.strerror and exc.filename:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc) or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _quiet_known_warnings()
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.command)
+    try:
+        precheck = getattr(args, "precheck", None)
+        if precheck is not None:
+            precheck(args)
+        _resolve_defaults(args)
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("cadenza: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        code = _error_exit_code(exc)
+        if code is None or os.environ.get("CADENZA_DEBUG"):
+            raise
+        print(f"cadenza: error: {_error_message(exc)}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -14,20 +15,32 @@ import numpy as np
 from service.backends.torch_backend import TorchBackend
 from service.models.vits.precision import VITS_FP32_PINS, VITS_PIN_CANDIDATES, fp16_only, pinned_modules
 from service.quality import psnr_db
-from service.synthesis import SynthesisParams, Synthesizer
+from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer
 from service.voice_check import check_sentences
 from service.voices import Voice, find_voice
 
+PLOT_HINT = "pip install matplotlib"
 
-def _synthesizer(voice: str | None, voices_dir: str | None, device: str) -> Synthesizer:
+# One window per utterance: the whole flow and vocoder in one call each, no chunk halos.
+_WHOLE = 1 << 30
+WHOLE_UTTERANCE = ChunkSchedule(first_frames=_WHOLE, max_frames=_WHOLE, later_first_frames=_WHOLE)
+
+
+def _synthesizer(
+    voice: str | None, voices_dir: str | None, device: str, threads: int | None = None,
+    schedule: ChunkSchedule | None = None, staged: bool | None = None,
+) -> Synthesizer:
     loaded = Voice(find_voice(voice, Path(voices_dir) if voices_dir else None))
-    return Synthesizer(loaded, TorchBackend(loaded, device=device))
+    return Synthesizer(loaded, TorchBackend(loaded, device=device, threads=threads), schedule, staged=staged)
 
 
 def run_compare(
-    precision: str, voice: str | None, voices_dir: str | None, device: str, out_dir: Path,
+    precision: str, voice: str | None, voices_dir: str | None, device: str, out_dir: Path | None,
     limit: int | None, seed: int = 1234,
 ) -> int:
+    """FP16 (as served: chunked, guarded) against FP32 (as served) on the check corpus.
+    Writes compare.json, and compare.png where matplotlib is installed, into `out_dir`
+    (default: a fresh temporary directory). Last line: min_psnr_db=."""
     syn = _synthesizer(voice, voices_dir, device)
     texts = check_sentences()[:limit] if limit else check_sentences()
     backend = syn.backend
@@ -51,6 +64,8 @@ def run_compare(
             worst = (value, text, ref, test)
         print(f"{i:2d} psnr_db={value:7.2f} fallbacks={fallbacks}  {text}")
     minimum = min(r["psnr_db"] for r in rows)
+    if out_dir is None:
+        out_dir = Path(tempfile.mkdtemp(prefix="cadenza-compare-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "voice": syn.voice.info.name, "device": device, "precision": precision, "seed": seed,
@@ -61,8 +76,10 @@ def run_compare(
     }
     (out_dir / "compare.json").write_text(json.dumps(report, indent=1), "utf-8")
     assert worst is not None
-    _plot(out_dir / "compare.png", rows, worst, syn.sample_rate, precision)
-    print(f"wrote {out_dir / 'compare.json'} and {out_dir / 'compare.png'}")
+    if _plot(out_dir / "compare.png", rows, worst, syn.sample_rate, precision):
+        print(f"wrote {out_dir / 'compare.json'} and {out_dir / 'compare.png'}")
+    else:
+        print(f"wrote {out_dir / 'compare.json'}; no plot: compare.png needs matplotlib ({PLOT_HINT})")
     print(f"min_psnr_db={minimum:.2f}")
     return 0
 
@@ -70,8 +87,12 @@ def run_compare(
 def _plot(
     path: Path, rows: list[dict[str, Any]], worst: tuple[float, str, np.ndarray, np.ndarray], rate: int,
     precision: str,
-) -> None:
-    import matplotlib
+) -> bool:
+    """Draw compare.png; False (nothing written) where matplotlib is not installed (an optional extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -92,20 +113,29 @@ def _plot(
     axes[2].set_xlabel("seconds")
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def run_sensitivity(
-    voice: str | None, voices_dir: str | None, device: str, limit: int, seed: int = 1234
+    voice: str | None, voices_dir: str | None, device: str, limit: int, seed: int = 1234,
+    threads: int | None = None,
 ) -> int:
-    """Each candidate alone in FP16 (all else FP32): the PSNR it costs."""
-    syn = _synthesizer(voice, voices_dir, device)
+    """Each candidate alone in FP16 (all else FP32): the PSNR it costs.
+
+    Reference and candidates decode each utterance whole through the model's own modules
+    (`flow_reverse`, `vocode`), where the candidate's FP16 casts take effect. Not the staged
+    decoder: it calls flow couplings and generator stages one by one, past the casts on an
+    enclosing module (a module in FP16 would get FP32 inputs)."""
+    syn = _synthesizer(voice, voices_dir, device, threads, schedule=WHOLE_UTTERANCE, staged=False)
     backend = syn.backend
     assert isinstance(backend, TorchBackend)
     fp32_model = backend.models["fp32"]
     texts = check_sentences()[:limit]
+    if not texts:
+        raise ValueError(f"--limit {limit}: use at least one sentence")
     refs = [syn.synthesize(t, SynthesisParams(seed=seed))[0] for t in texts]
-    print(f"candidate FP32 pins, each run alone in FP16 ({len(texts)} sentences, {device}); "
-          f"current pins: {', '.join(VITS_FP32_PINS)}")
+    print(f"candidate FP32 pins, each run alone in FP16 ({len(texts)} sentence(s), {syn.voice.info.name} on "
+          f"{device}); current pins: {', '.join(VITS_FP32_PINS)}", flush=True)
     print(f"{'module':32s} {'min_db':>8s} {'median_db':>9s} {'len_changes':>11s}")
     try:
         for candidate in VITS_PIN_CANDIDATES:
@@ -115,7 +145,8 @@ def run_sensitivity(
                 test, _ = syn.synthesize(text, SynthesisParams(seed=seed))
                 values.append(psnr_db(ref, test))
                 length_changes += len(test) != len(ref)
-            print(f"{candidate:32s} {min(values):8.2f} {statistics.median(values):9.2f} {length_changes:11d}")
+            print(f"{candidate:32s} {min(values):8.2f} {statistics.median(values):9.2f} {length_changes:11d}",
+                  flush=True)
     finally:
         backend.models["fp32"] = fp32_model
     return 0

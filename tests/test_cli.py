@@ -42,3 +42,195 @@ def test_compare_fp16_reports_psnr_json_and_plot(tmp_path: Path, capsys: pytest.
     report = json.loads((out / "compare.json").read_text())
     assert report["precision"] == "fp16" and len(report["sentences"]) == 1
     assert (out / "compare.png").stat().st_size > 10_000
+
+
+# --- Command-line conventions (issue 13), run as a user runs them: in a subprocess ---------------------------
+
+_ROOT = Path(__file__).resolve().parents[1]
+_TINY_VOICE = _ROOT / "tests" / "data" / "tiny-multi.onnx"
+
+
+def _cadenza(*args: str, stdin: bytes | None = None, cwd: Path | None = None, timeout: float = 180,
+             prelude: str = "") -> tuple[int, bytes, str, float]:
+    """Run `cadenza ARGS` (optionally after `prelude` code): exit code, stdout bytes, stderr, seconds."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = f"import sys\n{prelude}\nfrom service.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code, *args], input=stdin, capture_output=True, env=env,
+                          cwd=cwd or _ROOT, timeout=timeout, stdin=None if stdin is not None else subprocess.DEVNULL)
+    return done.returncode, done.stdout, done.stderr.decode(errors="replace"), time.monotonic() - start
+
+
+def _no_traceback(err: str) -> None:
+    for noise in ("Traceback", "Event loop is closed", "was never awaited", "UserWarning"):
+        assert noise not in err, err
+
+
+def test_version_matches_the_package() -> None:
+    from importlib import metadata
+
+    code, out, err, _ = _cadenza("--version")
+    assert code == 0, err
+    assert out.decode().strip() == f"cadenza {metadata.version('cadenza')}"
+
+
+@pytest.mark.parametrize("command", [["say", "hi"], ["serve"], ["voices", "check"], ["bench", "streams"]])
+def test_bad_device_is_a_usage_error(command: list[str]) -> None:
+    code, out, err, _ = _cadenza(*command, "--device", "gpu")
+    assert code == 2 and not out
+    _no_traceback(err)
+    assert f"usage: cadenza {' '.join(command[:2 if command[0] in ('voices', 'bench') else 1])}" in err
+    assert err.strip().splitlines()[-1].endswith(
+        "error: argument --device: invalid device 'gpu' (choose from auto, cpu, cuda, cuda:N)"), err
+
+
+def test_bad_backend_is_a_usage_error() -> None:
+    code, _, err, _ = _cadenza("serve", "--backend", "bogus")
+    assert code == 2
+    _no_traceback(err)
+    assert "argument --backend: invalid choice: 'bogus'" in err
+
+
+def test_every_option_has_help() -> None:
+    import argparse
+
+    from service.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> list[str]:
+        missing = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    missing += walk(child, f"{path} {name}")
+            elif not action.help:
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+        return missing
+
+    assert walk(build_parser(), "cadenza") == []
+
+
+def test_serve_help_shows_the_config_defaults() -> None:
+    from service.engine.config import BatchConfig, Limits
+
+    code, out, err, _ = _cadenza("serve", "--help")
+    assert code == 0, err
+    text = " ".join(out.decode().split())
+    assert f"(default: {Limits().max_sessions})" in text and f"(default: {BatchConfig().step_frames})" in text
+    assert "(default: 50051)" in text
+
+
+@pytest.mark.parametrize("text_arg", [[], ["-"]], ids=["no-text", "dash"])
+def test_say_reads_stdin_and_writes_a_wav_to_stdout(text_arg: list[str]) -> None:
+    import io
+
+    code, out, err, _ = _cadenza("say", *text_arg, "-o", "-", "--voice", str(_TINY_VOICE), "--seed", "1",
+                                 "--threads", "1", stdin=b"Hello from standard input.\n")
+    assert code == 0, err
+    _no_traceback(err)
+    assert "wrote a WAV to stdout" in err  # the messages go to stderr: stdout is the WAV alone
+    with wave.open(io.BytesIO(out)) as wav:
+        assert wav.getframerate() == 16000 and wav.getsampwidth() == 2 and wav.getnchannels() == 1
+        frames = wav.getnframes()
+        assert frames > 1000 and len(out) == 44 + 2 * frames
+
+
+def test_say_without_any_text_is_a_usage_error() -> None:
+    code, _, err, _ = _cadenza("say", "-o", "-", stdin=b"  \n")
+    assert code == 2
+    _no_traceback(err)
+    assert err.strip() == "cadenza: error: no text to speak: give it as an argument, or on stdin"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", None], ids=["loopback", "default-host"])
+def test_serve_refuses_a_busy_port_at_once(host: str | None) -> None:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1" if host else "0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err, seconds = _cadenza("serve", *(["--host", host] if host else []), "--port", str(port))
+    assert code != 0 and not out
+    _no_traceback(err)
+    assert f"port {port}" in err, err
+    assert len(err.strip().splitlines()) == 1, err  # refused before loading anything: no log lines either
+    assert seconds < 10  # Python start-up included; the check itself comes before torch is imported
+
+
+@pytest.mark.parametrize("args", [["--voice", "nosuch"], ["--device", "cuda"], ["--backend", "tensorrt"]],
+                         ids=["unknown-voice", "cuda-without-gpu", "tensorrt-here"])
+def test_serve_start_up_errors_are_one_line(args: list[str]) -> None:
+    if args[0] != "--voice":
+        import importlib.util
+
+        import torch
+
+        if torch.cuda.is_available() and (args[1] == "cuda" or importlib.util.find_spec("tensorrt")):
+            pytest.skip("this machine can run it")
+    code, out, err, _ = _cadenza("serve", "--host", "127.0.0.1", "--port", "0", *args)
+    assert code != 0 and not out
+    _no_traceback(err)
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("cadenza: error: "), err
+    if args[0] == "--voice":
+        assert "'nosuch'" in errors[0]
+
+
+@pytest.mark.slow
+def test_precision_sensitivity_completes_on_cpu() -> None:
+    from service.models.vits.precision import VITS_PIN_CANDIDATES
+
+    code, out, err, _ = _cadenza("precision", "sensitivity", "--device", "cpu", "--voice", str(_TINY_VOICE),
+                                 "--limit", "1", "--threads", "1", timeout=600)
+    assert code == 0, err
+    _no_traceback(err)
+    lines = out.decode().strip().splitlines()
+    assert lines[1].split() == ["module", "min_db", "median_db", "len_changes"]
+    rows = [line.split() for line in lines[2:]]
+    assert [r[0] for r in rows] == list(VITS_PIN_CANDIDATES)  # every candidate, `flow` included
+    for _, min_db, median_db, changes in rows:
+        assert float(min_db) > 0 and float(median_db) >= float(min_db) and int(changes) >= 0
+
+
+@pytest.mark.slow
+def test_compare_without_matplotlib_writes_json_under_a_temp_dir(tmp_path: Path) -> None:
+    import json
+    import re
+    import shutil
+
+    code, out, err, _ = _cadenza("compare", "--voice", str(_TINY_VOICE), "--limit", "1", cwd=tmp_path,
+                                 prelude="sys.modules['matplotlib'] = None  # as on a plain install",
+                                 timeout=600)
+    assert code == 0, err
+    _no_traceback(err)
+    lines = out.decode().strip().splitlines()
+    assert lines[-1].startswith("min_psnr_db=") and float(lines[-1].split("=")[1]) > 0
+    assert "needs matplotlib (pip install matplotlib)" in lines[-2]
+    match = re.search(r"wrote (\S+compare\.json)", lines[-2])
+    assert match, lines[-2]
+    report = Path(match.group(1))
+    try:
+        assert report.parent != tmp_path and report.parent.name.startswith("cadenza-compare-")
+        assert json.loads(report.read_text())["precision"] == "fp16"
+        assert not (report.parent / "compare.png").exists()
+        assert list(tmp_path.iterdir()) == []  # nothing written into the working directory
+    finally:
+        shutil.rmtree(report.parent, ignore_errors=True)
+
+
+def test_client_metadata_option() -> None:
+    import argparse
+
+    from service.cli import build_parser, metadata_arg
+
+    args = build_parser().parse_args(["client", "hi", "--metadata", "Authorization=Bearer x=y",
+                                      "--metadata", "trace-bin=\u00e9"])
+    assert args.metadata == [("authorization", "Bearer x=y"), ("trace-bin", "\u00e9".encode())]
+    for bad in ("novalue", "=v", "bad key=v", "grpc-timeout=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            metadata_arg(bad)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -63,10 +63,14 @@ def collect(responses: Iterable[pb.StreamingSynthesizeResponse], clock: list[flo
 
 
 def stream(stub: pb_grpc.TextToSpeechStub, config: pb.SessionConfig, pieces: Iterable[str],
-           flush_each: bool = False, timeout: float | None = None) -> StreamResult:
-    """One StreamingSynthesize session: send `pieces` as text deltas, collect everything."""
+           flush_each: bool = False, timeout: float | None = None,
+           metadata: Sequence[tuple[str, str | bytes]] | None = None) -> StreamResult:
+    """One StreamingSynthesize session: send `pieces` as text deltas, collect everything.
+    `metadata`: (key, value) pairs sent with the call (keys lower case; `-bin` keys take bytes)."""
     clock: list[float] = []
-    return collect(stub.StreamingSynthesize(requests(config, pieces, clock, flush_each), timeout=timeout), clock)
+    responses = stub.StreamingSynthesize(requests(config, pieces, clock, flush_each), timeout=timeout,
+                                         metadata=tuple(metadata) if metadata else None)
+    return collect(responses, clock)
 
 
 def connect(addr: str) -> tuple[grpc.Channel, pb_grpc.TextToSpeechStub]:

@@ -32,6 +32,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 
 from service.engine.api import (
+    ClientStalled,
     EngineError,
     FailedPrecondition,
     InvalidArgument,
@@ -73,6 +74,7 @@ class MalformedRequest(EngineError):
 
 _STATUS: tuple[tuple[type[EngineError], grpc.StatusCode], ...] = (
     (IdleTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (ClientStalled, grpc.StatusCode.DEADLINE_EXCEEDED),
     (MalformedRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),

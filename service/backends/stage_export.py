@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +22,8 @@ from service.models.vits.flow import fold_couplings
 from service.models.vits.generator import polyphase_upsamplers
 from service.models.vits.model import VitsModel
 from service.models.vits.receptive_field import decoder_stage_table
+
+log = logging.getLogger(__name__)
 
 STAGES = ("prior", "latent", "audio")
 EXPORT_VERSION = "5"
@@ -146,10 +150,16 @@ def cached_stage_exports(model: VitsModel, onnx_path: Path, cache_dir: Path) -> 
     paths = {name: out_dir / f"{name}.onnx" for name in (*STAGES, *decoder_stage_names(model))}
     if all(p.is_file() for p in paths.values()):
         return paths
+    voice = onnx_path.name.removesuffix(".onnx")
+    # The one slow step of a first run (tens of seconds on a laptop CPU): say so, and how long it took.
+    log.info("exporting ONNX stages for voice %s (first run only, ~30 s) into %s ...", voice, out_dir)
+    start = time.perf_counter()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     written = export_stages(model, tmp)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, path in written.items():
         path.replace(paths[name])
     tmp.rmdir()
+    log.info("exported %d ONNX stages for voice %s in %.1f s (cached for later runs)", len(written), voice,
+             time.perf_counter() - start)
     return paths

@@ -22,6 +22,7 @@ __all__ = [
     "MIN_SAMPLE_RATE",
     "MIN_SPEAKING_RATE",
     "AudioOut",
+    "ClientStalled",
     "Engine",
     "EngineError",
     "FailedPrecondition",
@@ -148,6 +149,10 @@ class ResourceExhausted(EngineError):
 
 class OutOfRange(EngineError):
     """The request is valid but too large for this RPC (e.g. a unary response message): use another."""
+
+
+class ClientStalled(EngineError):
+    """The client stopped taking audio for longer than the server waits (gRPC DEADLINE_EXCEEDED)."""
 
 
 class FailedPrecondition(EngineError):

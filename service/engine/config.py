@@ -41,6 +41,7 @@ class BatchConfig:
     slots: int = 1024  # utterances decoding at once per voice and precision (state kept on the device)
     cuda_graphs: bool = True  # capture each (batch bucket, step size) as a CUDA graph
     max_ahead_s: float = 3.0  # backpressure: a session whose client has this much audio unread is not stepped
+    stall_timeout_s: float = 30.0  # ... and one held back this long ends with DEADLINE_EXCEEDED (memory back)
     lead_s: float = 1.0  # audio kept ahead of playback; sessions further ahead step only when nothing is urgent
     urgent_slack_s: float = 0.3  # a playing session with less buffered is stepped before new sentences
     acoustic_max_batch: int = 64  # sentences per acoustic-stage call

@@ -9,6 +9,7 @@ shared with the event loops."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -213,6 +214,7 @@ class EngineCore:
         waits = [now - s.first_text_at for s in self._sessions.values()
                  if s.first_audio_at is None and s.first_text_at is not None]
         self._first_audio_wait_s = max(waits, default=0.0)
+        stall_check = self._end_stalled(now)
         for s in list(self._sessions.values()):
             self.output.replay_cached(s, now)
             self._finish_if_done(s)
@@ -222,7 +224,8 @@ class EngineCore:
         free = self.executor.free_slots if runtime is not None and self.executor.uses_slots(runtime) else None
         plan = self.scheduler.plan(sessions, now, max_rows, free)
         if plan.empty:
-            return True, plan.wake_at
+            wakes = [t for t in (plan.wake_at, stall_check) if t is not None]
+            return True, min(wakes) if wakes else None
         if plan.decode_first:
             self._decode(plan.decode)
             self._acoustic(plan.acoustic)
@@ -234,6 +237,25 @@ class EngineCore:
         for s in list(self._sessions.values()):
             self._finish_if_done(s)
         return False, None
+
+    def _end_stalled(self, now: float) -> float | None:
+        """End sessions whose client has taken no audio for `stall_timeout_s` while they were
+        held back (their queued audio is freed); returns when to look again."""
+        from service.engine.api import ClientStalled
+
+        limit, check = self.batch.stall_timeout_s, None
+        for s in list(self._sessions.values()):
+            if s.unread_s() < self.batch.max_ahead_s or not s.utterances:
+                s.held_since = None
+                continue
+            if s.held_since is None:
+                s.held_since = now
+            if now - s.held_since >= limit:
+                self._fail(s, ClientStalled(
+                    f"the client took no audio for {limit:.0f} s ({s.unread_s():.1f} s unread); the stream is closed"))
+            else:
+                check = min(check or math.inf, s.held_since + limit)
+        return check
 
     def _acoustic(self, jobs: list[tuple[SessionState, UtteranceState]]) -> None:
         if not jobs:

@@ -128,6 +128,7 @@ class SessionState:
     samples_out: int = 0  # model-rate samples delivered (the playback clock)
     first_audio_at: float | None = None
     first_text_at: float | None = None  # when its first sentence reached the engine
+    held_since: float | None = None  # when backpressure last started holding it back
     ready_since: float = 0.0  # when it last got new work or output (ties in urgency)
 
     @property

@@ -362,3 +362,25 @@ def test_admission_waits_while_the_engine_is_behind(monkeypatch: pytest.MonkeyPa
         h.run(run())
     finally:
         h.close()
+
+
+def test_a_client_that_stops_reading_is_ended_after_the_stall_limit() -> None:
+    """Held back by backpressure for `stall_timeout_s`, a session ends with ClientStalled
+    (DEADLINE_EXCEEDED on the wire) and the engine forgets it."""
+    from service.engine.api import ClientStalled
+
+    h = EngineHarness(tiny_engine_config(batch=BatchConfig(max_ahead_s=0.5, stall_timeout_s=1.0)))
+    try:
+        async def run() -> None:
+            session = await h.engine.open_session(SessionConfig(seed=5, encoding=FLOAT))
+            session.push_text(TEXT * 8)
+            session.end_input()
+            await asyncio.sleep(2.5)
+            with pytest.raises(ClientStalled, match="took no audio for 1 s"):
+                async for _ in session.events():
+                    pass
+            assert h.engine.engine_sessions == 0
+
+        h.run(run())
+    finally:
+        h.close()
