@@ -261,8 +261,8 @@ class EngineCore:
         if not jobs:
             return
         failed = self.executor.acoustic(jobs, self.output.cache_key, self.output.cache.get)
-        for s, exc in failed:
-            self._fail(s, exc)
+        for s, why in failed:
+            self._fail(s, why)
         now = time.monotonic()
         for s, _ in jobs:
             s.ready_since = now
@@ -272,8 +272,8 @@ class EngineCore:
         if not rows:
             return
         try:
-            chunks = self.executor.decode(rows, time.monotonic(), self._others_urgent)
-        except Exception as exc:
+            chunks, failed = self.executor.decode(rows, time.monotonic(), self._others_urgent)
+        except Exception as exc:  # outside any one step (slot bookkeeping): every row fails
             log.exception("decoder step failed")
             for s, _ in rows:
                 self._fail(s, exc)
@@ -281,6 +281,8 @@ class EngineCore:
         now = time.monotonic()
         for c in chunks:
             self.output.chunk(c.session, c.utterance, c.samples, c.precision, c.fallback, now)
+        for s, why in failed:
+            self._fail(s, why)
 
     def _others_urgent(self, s: SessionState) -> bool:
         """Another session is waiting for its first audio or will soon run out of it."""

@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+Failure = tuple[SessionState, BaseException]
+
+
 @dataclass
 class Chunk:
     """One decoded chunk of one session's head utterance."""
@@ -181,13 +184,20 @@ class Executor:
     # --- decoder steps ---------------------------------------------------------------------------
 
     def decode(self, rows: list[tuple[SessionState, UtteranceState]], now: float,
-               others_urgent: Callable[[SessionState], bool]) -> list[Chunk]:
+               others_urgent: Callable[[SessionState], bool]) -> tuple[list[Chunk], list[Failure]]:
+        """Advance the planned rows: (chunks, sessions that failed with why). A failing batched
+        step is retried in halves, each row's decoder state rebuilt first, so a fault that
+        one row causes (or a batch too large for the device) fails only what it must."""
         if not rows:
-            return []
+            return [], []
         runtime = rows[0][0].spec.runtime
         if not self.uses_slots(runtime):
             s, u = rows[0]
-            return [self._staged_chunk(s, u, others_urgent(s))]
+            try:
+                return [self._staged_chunk(s, u, others_urgent(s))], []
+            except Exception as exc:
+                log.exception("staged decode failed (session %d)", s.spec.session_id)
+                return [], [(s, exc)]
         groups: dict[tuple[int, str, bool], list[tuple[SessionState, UtteranceState]]] = {}
         for s, u in rows:
             if u.slot is None:
@@ -199,18 +209,60 @@ class Executor:
                 pool.decoder.reset([slot])
             groups.setdefault((id(s.spec.runtime), u.precision, u.fed == 0), []).append((s, u))
         out: list[Chunk] = []
+        failed: list[Failure] = []
         for (_, precision, first), group in groups.items():
-            out += self._slot_step(group, precision, first)
-        return out
+            chunks, bad = self._slot_step(group, precision, first)
+            out += chunks
+            failed += bad
+        return out, failed
 
-    def _slot_step(self, rows: list[tuple[SessionState, UtteranceState]], precision: str, first: bool) -> list[Chunk]:
+    def _slot_step(self, rows: list[tuple[SessionState, UtteranceState]], precision: str,
+                   first: bool) -> tuple[list[Chunk], list[Failure]]:
         start = time.perf_counter()
-        out = self._slot_step_rows(rows, precision, first)
+        fed = [u.fed for _, u in rows]
+        try:
+            out = self._slot_step_rows(rows, precision, first)
+        except Exception as exc:
+            for (_, u), before in zip(rows, fed, strict=True):
+                u.fed = before
+            if len(rows) == 1:
+                log.exception("decoder step failed (session %d)", rows[0][0].spec.session_id)
+                return [], [(rows[0][0], exc)]
+            log.warning("decoder step of %d rows failed (%s); retrying in halves", len(rows), exc)
+            failed: list[Failure] = []
+            good = []
+            for s, u in rows:
+                try:
+                    self._rebuild(s, u)
+                    good.append((s, u))
+                except Exception as rebuild_exc:
+                    failed.append((s, rebuild_exc))
+            half = (len(good) + 1) // 2
+            out = []
+            for part in (good[:half], good[half:]):
+                if part:
+                    chunks, bad = self._slot_step(part, precision, first)
+                    out += chunks
+                    failed += bad
+            return out, failed
         if len(rows) >= 32 and not first:
             per_row = (time.perf_counter() - start) / len(rows)
             old = self.host_row_seconds
             self.host_row_seconds = per_row if not old else 0.9 * old + 0.1 * per_row
-        return out
+        return out, []
+
+    def _rebuild(self, s: SessionState, u: UtteranceState) -> None:
+        """Bring a slot's decoder state back to `u.fed` frames (a failed step may have updated
+        some of its stages): clear it and replay the utterance's prior frames up to there."""
+        assert u.slot is not None and u.utt is not None
+        dec = self.slots(s.spec.runtime, u.precision).decoder
+        dec.reset([u.slot])
+        if u.fed:
+            inputs = np.zeros((1, u.utt.z_p.shape[0], u.fed), dtype=np.float32)
+            part = u.utt.z_p[:, : u.fed]
+            inputs[0, :, : part.shape[1]] = part
+            sids = None if s.spec.sid is None else [s.spec.sid]
+            dec.step(StepRows([u.slot], inputs, [0], [u.frames], sids))
 
     def _slot_step_rows(self, rows: list[tuple[SessionState, UtteranceState]], precision: str,
                         first: bool) -> list[Chunk]:

@@ -60,3 +60,31 @@ def inject_nonfinite(
     injector = FaultInjector(value=value, every=every, fraction=fraction, rows=rows, limit=limit)
     injector.handles.append(module.register_forward_hook(injector))
     return injector
+
+
+@dataclass
+class StepBreaker:
+    """Forward hook that raises, as a kernel error or an out-of-memory would, for batches of
+    at least `min_rows` rows (to prove a failing batch is split and retried)."""
+
+    min_rows: int = 2
+    raised: int = 0
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+    def __call__(self, module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+        if output.shape[0] >= self.min_rows:
+            self.raised += 1
+            raise RuntimeError(f"injected failure for a batch of {output.shape[0]} rows")
+        return output
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def break_batches(model: nn.Module, module_name: str, min_rows: int = 2) -> StepBreaker:
+    """Attach a StepBreaker to `model.<module_name>`; call .remove() to undo."""
+    breaker = StepBreaker(min_rows=min_rows)
+    breaker.handles.append(model.get_submodule(module_name).register_forward_hook(breaker))
+    return breaker

@@ -44,7 +44,9 @@ def _decode_all(executor: Executor, rows: list[tuple[SessionState, UtteranceStat
     out: list[list] = [[] for _ in rows]  # type: ignore[type-arg]
     while any(u.samples_done < u.frames * 256 for _, u in rows):
         live = [(s, u) for s, u in rows if u.samples_done < u.frames * 256]
-        for chunk in executor.decode(live, 0.0, lambda s: False):
+        chunks, failed = executor.decode(live, 0.0, lambda s: False)
+        assert not failed
+        for chunk in chunks:
             chunk.utterance.samples_done += len(chunk.samples)
             chunk.utterance.chunk_index += 1
             out[chunk.session.spec.session_id].append(chunk)
@@ -78,3 +80,27 @@ def test_a_guard_trip_in_a_batch_redoes_only_the_tripped_row(tiny_voice_path: Pa
     redone = np.concatenate([c.samples for c in chunks[1][k:]])
     expected = np.concatenate([c.samples for c in reference[1][k:]])
     np.testing.assert_allclose(redone, expected, atol=1e-4, rtol=0)
+
+
+def test_a_failing_batch_is_split_and_every_row_still_decodes_exactly(tiny_voice_path: Path) -> None:
+    """A step that raises for batches of 2+ rows is retried in halves down to single rows,
+    each row's decoder state rebuilt first: every session still gets exactly its audio."""
+    from service.engine.faults import break_batches
+
+    runtime = open_synthesizer(str(tiny_voice_path), backend="torch")
+    backend = runtime.backend
+    assert isinstance(backend, TorchBackend)
+    loop = asyncio.new_event_loop()
+    try:
+        reference = _decode_all(Executor(BatchConfig(step_frames=16), EngineStats()), _rows(runtime, "fp32", loop))
+        breaker = break_batches(backend.model_for("fp32"), "dec.resblocks.0", min_rows=2)
+        try:
+            chunks = _decode_all(Executor(BatchConfig(step_frames=16), EngineStats()), _rows(runtime, "fp32", loop))
+        finally:
+            breaker.remove()
+    finally:
+        loop.close()
+    assert breaker.raised >= 1
+    for got, ref in zip(chunks, reference, strict=True):
+        np.testing.assert_allclose(np.concatenate([c.samples for c in got]), np.concatenate([c.samples for c in ref]),
+                                   atol=1e-5, rtol=0)
