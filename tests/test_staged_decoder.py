@@ -33,7 +33,13 @@ def test_staged_chunks_equal_the_full_decode(which: str, first_piece: int, piece
         produced = end
     out = np.concatenate(pieces)
     assert out.shape == full.shape
-    assert float(np.abs(out - full).max()) <= 1e-5 * max(1.0, float(np.abs(full).max()) * 1e3)
+    # README: chunked audio equals a full decode to <= 1e-4. Measured (CPU, FP32): at most
+    # 8.8e-7 on the built-in voice (peak ~0.11) and 1.7e-10 on the tiny one (peak ~6.4e-4),
+    # so the claim is checked as is, and relative to the peak too (the tiny voice is quiet).
+    err, peak = float(np.abs(out - full).max()), float(np.abs(full).max())
+    assert peak > 0
+    assert err <= 1e-4, err
+    assert err <= 1e-4 * peak, (err, peak)
 
 
 def test_stage_table_and_order_are_enforced() -> None:

