@@ -22,4 +22,6 @@ RUN cadenza say "Warm up." -o /tmp/warm.wav && rm /tmp/warm.wav
 
 EXPOSE 50051
 ENTRYPOINT ["cadenza"]
-CMD ["serve", "--port", "50051"]
+# Every interface of the container (the server's own default is loopback, unreachable through -p).
+# Add --tls-cert/--tls-key and/or --api-keys-file to secure it (without them a warning is logged).
+CMD ["serve", "--host", "[::]", "--port", "50051"]

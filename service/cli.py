@@ -306,8 +306,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from service.engine.config import EngineConfig, Limits
 
     voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
+    def path(value: str | Path | None) -> Path | None:
+        return Path(value) if value is not None else None
+
     config = ServerConfig(
         host=args.host, port=args.port, drain_grace_s=args.drain_grace,
+        tls_cert=path(args.tls_cert), tls_key=path(args.tls_key), tls_client_ca=path(args.tls_client_ca),
+        api_keys_file=path(args.api_keys_file),
         engine=EngineConfig(
             voice=voice, voices_dir=Path(voices_dir) if voices_dir else None,
             backend=args.backend, device=args.device, threads=args.threads,
@@ -353,9 +358,17 @@ def _cmd_client(args: argparse.Namespace) -> int:
     if args.seed is not None:
         config.seed = args.seed
 
-    channel, stub = connect(args.addr)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("a client certificate needs its key: give --tls-cert and --tls-key together")
+    metadata = list(args.metadata or ())
+    api_key = args.api_key if args.api_key is not None else os.environ.get("CADENZA_API_KEY")
+    if api_key:
+        from service.api.auth import bearer_metadata
+
+        metadata.append(bearer_metadata(api_key))
+    channel, stub = connect(args.addr, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     try:
-        result = stream(stub, config, pieces, flush_each=args.stdin, metadata=args.metadata or None)
+        result = stream(stub, config, pieces, flush_each=args.stdin, metadata=metadata or None)
     finally:
         channel.close()
     rate = result.sample_rate
@@ -645,7 +658,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = _subcommand(sub, "serve", "run the gRPC server (native, Riva and Google Cloud TTS APIs on one port)")
     serve.add_argument("--host", default=DEFAULT_HOST,
-                       help="address to listen on; [::] is every interface, IPv6 and IPv4")
+                       help="address to listen on; 0.0.0.0 or [::] is every interface (secure it with TLS "
+                            "and/or API keys: without them a warning is logged)")
     serve.add_argument("--port", type=_port, default=DEFAULT_PORT,
                        help="port to listen on; 0 picks a free one (printed); a port in use is refused")
     _add_voice_args(serve, device=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "device"),
@@ -669,7 +683,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="real-time streams to admit (default: the estimate measured at start-up)")
     serve.add_argument("--drain-grace", type=float, default=ConfigDefault("service.api.server:ServerConfig",
                                                                           "drain_grace_s"),
-                       help="seconds open sessions get to finish after SIGTERM")
+                       help="seconds open sessions get to finish after SIGTERM (a second signal quits at once)")
+
+    def server_option(name: str) -> ConfigDefault:
+        return ConfigDefault("service.api.server:ServerConfig", name)
+
+    serve.add_argument("--tls-cert", default=server_option("tls_cert"), metavar="FILE",
+                       help="PEM certificate (chain): serve TLS; needs --tls-key (default: plaintext)")
+    serve.add_argument("--tls-key", default=server_option("tls_key"), metavar="FILE",
+                       help="PEM private key of --tls-cert (default: none)")
+    serve.add_argument("--tls-client-ca", default=server_option("tls_client_ca"), metavar="FILE",
+                       help="PEM CA bundle: mutual TLS, every client must present a certificate signed by it "
+                            "(default: no client certificates)")
+    serve.add_argument("--api-keys-file", default=server_option("api_keys_file"), metavar="FILE",
+                       help="API keys, one per line ('#' comments): every call but health checks and reflection "
+                            "must send 'authorization: Bearer <key>' metadata (default: no keys required)")
     serve.set_defaults(func=_cmd_serve, precheck=_serve_precheck)
 
     client = _subcommand(sub, "client", "stream text to a server, write a WAV, print TTFA and chunk timings")
@@ -692,6 +720,14 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--metadata", type=metadata_arg, action="append", default=None, metavar="KEY=VALUE",
                         help="gRPC metadata sent with the call (e.g. authorization=Bearer ...); repeatable "
                              "(default: none)")
+    client.add_argument("--api-key", default=None, metavar="KEY",
+                        help="API key, sent as 'authorization: Bearer KEY' (default: $CADENZA_API_KEY, if set)")
+    client.add_argument("--tls-ca", default=None, metavar="FILE",
+                        help="PEM CA bundle to verify the server with: connect over TLS (default: plaintext, "
+                             "or the system's CAs with --tls-cert)")
+    client.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="PEM client certificate for mutual TLS; needs --tls-key (default: none)")
+    client.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
     client.set_defaults(func=_cmd_client)
     return parser
 

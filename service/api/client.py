@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -73,6 +74,24 @@ def stream(stub: pb_grpc.TextToSpeechStub, config: pb.SessionConfig, pieces: Ite
     return collect(responses, clock)
 
 
-def connect(addr: str) -> tuple[grpc.Channel, pb_grpc.TextToSpeechStub]:
-    channel = grpc.insecure_channel(addr)
+def channel_credentials(tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
+                        tls_key: str | Path | None = None) -> grpc.ChannelCredentials | None:
+    """TLS credentials when any TLS file is given (None: plaintext). `tls_ca` verifies the server
+    (default: the system's CAs); `tls_cert` + `tls_key` are the client's certificate, for mTLS."""
+    if tls_ca is None and tls_cert is None and tls_key is None:
+        return None
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("a client certificate needs its key (tls_cert and tls_key together)")
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes() if tls_ca is not None else None,
+        private_key=Path(tls_key).read_bytes() if tls_key is not None else None,
+        certificate_chain=Path(tls_cert).read_bytes() if tls_cert is not None else None,
+    )
+
+
+def connect(addr: str, tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
+            tls_key: str | Path | None = None) -> tuple[grpc.Channel, pb_grpc.TextToSpeechStub]:
+    """A channel to `addr` (plaintext, or TLS when any TLS file is given) and its native stub."""
+    credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+    channel = grpc.secure_channel(addr, credentials) if credentials is not None else grpc.insecure_channel(addr)
     return channel, pb_grpc.TextToSpeechStub(channel)

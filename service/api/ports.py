@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import socket
 
-DEFAULT_HOST = "[::]"  # every interface, IPv6 and IPv4
+DEFAULT_HOST = "127.0.0.1"  # loopback only; --host 0.0.0.0 or [::] listens on every interface
 DEFAULT_PORT = 50051
 
 

@@ -1,20 +1,26 @@
-"""The grpc.aio server: native servicer, health, reflection, limits and SIGTERM drain."""
+"""The grpc.aio server: native servicer, health, reflection, limits, TLS, API keys and SIGTERM drain."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
+import riva.client.proto.riva_tts_pb2 as rtts
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from service.api.auth import ApiKeyInterceptor, load_api_keys
 from service.api.gen.cadenza.v1 import tts_pb2
+from service.api.google_tts import SERVICE_NAME as GOOGLE_SERVICE
 from service.api.google_tts import add_google
 from service.api.native import add_native
 from service.api.ports import DEFAULT_HOST, DEFAULT_PORT, PortInUseError, check_port_free
@@ -28,16 +34,99 @@ __all__ = ["CadenzaServer", "PortInUseError", "ServerConfig", "serve"]
 log = logging.getLogger(__name__)
 
 NATIVE_SERVICE = tts_pb2.DESCRIPTOR.services_by_name["TextToSpeech"].full_name
+RIVA_SERVICE = rtts.DESCRIPTOR.services_by_name["RivaSpeechSynthesis"].full_name
+# The APIs served on the port: health answers for each of them (and for "", the whole server).
+API_SERVICES = (NATIVE_SERVICE, RIVA_SERVICE, GOOGLE_SERVICE)
+REFLECTION_V1_SERVICE = "grpc.reflection.v1.ServerReflection"
 AddServicer = Callable[[grpc.aio.Server, Engine], None]
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = DEFAULT_HOST
+    host: str = DEFAULT_HOST  # loopback; another address without TLS or API keys logs a warning
     port: int = DEFAULT_PORT  # 0 picks a free port (see CadenzaServer.port)
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: Limits = field(default_factory=Limits)  # overrides engine.limits
     drain_grace_s: float = 30.0  # after SIGTERM, open sessions get this long to finish
+    tls_cert: Path | None = None  # PEM certificate chain: serve TLS (needs tls_key)
+    tls_key: Path | None = None  # PEM private key of tls_cert
+    tls_client_ca: Path | None = None  # PEM CA bundle: mTLS, clients must present a certificate it signed
+    api_keys_file: Path | None = None  # one key per line: every RPC but health and reflection needs one
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("a client CA (--tls-client-ca) needs TLS: give --tls-cert and --tls-key too")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+def is_loopback(host: str) -> bool:
+    """Is `host` (as given to --host: a name, an IP, or [IPv6]) a loopback address?"""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if bare.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False
+
+
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the PEM files (read now: a missing file fails before anything loads)."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    chain = Path(config.tls_cert).read_bytes()
+    key = Path(config.tls_key).read_bytes()
+    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca is not None else None
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _reflection_v1_file() -> None:
+    """grpcio-reflection only ships v1alpha; grpc.reflection.v1 is the same protocol under another
+    package. Put its descriptor in the default pool (so reflection can describe it too)."""
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindServiceByName(REFLECTION_V1_SERVICE)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    old, new = proto.package, "grpc.reflection.v1"
+    proto.name = "grpc/reflection/v1/reflection.proto"
+    proto.package = new
+    proto.options.Clear()
+
+    def rename(type_name: str) -> str:
+        return type_name.replace(f".{old}.", f".{new}.", 1)
+
+    for message in proto.message_type:
+        for f in message.field:
+            if f.type_name:
+                f.type_name = rename(f.type_name)
+    for method in proto.service[0].method:
+        method.input_type = rename(method.input_type)
+        method.output_type = rename(method.output_type)
+    pool.Add(proto)
+
+
+def _add_reflection(server: grpc.aio.Server, services: Sequence[str]) -> None:
+    """Server reflection, v1alpha and v1 (one servicer: the messages are the same on the wire)."""
+    _reflection_v1_file()
+    names = [*services, reflection.SERVICE_NAME, REFLECTION_V1_SERVICE]
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1_SERVICE, {"ServerReflectionInfo": handler}),)
+    )
 
 
 class CadenzaServer:
@@ -45,9 +134,12 @@ class CadenzaServer:
 
     def __init__(self, config: ServerConfig, extra_servicers: Sequence[AddServicer] = ()) -> None:
         self.config = config
+        # Files first: a missing certificate or keys file fails before anything is loaded.
+        self._credentials = _server_credentials(config)
+        keys = load_api_keys(config.api_keys_file) if config.api_keys_file is not None else ()
         self.engine = TtsEngine(dataclasses.replace(config.engine, limits=config.limits))
         size = config.limits.max_message_bytes
-        self.server = grpc.aio.server(options=[
+        self.server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys else None, options=[
             ("grpc.max_receive_message_length", size),
             ("grpc.max_send_message_length", size),
             # No port sharing: a second server on a taken port must fail, not split the traffic.
@@ -60,14 +152,12 @@ class CadenzaServer:
             add(self.server, self.engine)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [NATIVE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
-        )
+        _add_reflection(self.server, [*API_SERVICES, health.SERVICE_NAME])
         self.port = 0
         self._stopped = asyncio.Event()
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
-        for service in ("", NATIVE_SERVICE):
+        for service in ("", *API_SERVICES):
             await self.health.set(service, status)
 
     def bind(self) -> int:
@@ -75,13 +165,28 @@ class CadenzaServer:
         host, port = self.config.host, self.config.port
         check_port_free(host, port)  # a clear error without grpc's own log line, in the usual case
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            if self._credentials is not None:
+                self.port = self.server.add_secure_port(f"{host}:{port}", self._credentials)
+            else:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
             check_port_free(host, port)
             raise OSError(f"cannot listen on {host}:{port} (--host, --port): {exc}") from None
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port} (--host, --port)")
+        self._warn_if_exposed()
         return self.port
+
+    def _warn_if_exposed(self) -> None:
+        config = self.config
+        if is_loopback(config.host) or config.tls or config.api_keys_file is not None:
+            return
+        log.warning(
+            "listening on %s:%d in plaintext without API keys: anyone who can reach this address can "
+            "synthesise through every API (native, Riva, Google) and read its traffic; secure it with "
+            "--tls-cert/--tls-key (--tls-client-ca for client certificates) and/or --api-keys-file, "
+            "or listen on loopback only (--host 127.0.0.1)", config.host, self.port,
+        )
 
     async def start(self) -> None:
         """Listen at once (health says NOT_SERVING), load + warm up the voice, then SERVING."""
@@ -126,7 +231,8 @@ async def serve(config: ServerConfig, extra_servicers: Sequence[AddServicer] = (
     """Run until SIGTERM/SIGINT, then drain. The port is taken first (PortInUseError before any
     voice loads); a failed start stops the gRPC server and the engine before the error propagates,
     so nothing is left for the event loop to finish after it closes. A signal during start-up
-    stops when the current loading step ends (there is nothing to drain); a second one at once."""
+    stops when the current loading step ends (there is nothing to drain); a second one at once.
+    A second signal while draining also quits at once (exit status 130)."""
     server = CadenzaServer(config, extra_servicers)
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
@@ -139,6 +245,10 @@ async def serve(config: ServerConfig, extra_servicers: Sequence[AddServicer] = (
         if started:
             if not tasks:
                 tasks.add(loop.create_task(server.drain()))
+            else:  # a second signal while draining: do not wait out the grace period
+                log.warning("interrupted again while draining (%d open session(s)); quitting at once",
+                            server.engine.live_sessions)
+                os._exit(130)
         elif interrupted:  # a second signal: do not wait for the loading step to end
             log.warning("interrupted again during start-up; quitting at once")
             os._exit(130)

@@ -35,6 +35,7 @@ def test_defaults_serve_the_builtin_voice_on_cpu_with_grpc_probes() -> None:
     docs = render()
     c = container(docs)
     assert c["args"][0] == "serve" and "--device=auto" in c["args"]
+    assert "--host=[::]" in c["args"]  # the server's own default is loopback: unreachable through the Service
     assert c["readinessProbe"]["grpc"]["port"] == 50051
     assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
     assert "--max-message-bytes=4194304" in c["args"]  # integers render as integers
@@ -61,3 +62,26 @@ def test_manifests_validate_against_kubernetes_schemas(tmp_path: Path) -> None:
         args = [str(HELM), "template", "t", str(CHART)] + [x for s in sets for x in ("--set", s)]
         manifest.write_text(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
         subprocess.run([kv, "--strict", str(manifest)], check=True, capture_output=True)
+
+
+def test_rendered_args_are_accepted_by_cadenza_serve() -> None:
+    """The chart passes only options `cadenza serve` knows, with values it accepts."""
+    from service.cli import build_parser
+
+    for sets in [(), ("gpu.enabled=true", "voices.existingClaim=v", "server.voice=x", "server.threads=2")]:
+        args = container(render(*sets))["args"]
+        parsed = build_parser().parse_args(args)  # exits (SystemExit) on an unknown option or a bad value
+        assert parsed.func.__name__ == "_cmd_serve"
+
+
+def test_values_defaults_are_the_servers_own() -> None:
+    """Each default in values.yaml equals the server's dataclass default, written once there."""
+    from service.engine.config import BatchConfig, Limits
+
+    server = yaml.safe_load((CHART / "values.yaml").read_text())["server"]
+    batch, limits = BatchConfig(), Limits()
+    assert (server["stepFrames"], server["maxStepRows"], server["slots"]) == (
+        batch.step_frames, batch.max_step_rows, batch.slots)
+    assert (server["maxAheadSeconds"], server["admissionWaitSeconds"]) == (batch.max_ahead_s, limits.admission_wait_s)
+    assert (server["maxSessions"], server["maxTextChars"], server["maxMessageBytes"], server["idleTimeoutSeconds"]) \
+        == (limits.max_sessions, limits.max_text_chars, limits.max_message_bytes, limits.idle_timeout_s)
