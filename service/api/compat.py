@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import TypeVar
 
@@ -190,14 +191,32 @@ def check_language(voice: VoiceDescription, language: str, field: str) -> None:
         )
 
 
-async def next_request(requests: AsyncIterator[T], idle_timeout_s: float) -> T | None:
-    """The client's next message, None once it half-closes; IdleTimeout if it goes quiet too long."""
+async def next_request(
+    requests: AsyncIterator[T], idle_timeout_s: float, session: Session | None = None,
+    hint: str = "close the stream when the text is complete",
+) -> T | None:
+    """The client's next message, None once it half-closes; IdleTimeout if it goes quiet too long.
+
+    With a `session`, the idle time counts only while the server has nothing left to send as
+    well (`Session.quiet_s`): a client that listens to long audio without writing is not idle.
+    """
+    pending = asyncio.ensure_future(anext(requests))
     try:
-        return await asyncio.wait_for(anext(requests), idle_timeout_s)
-    except StopAsyncIteration:
-        return None
-    except TimeoutError:
-        raise IdleTimeout(f"no message for {idle_timeout_s:g} s; close the stream when the text is complete") from None
+        wait = idle_timeout_s
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=wait)
+            if done:
+                try:
+                    return pending.result()
+                except StopAsyncIteration:
+                    return None
+            quiet = idle_timeout_s if session is None else session.quiet_s(time.monotonic())
+            if quiet >= idle_timeout_s:
+                raise IdleTimeout(f"no message for {idle_timeout_s:g} s; {hint}")
+            wait = idle_timeout_s - quiet
+    finally:
+        if not pending.done():
+            pending.cancel()
 
 
 async def relay_events(session: Session, reader: asyncio.Task[None] | None = None) -> AsyncIterator[SessionEvent]:

@@ -290,7 +290,7 @@ def _input_text(request: Any) -> str:
 
 async def _push_inputs(requests: AsyncIterator[Any], session: Session, idle_timeout_s: float) -> None:
     """Feed the stream's texts to the session; the client closing its side ends the input."""
-    while (request := await next_request(requests, idle_timeout_s)) is not None:
+    while (request := await next_request(requests, idle_timeout_s, session)) is not None:
         session.push_text(_input_text(request))
     session.end_input()
 

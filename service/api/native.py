@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from service.api.compat import speaker_value, unary_text
-from service.api.errors import IdleTimeout, add_service, methods_of
+from service.api.compat import next_request, speaker_value, unary_text
+from service.api.errors import add_service, methods_of
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
 from service.audio.encoding import AudioEncoding
@@ -136,21 +136,16 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
             if session is not None:
                 session.cancel()
 
-    async def _next(self, requests: AsyncIterator[pb.StreamingSynthesizeRequest]
+    async def _next(self, requests: AsyncIterator[pb.StreamingSynthesizeRequest], session: Session | None = None,
                     ) -> pb.StreamingSynthesizeRequest | None:
-        try:
-            return await asyncio.wait_for(anext(requests), self.idle_timeout_s)
-        except StopAsyncIteration:
-            return None
-        except TimeoutError:
-            raise IdleTimeout(f"no message for {self.idle_timeout_s:g} s; send end_input when the text is complete")\
-                from None
+        return await next_request(requests, self.idle_timeout_s, session,
+                                  hint="send end_input when the text is complete")
 
     async def _read(self, requests: AsyncIterator[pb.StreamingSynthesizeRequest], session: Session) -> None:
         """Client messages -> session calls; a half-close without end_input ends the input too.
         After end_input the stream is still read (no idle limit: the audio may take long) so that a
         late message fails the RPC (FAILED_PRECONDITION) instead of being dropped unseen."""
-        while (req := await self._next(requests)) is not None:
+        while (req := await self._next(requests, session)) is not None:
             kind = req.WhichOneof("request")
             if kind == "text":
                 session.push_text(req.text)

@@ -155,6 +155,8 @@ class CadenzaServer:
         _add_reflection(self.server, [*API_SERVICES, health.SERVICE_NAME])
         self.port = 0
         self._stopped = asyncio.Event()
+        self.engine_failed = False  # the engine thread died; `serve` exits non-zero
+        self._watcher: asyncio.Task[None] | None = None
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         for service in ("", *API_SERVICES):
@@ -196,7 +198,19 @@ class CadenzaServer:
         await self.server.start()
         await self.engine.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_engine())
         log.info("cadenza serving on port %d", self.port)
+
+    async def _watch_engine(self, every_s: float = 0.1) -> None:
+        """If the engine thread dies: NOT_SERVING, every open session ends with INTERNAL, stop."""
+        while not self._stopped.is_set():
+            if self.engine.dead:
+                self.engine_failed = True
+                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                self.engine.fail_all(RuntimeError("the engine thread died; see the server log"))
+                await self.stop()
+                return
+            await asyncio.sleep(every_s)
 
     async def drain(self) -> None:
         """No new sessions; open ones get `drain_grace_s` to finish; then stop."""
@@ -210,6 +224,10 @@ class CadenzaServer:
         await self.stop()
 
     async def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        if self._watcher is not None and self._watcher is not asyncio.current_task():
+            self._watcher.cancel()
         await self.server.stop(grace=1.0)
         if self.engine.ready:  # its thread runs from the end of loading on
             await self.engine.stop()
@@ -266,6 +284,8 @@ async def serve(config: ServerConfig, extra_servicers: Sequence[AddServicer] = (
         if on_ready is not None:
             on_ready(server)
         await server.wait()
+        if server.engine_failed:
+            log.critical("the engine thread died; exiting")
     except BaseException as exc:
         await server.abort()
         if interrupted and isinstance(exc, asyncio.CancelledError):
@@ -275,3 +295,5 @@ async def serve(config: ServerConfig, extra_servicers: Sequence[AddServicer] = (
         if not interrupted:  # else kept while the loop waits for the loading step: a second signal quits
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+    if server.engine_failed:
+        raise SystemExit(1)

@@ -223,6 +223,11 @@ class Session(Protocol):
         """AudioOut events in order, then one SessionSummary (unless cancelled)."""
         ...
 
+    def quiet_s(self, now: float) -> float:
+        """Seconds (on `time.monotonic`) the server has had nothing to send: 0 while audio is
+        queued for the client or being written to it. Idle timeouts count only this time."""
+        ...
+
 
 class Engine(Protocol):
     """Owns the model(s) and the engine thread; creates sessions."""

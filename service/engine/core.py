@@ -68,6 +68,8 @@ class EngineCore:
         self._texts_sent: dict[int, int] = {}  # per session: texts handed to the frontend (loop side)
         self._frontend: FrontendPool | None = None
         self._thread = threading.Thread(target=self._run, name="cadenza-engine", daemon=True)
+        self.dead = threading.Event()  # the thread ended without stop(): nothing will be synthesised
+        self.death: BaseException | None = None  # why
 
     # --- any thread ------------------------------------------------------------------------------
 
@@ -149,8 +151,16 @@ class EngineCore:
 
     # --- engine thread ---------------------------------------------------------------------------
 
+    MAX_FAILED_ITERATIONS = 50  # in a row: the thread gives up (see `dead`)
+
     def _run(self) -> None:
-        idle, wake_at = True, None
+        try:
+            self._serve()
+        except BaseException as exc:  # outside the per-iteration guard: the engine is dead
+            self._die(exc)
+
+    def _serve(self) -> None:
+        idle, wake_at, failures = True, None, 0
         while True:
             with self._cv:
                 if not self._inbox.items and not self._stopping and not self._poked and idle:
@@ -166,9 +176,25 @@ class EngineCore:
                 return
             try:
                 idle, wake_at = self._iterate()
+                failures = 0
             except Exception:  # a bug here must not kill the thread silently
                 log.exception("engine iteration failed")
+                failures += 1
+                if failures >= self.MAX_FAILED_ITERATIONS:
+                    raise
                 idle, wake_at = True, time.monotonic() + 0.01
+
+    def _die(self, exc: BaseException) -> None:
+        """Record the death and fail what this thread still holds (the event loop side fails
+        every open session too: see `TtsEngine.fail_all`)."""
+        log.critical("the engine thread died: %r", exc, exc_info=exc)
+        self.death = exc
+        self.dead.set()
+        for s in list(self._sessions.values()):
+            try:
+                self._fail(s, RuntimeError("the engine thread died"))
+            except Exception:  # best effort: the loop side fails them anyway
+                log.exception("could not fail a session after the engine thread died")
 
     def _apply(self, items: list[tuple[str, int, object]]) -> None:
         now = time.monotonic()

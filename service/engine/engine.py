@@ -134,6 +134,16 @@ class TtsEngine:
             session.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self._loop.stop)
 
+    @property
+    def dead(self) -> bool:
+        """The engine thread died (an unexpected error): nothing more will be synthesised."""
+        return self._loop.dead.is_set()
+
+    def fail_all(self, exc: BaseException) -> None:
+        """End every open session with `exc` (after the engine thread died)."""
+        for session in list(self._sessions.values()):
+            session.on_error(exc)
+
     def drain(self) -> None:
         """Refuse new sessions from now on; open ones continue."""
         self.draining = True
@@ -240,6 +250,8 @@ class TtsEngine:
             raise Unavailable("the server is still loading its voice; retry shortly")
         if self.draining:
             raise Unavailable("the server is draining (shutting down); connect to another instance")
+        if self.dead:
+            raise Unavailable("the server's engine failed; connect to another instance")
         if len(self._sessions) >= self.config.limits.max_sessions and not internal:
             raise ResourceExhausted(
                 f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"

@@ -69,6 +69,8 @@ class EngineSession:
         self._first_text_at: float | None = None
         self._ttfa: float | None = None
         self._idle: asyncio.TimerHandle | None = None
+        self._last_out = time.monotonic()  # when the client last took an event (or text was sent)
+        self._writing = False  # an event is out with the consumer (being written to the client)
 
     @property
     def closed(self) -> bool:
@@ -116,10 +118,20 @@ class EngineSession:
             if isinstance(item, BaseException):
                 raise item
             assert isinstance(item, AudioOut | SessionSummary)
-            yield item
+            self._writing = True
+            try:
+                yield item
+            finally:
+                self._writing = False
+                self._last_out = time.monotonic()
             if isinstance(item, SessionSummary):
                 return
             self._taken(item)
+
+    def quiet_s(self, now: float) -> float:
+        if self._writing or not self._queue.empty():
+            return 0.0
+        return max(0.0, now - self._last_out)
 
     def _taken(self, event: AudioOut) -> None:
         """Advance the read cursor; wake the engine when the client gets back under the limit."""
@@ -139,6 +151,7 @@ class EngineSession:
         for text in texts:
             if text.strip():
                 self._engine_loop.submit_text(self.id, text)
+                self._last_out = time.monotonic()  # audio for it is on its way
 
     def _arm_idle(self) -> None:
         self._disarm_idle()
