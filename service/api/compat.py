@@ -11,7 +11,7 @@ import asyncio
 import re
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -215,8 +215,16 @@ async def next_request(
                 raise IdleTimeout(f"no message for {idle_timeout_s:g} s; {hint}")
             wait = idle_timeout_s - quiet
     finally:
-        if not pending.done():
-            pending.cancel()
+        drop(pending)
+
+
+def drop(future: asyncio.Future[Any] | None) -> None:
+    """Cancel a read we no longer wait for; whatever it ends with is consumed, so a stream that
+    ends while a read is in flight logs no "exception was never retrieved"."""
+    if future is None:
+        return
+    future.cancel()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 async def relay_events(session: Session, reader: asyncio.Task[None] | None = None) -> AsyncIterator[SessionEvent]:
@@ -246,5 +254,4 @@ async def relay_events(session: Session, reader: asyncio.Task[None] | None = Non
                     return
                 yield event
     finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
+        drop(pending)

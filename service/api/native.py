@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from service.api.compat import next_request, speaker_value, unary_text
+from service.api.compat import drop, next_request, speaker_value, unary_text
 from service.api.errors import add_service, methods_of
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
@@ -220,10 +220,7 @@ async def _relay(session: Session, reader: asyncio.Task[None]) -> AsyncIterator[
             pending = None
             yield event
     finally:
-        if pending is not None:
-            pending.cancel()
-            if pending.done() and not pending.cancelled():
-                pending.exception()  # retrieved: no "never retrieved" warning
+        drop(pending)
 
 
 NATIVE_METHODS = methods_of(pb.DESCRIPTOR.services_by_name["TextToSpeech"])

@@ -33,6 +33,22 @@ __all__ = ["CadenzaServer", "PortInUseError", "ServerConfig", "serve"]
 
 log = logging.getLogger(__name__)
 
+
+class _ClientGoneFilter(logging.Filter):
+    """grpc's core logs an ERROR with a traceback when a stream's response is written after its
+    client cancelled (the write races the cancellation). Nothing is wrong on our side and nothing
+    can be done: keep it out of the operator's log (at most one DEBUG line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and type(exc).__name__ == "ExecuteBatchError":
+            log.debug("a response was written after its client left (%s)", record.getMessage())
+            return False
+        return True
+
+
+_CLIENT_GONE = _ClientGoneFilter()
+
 NATIVE_SERVICE = tts_pb2.DESCRIPTOR.services_by_name["TextToSpeech"].full_name
 RIVA_SERVICE = rtts.DESCRIPTOR.services_by_name["RivaSpeechSynthesis"].full_name
 # The APIs served on the port: health answers for each of them (and for "", the whole server).
@@ -133,6 +149,7 @@ class CadenzaServer:
     """Owns the engine and the gRPC server. `start()`, then `wait()`; `drain()` on SIGTERM."""
 
     def __init__(self, config: ServerConfig, extra_servicers: Sequence[AddServicer] = ()) -> None:
+        logging.getLogger("grpc._cython.cygrpc").addFilter(_CLIENT_GONE)  # idempotent: one filter object
         self.config = config
         # Files first: a missing certificate or keys file fails before anything is loaded.
         self._credentials = _server_credentials(config)

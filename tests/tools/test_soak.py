@@ -59,6 +59,7 @@ def test_short_soak_against_a_real_server(tmp_path: Path) -> None:
     assert r["soak"].figures["bytes_lost"] == 0 and r["soak"].figures["incomplete"] == 0, text
     assert all(not res.failures for res in r.values()), text
     assert report.exit_code == 0, text  # SIGTERM: the server drains and exits cleanly
+    assert report.log_errors == 0, text  # cancelled streams log nothing at ERROR (no log flood)
     assert report.passed
 
 
