@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -253,16 +253,19 @@ class Executor:
 
     def _rebuild(self, s: SessionState, u: UtteranceState) -> None:
         """Bring a slot's decoder state back to `u.fed` frames (a failed step may have updated
-        some of its stages): clear it and replay the utterance's prior frames up to there."""
-        assert u.slot is not None and u.utt is not None
+        some of its stages)."""
+        self._replay(s, u)
+
+    def _replay(self, s: SessionState, u: UtteranceState) -> Any:
+        """Clear `u`'s slot and decode its prior frames again up to `u.fed` in one step; returns
+        that step's device audio (None when nothing was fed yet)."""
+        assert u.slot is not None
         dec = self.slots(s.spec.runtime, u.precision).decoder
         dec.reset([u.slot])
-        if u.fed:
-            inputs = np.zeros((1, u.utt.z_p.shape[0], u.fed), dtype=np.float32)
-            part = u.utt.z_p[:, : u.fed]
-            inputs[0, :, : part.shape[1]] = part
-            sids = None if s.spec.sid is None else [s.spec.sid]
-            dec.step(StepRows([u.slot], inputs, [0], [u.frames], sids))
+        if not u.fed:
+            return None
+        sids = None if s.spec.sid is None else [s.spec.sid]
+        return dec.step(StepRows([u.slot], _prior([u], 0, u.fed), [0], [u.frames], sids))
 
     def _slot_step_rows(self, rows: list[tuple[SessionState, UtteranceState]], precision: str,
                         first: bool) -> list[Chunk]:
@@ -270,12 +273,7 @@ class Executor:
         pool = self.slots(runtime, precision)
         dec = pool.decoder
         frames = (runtime.schedule.first_frames + dec.lag) if first else self.config.step_frames
-        channels = rows[0][1].utt.z_p.shape[0]  # type: ignore[union-attr]
-        inputs = np.zeros((len(rows), channels, frames), dtype=np.float32)
-        for i, (_, u) in enumerate(rows):
-            assert u.utt is not None
-            part = u.utt.z_p[:, u.fed : u.fed + frames]
-            inputs[i, :, : part.shape[1]] = part
+        inputs = _prior([u for _, u in rows], None, frames)
         sids = None if rows[0][0].spec.sid is None else [s.spec.sid or 0 for s, _ in rows]
         step = StepRows([u.slot for _, u in rows], inputs, [u.fed for _, u in rows],  # type: ignore[misc]
                         [u.frames for _, u in rows], sids)
@@ -314,20 +312,11 @@ class Executor:
         self.release(s, u)
         u.precision = "fp32"
         pool = self.slots(runtime, "fp32")
-        slot = pool.take()
-        if slot is None:  # no FP32 slot free: a whole-window FP32 decode of this chunk instead
+        u.slot = pool.take()
+        if u.slot is None:  # the session fails with this; the others go on
             raise RuntimeError("no FP32 decoder slot free for a guard redo")
-        u.slot = slot
-        dec = pool.decoder
-        dec.reset([slot])
-        assert u.utt is not None
-        inputs = np.zeros((1, u.utt.z_p.shape[0], u.fed), dtype=np.float32)
-        part = u.utt.z_p[:, : u.fed]
-        inputs[0, :, : part.shape[1]] = part
-        sids = None if s.spec.sid is None else [s.spec.sid]
-        audio, _ = runtime.backend.guarded_host(  # type: ignore[attr-defined]
-            dec.step(StepRows([slot], inputs, [0], [u.frames], sids)))
-        start = -dec.lag * dec.hop
+        audio, _ = runtime.backend.guarded_host(self._replay(s, u))  # type: ignore[attr-defined]
+        start = -pool.decoder.lag * pool.decoder.hop
         self.stats.fallbacks += 1
         log.warning("guard tripped (session %d): chunk recomputed in fp32", s.spec.session_id)
         if self.on_trip is not None:
@@ -352,6 +341,20 @@ class Executor:
         self.stats.max_rows = max(self.stats.max_rows, 1)
         self.stats.audio_seconds += len(samples) / s.spec.runtime.sample_rate
         return Chunk(s, u, samples, "fp32", False)
+
+
+def _prior(utts: list[UtteranceState], start: int | None, frames: int) -> np.ndarray:
+    """[B, C, frames] prior frames of each utterance from `start` (None: from what it was fed
+    so far), zero past its end, as a decoder step takes them."""
+    first = utts[0].utt
+    assert first is not None
+    out = np.zeros((len(utts), first.z_p.shape[0], frames), dtype=np.float32)
+    for i, u in enumerate(utts):
+        assert u.utt is not None
+        lo = u.fed if start is None else start
+        part = u.utt.z_p[:, lo : lo + frames]
+        out[i, :, : part.shape[1]] = part
+    return out
 
 
 def _groups(items: list[T], size: int) -> list[list[T]]:

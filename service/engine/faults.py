@@ -11,7 +11,19 @@ from torch.utils.hooks import RemovableHandle
 
 
 @dataclass
-class FaultInjector:
+class _Hook:
+    """A forward hook attached to one module; `remove()` detaches it."""
+
+    handles: list[RemovableHandle] = field(default_factory=list, kw_only=True)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+@dataclass
+class FaultInjector(_Hook):
     """Forward hook that overwrites part of a module's output with `value`.
 
     `every`: fire on every n-th call (1 = always); `fraction`: share of each
@@ -25,7 +37,6 @@ class FaultInjector:
     limit: int = 0
     calls: int = 0
     fired: int = 0
-    handles: list[RemovableHandle] = field(default_factory=list)
 
     def __call__(self, module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -41,11 +52,6 @@ class FaultInjector:
                 if row < out.shape[0]:
                     out[row, ..., :width] = self.value
         return out
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
 
 def inject_nonfinite(
@@ -63,24 +69,18 @@ def inject_nonfinite(
 
 
 @dataclass
-class StepBreaker:
+class StepBreaker(_Hook):
     """Forward hook that raises, as a kernel error or an out-of-memory would, for batches of
     at least `min_rows` rows (to prove a failing batch is split and retried)."""
 
     min_rows: int = 2
     raised: int = 0
-    handles: list[RemovableHandle] = field(default_factory=list)
 
     def __call__(self, module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
         if output.shape[0] >= self.min_rows:
             self.raised += 1
             raise RuntimeError(f"injected failure for a batch of {output.shape[0]} rows")
         return output
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
 
 def break_batches(model: nn.Module, module_name: str, min_rows: int = 2) -> StepBreaker:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from service.backends.torch_backend import TorchBackend
 from service.engine.config import BatchConfig
 from service.engine.executor import Executor
-from service.engine.faults import inject_nonfinite
+from service.engine.faults import break_batches, inject_nonfinite
 from service.engine.state import EngineStats, ReadCursor, SessionState, UtteranceState, UtteranceStatus, WorkSpec
 from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, open_synthesizer
 from service.text.frontend import PhonemizedSentence
@@ -53,19 +55,35 @@ def _decode_all(executor: Executor, rows: list[tuple[SessionState, UtteranceStat
     return out
 
 
-def test_a_guard_trip_in_a_batch_redoes_only_the_tripped_row(tiny_voice_path: Path) -> None:
-    runtime = open_synthesizer(str(tiny_voice_path), backend="torch")
+@pytest.fixture(scope="module")
+def runtime(tiny_voice_path: Path) -> Synthesizer:
+    return open_synthesizer(str(tiny_voice_path), backend="torch")
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()  # sessions name their event loop; nothing runs on it here
+    yield loop
+    loop.close()
+
+
+def _reference(runtime: Synthesizer, loop: asyncio.AbstractEventLoop) -> list[list]:  # type: ignore[type-arg]
+    """Every row decoded in FP32 with no fault."""
+    return _decode_all(Executor(BatchConfig(step_frames=16), EngineStats()), _rows(runtime, "fp32", loop))
+
+
+def test_a_guard_trip_in_a_batch_redoes_only_the_tripped_row(
+    runtime: Synthesizer, loop: asyncio.AbstractEventLoop
+) -> None:
     backend = runtime.backend
     assert isinstance(backend, TorchBackend)
-    loop = asyncio.new_event_loop()
+    reference = _reference(runtime, loop)
+    fault = inject_nonfinite(backend.model_for("fp16"), "dec.resblocks.0", rows=(1,), every=3, limit=1)
+    stats = EngineStats()
     try:
-        reference = _decode_all(Executor(BatchConfig(step_frames=16), EngineStats()), _rows(runtime, "fp32", loop))
-        fault = inject_nonfinite(backend.model_for("fp16"), "dec.resblocks.0", rows=(1,), every=3, limit=1)
-        stats = EngineStats()
         chunks = _decode_all(Executor(BatchConfig(step_frames=16), stats), _rows(runtime, "fp16", loop))
-        fault.remove()
     finally:
-        loop.close()
+        fault.remove()
     assert fault.fired == 1 and stats.fallbacks == 1
     assert [c.fallback for c in chunks[1]].count(True) == 1
     assert not any(c.fallback for c in chunks[0] + chunks[2])
@@ -82,24 +100,19 @@ def test_a_guard_trip_in_a_batch_redoes_only_the_tripped_row(tiny_voice_path: Pa
     np.testing.assert_allclose(redone, expected, atol=1e-4, rtol=0)
 
 
-def test_a_failing_batch_is_split_and_every_row_still_decodes_exactly(tiny_voice_path: Path) -> None:
+def test_a_failing_batch_is_split_and_every_row_still_decodes_exactly(
+    runtime: Synthesizer, loop: asyncio.AbstractEventLoop
+) -> None:
     """A step that raises for batches of 2+ rows is retried in halves down to single rows,
     each row's decoder state rebuilt first: every session still gets exactly its audio."""
-    from service.engine.faults import break_batches
-
-    runtime = open_synthesizer(str(tiny_voice_path), backend="torch")
     backend = runtime.backend
     assert isinstance(backend, TorchBackend)
-    loop = asyncio.new_event_loop()
+    reference = _reference(runtime, loop)
+    breaker = break_batches(backend.model_for("fp32"), "dec.resblocks.0", min_rows=2)
     try:
-        reference = _decode_all(Executor(BatchConfig(step_frames=16), EngineStats()), _rows(runtime, "fp32", loop))
-        breaker = break_batches(backend.model_for("fp32"), "dec.resblocks.0", min_rows=2)
-        try:
-            chunks = _decode_all(Executor(BatchConfig(step_frames=16), EngineStats()), _rows(runtime, "fp32", loop))
-        finally:
-            breaker.remove()
+        chunks = _decode_all(Executor(BatchConfig(step_frames=16), EngineStats()), _rows(runtime, "fp32", loop))
     finally:
-        loop.close()
+        breaker.remove()
     assert breaker.raised >= 1
     for got, ref in zip(chunks, reference, strict=True):
         np.testing.assert_allclose(np.concatenate([c.samples for c in got]), np.concatenate([c.samples for c in ref]),
