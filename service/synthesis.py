@@ -99,20 +99,73 @@ class AudioChunk:
     last_in_utterance: bool = False
 
 
+class PriorSample:
+    """The prior sample z_p [C, T] = m + noise * sigma, drawn frame by frame on demand.
+
+    A sentence's first chunk needs only its first frames, and the noise draw is most of the
+    acoustic stage's host work: drawing it as decoding reaches each frame keeps a burst of
+    starts from waiting for whole sentences' noise. Noise is drawn frame-major from the
+    utterance's own generator, so any split of the draws gives the same samples."""
+
+    def __init__(self, mean: np.ndarray, sigma: np.ndarray, src: np.ndarray, rng: np.random.Generator | None) -> None:
+        self._mean = mean  # [C, T_ph] per phoneme id
+        self._sigma = sigma  # [C, T_ph] noise scale per phoneme id (0: no noise)
+        self._src = src  # [T] phoneme id of each frame
+        self._rng = rng
+        self._buf = np.empty((mean.shape[0], len(src)), dtype=np.float32)
+        self._done = 0
+
+    @classmethod
+    def fixed(cls, z_p: np.ndarray) -> PriorSample:
+        """A prior sample given whole (tests, tools)."""
+        z = np.ascontiguousarray(z_p, dtype=np.float32)
+        prior = cls(z, np.zeros_like(z), np.arange(z.shape[1]), None)
+        prior._buf, prior._done = z, z.shape[1]
+        return prior
+
+    @property
+    def channels(self) -> int:
+        return int(self._buf.shape[0])
+
+    @property
+    def frames(self) -> int:
+        return int(self._buf.shape[1])
+
+    def window(self, lo: int, hi: int) -> np.ndarray:
+        """Frames [lo, hi) (clipped to the end), drawing what was not drawn yet."""
+        hi = min(hi, self.frames)
+        if hi > self._done:
+            a, src = self._done, self._src[self._done : hi]
+            assert self._rng is not None
+            noise = self._rng.standard_normal((hi - a, self.channels), dtype=np.float32).T
+            np.multiply(noise, self._sigma[:, src], out=noise)
+            np.add(noise, self._mean[:, src], out=self._buf[:, a:hi])
+            self._done = hi
+        return self._buf[:, lo:hi]
+
+    def full(self) -> np.ndarray:
+        return self.window(0, self.frames)
+
+
 @dataclass
 class Utterance:
     """Output of the acoustic stage for one sentence, ready for chunked decoding."""
 
     text: str
     phoneme_ids: list[int]
-    z_p: np.ndarray  # [C, T] prior sample
+    prior: PriorSample
     durations: np.ndarray  # [T_ph] frames per phoneme id
     sid: int | None
     word_spans: list[tuple[str, int, int]]  # (word, start_sample, end_sample), utterance-relative
 
     @property
+    def z_p(self) -> np.ndarray:
+        """The whole prior sample [C, T] (drawn now where it was not yet)."""
+        return self.prior.full()
+
+    @property
     def frames(self) -> int:
-        return int(self.z_p.shape[1])
+        return self.prior.frames
 
     @property
     def sid_batch(self) -> np.ndarray | None:
@@ -275,13 +328,11 @@ class Synthesizer:
         src = np.repeat(np.arange(n), durations)
         if src.size < frames:  # all-zero durations: one frame of the last phoneme
             src = np.full(frames, n - 1)
-        m_y = m_p[:, src]
-        logs_y = logs_p[:, src]
-        noise = job.rng.standard_normal(m_y.shape, dtype=np.float32)
-        z_p = (m_y + noise * np.exp(logs_y) * np.float32(noise_scale)).astype(np.float32)
+        sigma = np.exp(logs_p[:, :n].astype(np.float32)) * np.float32(noise_scale)
+        prior = PriorSample(np.ascontiguousarray(m_p[:, :n], dtype=np.float32), sigma, src, job.rng)
         ends = np.concatenate([[0], np.cumsum(durations)]) * self.hop
         words = [(wd.text, int(ends[wd.start_id]), int(ends[wd.end_id])) for wd in sent.words]
-        return Utterance(sent.text, list(sent.phoneme_ids), z_p, durations, job.sid, words)
+        return Utterance(sent.text, list(sent.phoneme_ids), prior, durations, job.sid, words)
 
     def decode(
         self, utt: Utterance, precision: str = "fp32", first_frames: int | None = None,

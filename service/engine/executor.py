@@ -348,11 +348,11 @@ def _prior(utts: list[UtteranceState], start: int | None, frames: int) -> np.nda
     so far), zero past its end, as a decoder step takes them."""
     first = utts[0].utt
     assert first is not None
-    out = np.zeros((len(utts), first.z_p.shape[0], frames), dtype=np.float32)
+    out = np.zeros((len(utts), first.prior.channels, frames), dtype=np.float32)
     for i, u in enumerate(utts):
         assert u.utt is not None
         lo = u.fed if start is None else start
-        part = u.utt.z_p[:, lo : lo + frames]
+        part = u.utt.prior.window(lo, lo + frames)
         out[i, :, : part.shape[1]] = part
     return out
 

@@ -12,7 +12,7 @@ import pytest
 from service.engine.config import BatchConfig
 from service.engine.scheduler import Scheduler
 from service.engine.state import ReadCursor, SessionState, UtteranceState, UtteranceStatus, WorkSpec
-from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, Utterance, open_synthesizer
+from service.synthesis import ChunkSchedule, PriorSample, SynthesisParams, Synthesizer, Utterance, open_synthesizer
 from service.text.frontend import PhonemizedSentence
 
 NOW = 1000.0
@@ -45,7 +45,8 @@ def _session(runtime: Synthesizer, sid: int, *, playing_for: float | None = None
     sentence = PhonemizedSentence("hi", ["h", "i"], [1, 2, 3], [])
     if decoding:
         u = UtteranceState(0, sentence, UtteranceStatus.DECODING)
-        u.utt = Utterance("hi", [1, 2, 3], np.zeros((4, frames), np.float32), np.ones(3, np.int64), 0, [])
+        prior = PriorSample.fixed(np.zeros((4, frames), np.float32))
+        u.utt = Utterance("hi", [1, 2, 3], prior, np.ones(3, np.int64), 0, [])
         s.utterances.append(u)
     for k in range(acoustic):
         s.utterances.append(UtteranceState(1 + k, sentence))
