@@ -18,6 +18,9 @@ import torch
 __all__ = ["KernelUnavailable", "available", "guard_cuda"]
 
 GUARD_SOURCE = Path(__file__).with_name("guard.cu")
+# guard.cu compiled ahead of time (the GPU image's build stage: nvcc -fatbin for its GPU
+# architectures plus PTX): loaded when present, so the runtime needs no nvcc.
+GUARD_PREBUILT = Path("/opt/cadenza/kernels/guard.fatbin")
 THREADS = 256  # must match GUARD_THREADS in guard.cu
 SAMPLES_PER_THREAD = 4  # work per thread before adding blocks; keeps blocks busy, grids small
 MAX_GRID_Y = 65535
@@ -69,11 +72,14 @@ def _kernels(device: int) -> _DeviceKernels:
         ctx = cuda.Device(device).retain_primary_context()
         ctx.push()
         try:
-            module = SourceModule(GUARD_SOURCE.read_text(), no_extern_c=True)
+            if GUARD_PREBUILT.is_file():
+                module = cuda.module_from_file(str(GUARD_PREBUILT))
+            else:
+                module = SourceModule(GUARD_SOURCE.read_text(), no_extern_c=True)
             f32 = module.get_function("guard_f32")
             f16 = module.get_function("guard_f16")
         except Exception as exc:
-            raise KernelUnavailable(f"compiling {GUARD_SOURCE.name} failed: {exc}") from exc
+            raise KernelUnavailable(f"loading {GUARD_PREBUILT} or compiling {GUARD_SOURCE.name} failed: {exc}") from exc
         finally:
             ctx.pop()
         f32.prepare("PPPPii")

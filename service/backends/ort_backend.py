@@ -18,8 +18,9 @@ from service.voices import Voice
 
 
 def default_cache_dir() -> Path:
-    """Where stage exports are kept; XDG cache by default."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    """Where stage exports are kept; XDG cache by default (never raises for a user without a home:
+    an unusable path falls back later, see stage_export.writable_cache_dir)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "cadenza" / "onnx"
 
 

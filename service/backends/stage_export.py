@@ -12,7 +12,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import shutil
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -144,22 +147,66 @@ def export_stages(model: VitsModel, out_dir: Path, opset: int = 17) -> dict[str,
     return paths
 
 
-def cached_stage_exports(model: VitsModel, onnx_path: Path, cache_dir: Path) -> dict[str, Path]:
-    """Stage exports for a voice, made once and kept under cache_dir/<voice>-<digest>."""
-    out_dir = cache_dir / f"{onnx_path.name.removesuffix('.onnx')}-{voice_digest(onnx_path)}-v{EXPORT_VERSION}"
-    paths = {name: out_dir / f"{name}.onnx" for name in (*STAGES, *decoder_stage_names(model))}
-    if all(p.is_file() for p in paths.values()):
+# Where an image keeps the exports it made at build time (read-only, any user can read them):
+# looked up before the writable cache, so a pod running as a random UID finds them too.
+PREBUILT_DIR = Path("/opt/cadenza/onnx")
+
+
+def export_dir_name(onnx_path: Path) -> str:
+    """<voice>-<digest>-v<version>: a changed voice file or export code never reuses old graphs."""
+    return f"{onnx_path.name.removesuffix('.onnx')}-{voice_digest(onnx_path)}-v{EXPORT_VERSION}"
+
+
+def writable_cache_dir(cache_dir: Path) -> Path:
+    """cache_dir if it can be created and written, else a temporary directory (with a warning):
+    an unwritable cache (read-only root filesystem, a file in the way, a random UID without a
+    home) costs an export per start, never the server."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=cache_dir):
+            pass
+        return cache_dir
+    except OSError as exc:
+        fallback = Path(tempfile.gettempdir()) / "cadenza-onnx"
+        try:
+            fallback.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=fallback):
+                pass
+        except OSError:
+            fallback = Path(tempfile.mkdtemp(prefix="cadenza-onnx-"))
+        log.warning("ONNX export cache %s is not writable (%s); using %s instead (--cache-dir)",
+                    cache_dir, exc.strerror or exc, fallback)
+        return fallback
+
+
+def cached_stage_exports(
+    model: VitsModel, onnx_path: Path, cache_dir: Path, prebuilt: Sequence[Path] = (PREBUILT_DIR,),
+) -> dict[str, Path]:
+    """Stage exports for a voice: complete ones from a prebuilt (read-only) dir or cache_dir, else
+    made once and kept under cache_dir/<voice>-<digest>-v<version> (see writable_cache_dir)."""
+    name = export_dir_name(onnx_path)
+    stages = (*STAGES, *decoder_stage_names(model))
+    for base in (*prebuilt, cache_dir):
+        found = {stage: base / name / f"{stage}.onnx" for stage in stages}
+        if all(p.is_file() for p in found.values()):
+            return found
+    out_dir = writable_cache_dir(cache_dir) / name
+    paths = {stage: out_dir / f"{stage}.onnx" for stage in stages}
+    if all(p.is_file() for p in paths.values()):  # the fallback dir already has them
         return paths
     voice = onnx_path.name.removesuffix(".onnx")
     # The one slow step of a first run (tens of seconds on a laptop CPU): say so, and how long it took.
     log.info("exporting ONNX stages for voice %s (first run only, ~30 s) into %s ...", voice, out_dir)
     start = time.perf_counter()
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    written = export_stages(model, tmp)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, path in written.items():
-        path.replace(paths[name])
-    tmp.rmdir()
+    # A private temporary dir next to the target: concurrent exporters never mix their files.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out_dir.parent))
+    try:
+        written = export_stages(model, tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for stage, path in written.items():
+            path.replace(paths[stage])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported %d ONNX stages for voice %s in %.1f s (cached for later runs)", len(written), voice,
              time.perf_counter() - start)
     return paths

@@ -74,6 +74,14 @@ class EngineConfig:
     cache_bytes: int = 64 << 20  # result cache bound (float32 model-rate audio); 0 disables
     precision: PrecisionPolicyConfig = field(default_factory=PrecisionPolicyConfig)  # how AUTO decides
     shadow_fraction: float = 0.0  # share of FP16 chunks re-run in FP32 off the hot path (PSNR histogram)
+    # Load, export and warm up every configured voice (not only the default) before health says
+    # SERVING, so no voice's first caller pays for it. Off for development (quick starts, `say`);
+    # the Helm chart turns it on.
+    preload: bool = False
+    # Writable home of the ONNX stage exports; None = $XDG_CACHE_HOME or ~/.cache, /cadenza/onnx.
+    # Read-only prebuilt exports (the image's) are looked up first; an unwritable dir falls back to
+    # a temporary one with a warning.
+    cache_dir: Path | None = None
     # Long enough to reach every stage session at every size class the decoder uses (the
     # ORT lanes cut only long calls), so the first caller does not pay for a first run.
     warmup_text: str = (
