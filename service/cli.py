@@ -298,6 +298,25 @@ def _serve_precheck(args: argparse.Namespace) -> None:
     check_port_free(args.host, args.port)
 
 
+def _log_config(args: argparse.Namespace) -> Any:
+    """serve's LogConfig (its defaults may still be ConfigDefaults: logging is set up before they resolve)."""
+    from service.telemetry.config import LogConfig
+
+    def value(name: str) -> Any:
+        item = getattr(args, name)
+        return item.value() if isinstance(item, ConfigDefault) else item
+
+    return LogConfig(level=value("log_level"), format=value("log_format"), text=bool(args.log_text))
+
+
+def _telemetry_config(args: argparse.Namespace) -> Any:
+    """serve's TelemetryConfig: the flags, plus OTLP where OTEL_EXPORTER_OTLP_* asks for it."""
+    from service.telemetry.config import TelemetryConfig
+
+    return TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                           log=_log_config(args)).with_env(os.environ)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
@@ -312,12 +331,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host, port=args.port, drain_grace_s=args.drain_grace,
         tls_cert=path(args.tls_cert), tls_key=path(args.tls_key), tls_client_ca=path(args.tls_client_ca),
-        api_keys_file=path(args.api_keys_file),
+        api_keys_file=path(args.api_keys_file), telemetry=_telemetry_config(args),
         engine=EngineConfig(
             voice=voice, voices_dir=Path(voices_dir) if voices_dir else None,
             backend=args.backend, device=args.device, threads=args.threads,
             batch=_batch_config(args),
             cache_bytes=args.cache_mb << 20,
+            shadow_fraction=args.shadow_fraction,
         ),
         limits=Limits(
             max_sessions=args.max_sessions, max_text_chars=args.max_text_chars,
@@ -698,6 +718,29 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-keys-file", default=server_option("api_keys_file"), metavar="FILE",
                        help="API keys, one per line ('#' comments): every call but health checks and reflection "
                             "must send 'authorization: Bearer <key>' metadata (default: no keys required)")
+
+    def telemetry_option(name: str) -> ConfigDefault:
+        return ConfigDefault("service.telemetry.config:TelemetryConfig", name)
+
+    def log_option(name: str) -> ConfigDefault:
+        return ConfigDefault("service.telemetry.config:LogConfig", name)
+
+    serve.add_argument("--metrics-port", type=_port, default=telemetry_option("metrics_port"),
+                       help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; "
+                            "default: off). OTLP export turns on when OTEL_EXPORTER_OTLP_ENDPOINT (or its "
+                            "_TRACES_/_METRICS_ variants) is set")
+    serve.add_argument("--metrics-host", default=telemetry_option("metrics_host"), metavar="HOST",
+                       help="address the metrics endpoint listens on (default: the same as --host)")
+    serve.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                       default=log_option("level"), help="log level")
+    serve.add_argument("--log-format", choices=("text", "json"), default=log_option("format"),
+                       help="text lines, or one JSON object per line with trace and span ids")
+    serve.add_argument("--log-text", action="store_true",
+                       help="let log lines quote the caller's text (off: it can be personal data)")
+    serve.add_argument("--shadow-fraction", type=float,
+                       default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "shadow_fraction"),
+                       help="share of FP16 chunks re-run in FP32 between engine steps, into the shadow PSNR "
+                            "metric (0 = off, 0.01 = one chunk in 100)")
     serve.set_defaults(func=_cmd_serve, precheck=_serve_precheck)
 
     client = _subcommand(sub, "client", "stream text to a server, write a WAV, print TTFA and chunk timings")
@@ -742,11 +785,14 @@ def _quiet_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
 
 
-def _setup_logging(command: str) -> None:
-    """serve: INFO with timestamps (a server log). Other commands: warnings, plus the progress of
-    slow one-time work (the first export of a voice), as `cadenza: ...` lines on stderr."""
-    if command == "serve":
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _setup_logging(command: str, args: argparse.Namespace | None = None) -> None:
+    """serve: a server log at --log-level, as text lines with timestamps or JSON lines. Other
+    commands: warnings, plus the progress of slow one-time work (the first export of a voice),
+    as `cadenza: ...` lines on stderr."""
+    if command == "serve" and args is not None:
+        from service.telemetry.logs import setup_logging
+
+        setup_logging(_log_config(args))
         return
     logging.basicConfig(level=logging.WARNING, format="cadenza: %(message)s")
     logging.getLogger("service.backends.stage_export").setLevel(logging.INFO)
@@ -779,7 +825,7 @@ def _error_message(exc: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     _quiet_known_warnings()
     args = build_parser().parse_args(argv)
-    _setup_logging(args.command)
+    _setup_logging(args.command, args)
     try:
         precheck = getattr(args, "precheck", None)
         if precheck is not None:

@@ -41,6 +41,7 @@ from service.engine.api import (
     ResourceExhausted,
     Unavailable,
 )
+from service.telemetry.logs import redact
 
 __all__ = [
     "INTERNAL_ERRORS",
@@ -57,6 +58,7 @@ __all__ = [
     "methods_of",
     "renamed",
     "status_for",
+    "status_name",
 ]
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,25 @@ def status_for(error: EngineError) -> grpc.StatusCode:
         if isinstance(error, kind):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def status_name(error: BaseException) -> str:
+    """The gRPC status an exception ends an RPC with (the session-end log line and spans)."""
+    return status_for(error).name if isinstance(error, EngineError) else grpc.StatusCode.INTERNAL.name
+
+
+# Client-caused statuses are logged at INFO; the rest (the server's own trouble or limits) at WARNING.
+_CLIENT_STATUSES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
+                    grpc.StatusCode.FAILED_PRECONDITION}
+
+
+def _log_error(rpc: str, code: grpc.StatusCode, error: EngineError) -> None:
+    """One line per failed RPC with its status. A message about the text field may quote the
+    caller's text: it is withheld unless the server runs with --log-text."""
+    quotes_text = isinstance(error, InvalidArgument) and ("text" in error.field or "input" in error.field)
+    message = redact(error.message) if quotes_text else error.message
+    level = logging.INFO if code in _CLIENT_STATUSES else logging.WARNING
+    log.log(level, "%s failed: %s: %s", rpc, code.name, _capped(message), extra={"rpc": rpc, "status": code.name})
 
 
 def _capped(message: str) -> str:
@@ -185,7 +206,8 @@ class InternalErrorLog:
             if len(self._last) > 10_000:  # bounded memory, whatever the variety of errors
                 self._last = {k: t for k, t in self._last.items() if now - t < self.window_s}
         more = f" ({skipped} more like it in the last {self.window_s:g} s, not logged)" if skipped else ""
-        log.error("internal error %s in %s%s", error_id, rpc, more, exc_info=(type(exc), exc, exc.__traceback__))
+        log.error("%s failed: INTERNAL: internal error %s%s", rpc, error_id, more,
+                  exc_info=(type(exc), exc, exc.__traceback__), extra={"rpc": rpc, "status": "INTERNAL"})
         return error_id
 
 
@@ -204,7 +226,9 @@ def renamed(error: EngineError, fields: Mapping[str, str]) -> EngineError:
 
 async def _fail(context: grpc.aio.ServicerContext, rpc: str, exc: Exception, fields: Mapping[str, str]) -> NoReturn:
     if isinstance(exc, EngineError):
-        await abort_with(context, renamed(exc, fields))
+        error = renamed(exc, fields)
+        _log_error(rpc, status_for(error), error)
+        await abort_with(context, error)
     error_id = INTERNAL_ERRORS.record(rpc, exc)
     await context.abort(grpc.StatusCode.INTERNAL,
                         f"internal error {error_id}: the server logged the details under this id; please report it")

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from service.api.auth import ApiKeyInterceptor, load_api_keys
+from service.api.errors import status_name
 from service.api.gen.cadenza.v1 import tts_pb2
 from service.api.google_tts import SERVICE_NAME as GOOGLE_SERVICE
 from service.api.google_tts import add_google
@@ -28,6 +29,7 @@ from service.api.riva import add_riva
 from service.engine.api import Engine
 from service.engine.config import EngineConfig, Limits
 from service.engine.engine import TtsEngine
+from service.telemetry import Telemetry, TelemetryConfig
 
 __all__ = ["CadenzaServer", "PortInUseError", "ServerConfig", "serve"]
 
@@ -68,6 +70,7 @@ class ServerConfig:
     tls_key: Path | None = None  # PEM private key of tls_cert
     tls_client_ca: Path | None = None  # PEM CA bundle: mTLS, clients must present a certificate it signed
     api_keys_file: Path | None = None  # one key per line: every RPC but health and reflection needs one
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # metrics endpoint, OTLP, logs
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -148,15 +151,31 @@ def _add_reflection(server: grpc.aio.Server, services: Sequence[str]) -> None:
 class CadenzaServer:
     """Owns the engine and the gRPC server. `start()`, then `wait()`; `drain()` on SIGTERM."""
 
-    def __init__(self, config: ServerConfig, extra_servicers: Sequence[AddServicer] = ()) -> None:
+    def __init__(self, config: ServerConfig, extra_servicers: Sequence[AddServicer] = (),
+                 telemetry: Telemetry | None = None) -> None:
+        """`telemetry`: where metrics and spans go (tests pass in-memory readers); None builds it
+        from `config.telemetry` (the metrics endpoint listens from here on)."""
         logging.getLogger("grpc._cython.cygrpc").addFilter(_CLIENT_GONE)  # idempotent: one filter object
         self.config = config
         # Files first: a missing certificate or keys file fails before anything is loaded.
         self._credentials = _server_credentials(config)
         keys = load_api_keys(config.api_keys_file) if config.api_keys_file is not None else ()
-        self.engine = TtsEngine(dataclasses.replace(config.engine, limits=config.limits))
+        self._owns_telemetry = telemetry is None
+        if telemetry is None:
+            from service.telemetry.exporters import build_telemetry
+
+            telemetry = build_telemetry(config.telemetry, config.host, status_of=status_name)
+        elif telemetry.status_of is None:
+            telemetry.status_of = status_name
+        self.telemetry = telemetry
+        self.engine = TtsEngine(dataclasses.replace(config.engine, limits=config.limits), telemetry)
         size = config.limits.max_message_bytes
-        self.server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys else None, options=[
+        from service.telemetry.rpc import RpcInterceptor
+
+        interceptors: list[grpc.aio.ServerInterceptor] = [RpcInterceptor(telemetry)]
+        if keys:
+            interceptors.append(ApiKeyInterceptor(keys))
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", size),
             ("grpc.max_send_message_length", size),
             # No port sharing: a second server on a taken port must fail, not split the traffic.
@@ -248,13 +267,20 @@ class CadenzaServer:
         await self.server.stop(grace=1.0)
         if self.engine.ready:  # its thread runs from the end of loading on
             await self.engine.stop()
+        self._close_telemetry()
         self._stopped.set()
+
+    def _close_telemetry(self) -> None:
+        """Flush the exporters and close the metrics endpoint (only what this server built)."""
+        if self._owns_telemetry:
+            self.telemetry.shutdown()
 
     async def abort(self) -> None:
         """Stop after a failed start: no grace, nothing left for the closing event loop."""
         await self.server.stop(grace=None)
         if self.engine.ready:
             await self.engine.stop()
+        self._close_telemetry()
         self._stopped.set()
 
     async def wait(self) -> None:

@@ -32,6 +32,7 @@ from service.engine.state import (
     WorkSpec,
 )
 from service.synthesis import ShadowSampler
+from service.telemetry import Telemetry
 from service.text.frontend import PhonemizedSentence
 from service.text.frontend_pool import FrontendPool, FrontendPoolConfig
 
@@ -51,13 +52,16 @@ class EngineCore:
     def __init__(
         self, batch: BatchConfig, cache: ResultCache, on_trip: Callable[[str], None] | None = None,
         shadow: ShadowSampler | None = None, frontend: FrontendPoolConfig | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.batch = batch
+        self.telemetry = telemetry or Telemetry()
+        self._shadow_run = getattr(shadow, "run_pending", None)  # FP32 reruns, on this thread between steps
         self.frontend_config = frontend or FrontendPoolConfig()
         self.stats = EngineStats()
         self.scheduler = Scheduler(batch)
         self.executor = Executor(batch, self.stats, shadow, on_trip)
-        self.output = OutputStage(cache, self.executor.release)
+        self.output = OutputStage(cache, self.executor.release, self.telemetry)
         self._cv = threading.Condition()
         self._inbox = _Inbox()
         self._sessions: dict[int, SessionState] = {}  # engine thread only
@@ -216,6 +220,7 @@ class EngineCore:
                 while s.applied in s.arrived:
                     for sentence in s.arrived.pop(s.applied):
                         s.utterances.append(UtteranceState(s.next_index, sentence))
+                        self.telemetry.utterance_queued(sid, s.next_index, now)
                         s.next_index += 1
                     s.applied += 1
                 s.status = SessionStatus.ACTIVE
@@ -250,6 +255,8 @@ class EngineCore:
         free = self.executor.free_slots if runtime is not None and self.executor.uses_slots(runtime) else None
         plan = self.scheduler.plan(sessions, now, max_rows, free)
         if plan.empty:
+            if self._shadow_run is not None and self._shadow_run():
+                return False, None
             wakes = [t for t in (plan.wake_at, stall_check) if t is not None]
             return True, min(wakes) if wakes else None
         if plan.decode_first:
@@ -262,6 +269,8 @@ class EngineCore:
             self._decode(plan.decode)
         for s in list(self._sessions.values()):
             self._finish_if_done(s)
+        if self._shadow_run is not None:
+            self._shadow_run()
         return False, None
 
     def _end_stalled(self, now: float) -> float | None:
@@ -286,10 +295,12 @@ class EngineCore:
     def _acoustic(self, jobs: list[tuple[SessionState, UtteranceState]]) -> None:
         if not jobs:
             return
+        start = time.monotonic()
         failed = self.executor.acoustic(jobs, self.output.cache_key, self.output.cache.get)
         for s, why in failed:
             self._fail(s, why)
         now = time.monotonic()
+        self.telemetry.acoustic_step([(s.spec.session_id, u.index) for s, u in jobs], start, now)
         for s, _ in jobs:
             s.ready_since = now
 
@@ -297,8 +308,10 @@ class EngineCore:
         rows = [(s, u) for s, u in rows if s.spec.session_id in self._sessions and s.head is u]
         if not rows:
             return
+        start, nonfinite = time.monotonic(), self.stats.nonfinite_fp32
+        planned = [(s.spec.session_id, s.spec.voice_name, u.chunk_index == 0) for s, u in rows]
         try:
-            chunks, failed = self.executor.decode(rows, time.monotonic(), self._others_urgent)
+            chunks, failed = self.executor.decode(rows, start, self._others_urgent)
         except Exception as exc:  # outside any one step (slot bookkeeping): every row fails
             log.exception("decoder step failed")
             for s, _ in rows:
@@ -307,6 +320,9 @@ class EngineCore:
         now = time.monotonic()
         for c in chunks:
             self.output.chunk(c.session, c.utterance, c.samples, c.precision, c.fallback, now)
+        made = [(c.session.spec.session_id, c.session.spec.voice_name, c.fallback,
+                 len(c.samples) / c.session.sample_rate) for c in chunks]
+        self.telemetry.decoder_step(planned, made, start, now, time.monotonic(), self.stats.nonfinite_fp32 - nonfinite)
         for s, why in failed:
             self._fail(s, why)
 

@@ -43,6 +43,7 @@ from service.engine.session import EngineSession, SessionSetup
 from service.engine.shadow import ShadowVerifier
 from service.engine.state import WorkSpec
 from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, default_backend
+from service.telemetry import Telemetry
 from service.voices import Voice, VoiceInfo, VoiceNotFoundError, list_voices
 
 log = logging.getLogger(__name__)
@@ -63,14 +64,18 @@ def resolve_device(device: str) -> str:
 class TtsEngine:
     """Implements `service.engine.api.Engine`. Call `await start()` before opening sessions."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, telemetry: Telemetry | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self.backend_name = default_backend(self.device) if config.backend == "auto" else config.backend
         self.cache = ResultCache(config.cache_bytes)
-        self.shadow = ShadowVerifier(config.shadow_fraction) if config.shadow_fraction > 0 else None
+        self.telemetry = telemetry or Telemetry()
+        self.telemetry.observe(cache=lambda: (self.cache.hits, self.cache.misses),
+                               gpu_memory=self._gpu_memory if self.device.startswith("cuda") else None)
+        self.shadow = ShadowVerifier(config.shadow_fraction, on_psnr=self.telemetry.shadow_psnr) \
+            if config.shadow_fraction > 0 else None
         self._loop = EngineCore(config.batch, self.cache, on_trip=self._on_trip, shadow=self.shadow,
-                                frontend=config.frontend)
+                                frontend=config.frontend, telemetry=self.telemetry)
         self._policy: PrecisionPolicy | None = None
         self._voices: dict[str, VoiceInfo] = {}
         self._default: VoiceInfo | None = None
@@ -148,6 +153,19 @@ class TtsEngine:
         """Refuse new sessions from now on; open ones continue."""
         self.draining = True
 
+    def _gpu_memory(self) -> dict[str, int]:
+        """Bytes the engine's CUDA device holds (the caching allocator's reservation), for the
+        telemetry's collection thread."""
+        import torch
+
+        device = torch.device(self.device)
+        return {str(device): int(torch.cuda.memory_reserved(device))}
+
+    def _refused(self, reason: str, error: Exception) -> Exception:
+        """Count a refused session (admission metrics) and return the error to raise."""
+        self.telemetry.admission(False, 0.0, reason)
+        return error
+
     @property
     def live_sessions(self) -> int:
         return len(self._sessions)
@@ -216,12 +234,12 @@ class TtsEngine:
             else None
         return self._loop.executor.capacity_streams(auto) or self._loop.executor.capacity_streams()
 
-    async def _admit(self) -> None:
+    async def _admit(self) -> float:
         """At capacity, or while the engine is behind (a session waits too long for its first
-        audio), wait a little for room; then refuse with a clear status."""
+        audio), wait a little for room; then refuse with a clear status. Returns the seconds waited."""
         limits = self.config.limits
         if limits.admission_wait_s <= 0:
-            return
+            return 0.0
         capacity = self.capacity_streams()
 
         def full() -> bool:
@@ -229,13 +247,15 @@ class TtsEngine:
             return at_capacity or self._loop.first_audio_wait() > limits.admission_first_audio_s
 
         if not full():
-            return
-        deadline = time.monotonic() + limits.admission_wait_s
+            return 0.0
+        start = time.monotonic()
+        deadline = start + limits.admission_wait_s
         while time.monotonic() < deadline:
             await asyncio.sleep(0.02)
             if not full():
-                return
+                return time.monotonic() - start
         behind = self._loop.first_audio_wait()
+        self.telemetry.admission(False, time.monotonic() - start, "capacity")
         raise ResourceExhausted(
             f"server at capacity: {self.live_sessions} sessions open (about {capacity or 0:.0f} real-time streams "
             f"fit on this {self.device}; a session has waited {behind:.1f} s for its first audio); retry shortly or "
@@ -247,17 +267,17 @@ class TtsEngine:
     async def _open_session(self, config: SessionConfig, internal: bool) -> EngineSession:
         """`internal`: the server's own warm-up session, outside the client limits."""
         if not self.ready:
-            raise Unavailable("the server is still loading its voice; retry shortly")
+            raise self._refused("not_ready", Unavailable("the server is still loading its voice; retry shortly"))
         if self.draining:
-            raise Unavailable("the server is draining (shutting down); connect to another instance")
+            raise self._refused("draining", Unavailable(
+                "the server is draining (shutting down); connect to another instance"))
         if self.dead:
-            raise Unavailable("the server's engine failed; connect to another instance")
+            raise self._refused("engine_failed", Unavailable("the server's engine failed; connect to another instance"))
         if len(self._sessions) >= self.config.limits.max_sessions and not internal:
-            raise ResourceExhausted(
+            raise self._refused("max_sessions", ResourceExhausted(
                 f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"
-            )
-        if not internal:
-            await self._admit()
+            ))
+        waited = 0.0 if internal else await self._admit()
         info = self._resolve_voice(config)
         sid = self._resolve_speaker(info, config.speaker)
         params, schedule = self._resolve_params(info, config)
@@ -266,7 +286,8 @@ class TtsEngine:
         decision = self._resolve_precision(config.precision, info.name)
         precision = Precision(decision.precision)
         if len(self._sessions) >= self.config.limits.max_sessions and not internal:  # others opened meanwhile
-            raise ResourceExhausted(f"too many open sessions (limit {self.config.limits.max_sessions}); retry later")
+            raise self._refused("max_sessions", ResourceExhausted(
+                f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"))
         runtime = self._runtimes[info.name]
         setup = SessionSetup(
             session_id=next(self._ids), config=config, in_rate=info.sample_rate,
@@ -277,7 +298,10 @@ class TtsEngine:
             max_audio_bytes=max(1024, self.config.limits.max_message_bytes - 1024),
             max_ahead_s=self.config.batch.max_ahead_s,
         )
-        session = EngineSession(setup, self._loop, self._forget)
+        session = EngineSession(setup, self._loop, self._forget, telemetry=None if internal else self.telemetry,
+                                voice=info.name)
+        if not internal:
+            self.telemetry.admission(True, waited)
         self._sessions[session.id] = session
         self._loop.submit_open(WorkSpec(
             session_id=session.id, runtime=runtime, voice_name=info.name, sid=sid, params=params,

@@ -10,14 +10,17 @@ import numpy as np
 
 from service.engine.cache import CachedUtterance, ResultCache
 from service.engine.state import ChunkResult, SessionState, SessionStatus, UtteranceState, UtteranceStatus
+from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 
 class OutputStage:
-    def __init__(self, cache: ResultCache, release: Callable[[SessionState, UtteranceState], None]) -> None:
+    def __init__(self, cache: ResultCache, release: Callable[[SessionState, UtteranceState], None],
+                 telemetry: Telemetry | None = None) -> None:
         self.cache = cache
         self._release = release  # gives an utterance's decoder slot back
+        self.telemetry = telemetry or Telemetry()
 
     def cache_key(self, s: SessionState, u: UtteranceState) -> Hashable | None:
         """Only seeded sessions are cacheable (unseeded audio is meant to differ)."""
@@ -40,7 +43,7 @@ class OutputStage:
             u.chunks.append(samples)
             u.precisions.append(precision)
         if u.samples_done >= u.frames * s.spec.runtime.hop:
-            self._retire(s, u)
+            self._retire(s, u, now)
             if u.cache_key is not None:
                 self.cache.put(u.cache_key, CachedUtterance(tuple(u.chunks), tuple(u.precisions),
                                                             tuple(u.word_spans)))
@@ -54,7 +57,7 @@ class OutputStage:
             for k, (samples, precision) in enumerate(zip(entry.chunks, entry.precisions, strict=True)):
                 spans = list(entry.word_spans) if k == 0 else []
                 self._emit(s, ChunkResult(samples, u.index, spans, precision, False, True), now)
-            self._retire(s, u)
+            self._retire(s, u, now)
 
     def _emit(self, s: SessionState, chunk: ChunkResult, now: float) -> None:
         if s.first_audio_at is None:
@@ -63,10 +66,13 @@ class OutputStage:
         s.ready_since = now
         self._deliver(s, "on_chunk", chunk)
 
-    def _retire(self, s: SessionState, u: UtteranceState) -> None:
+    def _retire(self, s: SessionState, u: UtteranceState, now: float) -> None:
         self._release(s, u)
+        cached = u.status is UtteranceStatus.CACHED
         u.status = UtteranceStatus.DONE
         s.utterances.popleft()
+        self.telemetry.utterance_done(s.spec.session_id, u.index, u.chunk_index, u.frames, len(u.sentence.text),
+                                      u.precision, cached, now)
 
     def finish_if_done(self, s: SessionState) -> bool:
         """End a session whose input ended and whose audio is all out."""
@@ -86,6 +92,7 @@ class OutputStage:
         s.status = status
         for u in s.utterances:
             self._release(s, u)
+            self.telemetry.utterance_dropped(s.spec.session_id, u.index)
         s.utterances.clear()
 
     @staticmethod

@@ -24,6 +24,7 @@ from service.engine.api import (
 )
 from service.engine.core import EngineCore
 from service.engine.state import ChunkResult, ReadCursor
+from service.telemetry import SessionInfo, Telemetry
 from service.text.segment import IncrementalSegmenter, SegmenterConfig
 
 _END = object()
@@ -47,9 +48,11 @@ class SessionSetup:
 
 
 class EngineSession:
-    """One stream. Implements `service.engine.api.Session`."""
+    """One stream. Implements `service.engine.api.Session`. With `telemetry` it has a span and
+    its figures are recorded (the server's own warm-up sessions have none)."""
 
-    def __init__(self, setup: SessionSetup, loop: EngineCore, on_close: Callable[[EngineSession], None]) -> None:
+    def __init__(self, setup: SessionSetup, loop: EngineCore, on_close: Callable[[EngineSession], None],
+                 telemetry: Telemetry | None = None, voice: str = "") -> None:
         self.setup = setup
         self.id = setup.session_id
         self._engine_loop = loop
@@ -71,6 +74,10 @@ class EngineSession:
         self._idle: asyncio.TimerHandle | None = None
         self._last_out = time.monotonic()  # when the client last took an event (or text was sent)
         self._writing = False  # an event is out with the consumer (being written to the client)
+        self._telemetry = telemetry
+        self._trace = telemetry.session_opened(SessionInfo(
+            setup.session_id, voice, setup.precision.value, setup.precision_reason, cfg.encoding.name,
+            setup.out_rate, cfg.request_id)) if telemetry is not None else None
 
     @property
     def closed(self) -> bool:
@@ -106,7 +113,7 @@ class EngineSession:
     def cancel(self) -> None:
         if self._state == "closed":
             return
-        self._close()
+        self._close(cancelled=True)
         self._engine_loop.submit_cancel(self.id)
         self._queue.put_nowait(_END)
 
@@ -169,10 +176,12 @@ class EngineSession:
             self._submit(self._segmenter.poll(time.monotonic()))
             self._arm_idle()
 
-    def _close(self) -> None:
+    def _close(self, error: BaseException | None = None, cancelled: bool = False) -> None:
         self._state = "closed"
         self._disarm_idle()
         self._on_close(self)
+        if self._trace is not None and self._telemetry is not None:
+            self._telemetry.session_ended(self._trace, error, cancelled, self._chars, self._fallbacks)
 
     def _emit_audio(self, data: bytes, count: int, utterance: int, precision: str, fallback: bool,
                     words: list[WordTiming]) -> None:
@@ -180,8 +189,13 @@ class EngineSession:
         split into events of at most `max_audio_bytes`."""
         if not data and not words:
             return
+        now = time.monotonic()
         if self._ttfa is None and self._first_text_at is not None:
-            self._ttfa = time.monotonic() - self._first_text_at
+            self._ttfa = now - self._first_text_at
+            if self._trace is not None and self._telemetry is not None:
+                self._telemetry.first_audio(self._trace, self._ttfa)
+        if self._trace is not None and count:
+            self._trace.chunk(now, count / self.setup.out_rate)
         width = self.setup.config.encoding.bytes_per_sample
         header = len(data) - count * width
         step = max(1, (self.setup.max_audio_bytes - max(header, 0)) // width)
@@ -247,7 +261,7 @@ class EngineSession:
         if self._state == "closed":
             return
         self._queue.put_nowait(exc)
-        self._close()
+        self._close(error=exc)
 
 
 __all__ = ["EngineSession", "SessionSetup"]

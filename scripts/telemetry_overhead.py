@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Telemetry overhead, side by side in one run: two `cadenza serve` processes on this machine,
+one plain, one with metrics and traces on (a Prometheus endpoint scraped every second and OTLP
+export of spans and metrics to a local receiver), loaded in turn by
+`cadenza bench load --sessions N --arrival burst` (the order alternates every round).
+
+    PYTHONPATH=. .venv/bin/python scripts/telemetry_overhead.py [--rounds 6] [--sessions 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.telemetry.otlp_sink import OtlpSink  # noqa: E402
+
+CLI = [sys.executable, "-m", "service.cli"]
+FIELDS = ("pass_rate", "ttfa_p50_ms", "ttfa_p99_ms", "rtfx")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(extra: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], int]:
+    process = subprocess.Popen([*CLI, "serve", "--host", "127.0.0.1", "--port", "0", *extra], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert process.stdout is not None
+    for line in process.stdout:
+        if m := re.search(r"serving on \S+:(\d+)", line):
+            return process, int(m.group(1))
+    raise RuntimeError("the server did not start")
+
+
+def load(port: int, sessions: int, seed: int) -> dict[str, float]:
+    done = subprocess.run([*CLI, "bench", "load", "--target", f"127.0.0.1:{port}", "--sessions", str(sessions),
+                           "--arrival", "burst", "--seed", str(seed)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=True)
+    last = done.stdout.strip().splitlines()[-1]
+    return {k: float(v) for k, v in re.findall(r"(\w+)=([0-9.]+)", last) if k in FIELDS}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--sessions", type=int, default=4)
+    args = parser.parse_args()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    sink = OtlpSink()
+    metrics_port = free_port()
+    off, off_port = start([], env)
+    on, on_port = start(["--metrics-port", str(metrics_port)], {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint})
+    stop = threading.Event()
+
+    def scrape() -> None:  # as Prometheus would
+        while not stop.wait(1.0):
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+                r.read()
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    results: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    try:
+        for k in range(args.rounds):
+            order = [("off", off_port), ("on", on_port)] if k % 2 == 0 else [("on", on_port), ("off", off_port)]
+            for name, port in order:
+                row = load(port, args.sessions, seed=k)
+                results[name].append(row)
+                print(f"round {k} {name:3}: " + " ".join(f"{f}={row[f]:g}" for f in FIELDS), flush=True)
+    finally:
+        stop.set()
+        for process in (off, on):
+            process.send_signal(signal.SIGTERM)
+            process.wait(60)
+        sink.close()
+    print(f"OTLP receiver got {len(sink.span_names)} spans and {len(sink.metric_names)} metric names")
+    print("median over rounds:")
+    for name in ("off", "on"):
+        print(f"  telemetry {name:3}: " + " ".join(
+            f"{f}={statistics.median(r[f] for r in results[name]):.3f}" for f in FIELDS))
+    ratios = {f: statistics.median(results["on"][i][f] / results["off"][i][f] for i in range(args.rounds)
+                                   if results["off"][i][f]) for f in FIELDS}
+    print("  on/off (median of per-round ratios): " + " ".join(f"{f}={ratios[f]:.3f}" for f in FIELDS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
