@@ -225,7 +225,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
     info = find_voice(args.voice, Path(voices_dir) if voices_dir else None)
     config = EngineConfig(
         voice=voice and info.name, voices_dir=Path(voices_dir) if voices_dir else None, backend=args.backend,
-        device=args.device, threads=args.threads,
+        device=args.device, threads=args.threads, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         cache_bytes=0, frontend=FrontendPoolConfig(workers=0),  # one text: no frontend processes needed
     )
     session = SessionConfig(
@@ -337,6 +337,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             backend=args.backend, device=args.device, threads=args.threads,
             batch=_batch_config(args),
             cache_bytes=args.cache_mb << 20,
+            preload=args.preload, cache_dir=path(args.cache_dir),
             shadow_fraction=args.shadow_fraction,
         ),
         limits=Limits(
@@ -351,6 +352,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     asyncio.run(serve(config, on_ready=ready))
     return 0
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from service.api.healthcheck import HealthCheck, check_health
+
+    def path(value: str | None) -> Path | None:
+        return Path(value) if value else None
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("a client certificate needs its key: give --tls-cert and --tls-key together")
+    status = check_health(HealthCheck(
+        addr=args.addr, service=args.service, timeout_s=args.timeout, tls_ca=path(args.tls_ca),
+        tls_server_name=args.tls_server_name, tls_cert=path(args.tls_cert), tls_key=path(args.tls_key)))
+    print(f"{args.addr}: {status}")
+    return 0 if status == "SERVING" else 1
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
@@ -481,6 +499,12 @@ def _add_voice_args(
                    help="CPU threads for inference (default: the runtime's choice, about one per core)")
 
 
+def _add_cache_dir_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "cache_dir"), metavar="DIR",
+                   help="writable directory for ONNX stage exports; an image's prebuilt exports are used first, "
+                        "an unwritable DIR falls back to a temporary one (default: ~/.cache/cadenza/onnx)")
+
+
 def _add_device_arg(p: argparse.ArgumentParser, default: str | ConfigDefault, extra: str = "") -> None:
     p.add_argument("--device", type=device_arg, default=default, metavar="{auto,cpu,cuda,cuda:N}",
                    help=f"where to run: auto (CUDA if torch sees a GPU, else the CPU), cpu, cuda or cuda:N{extra}")
@@ -547,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--stream", action="store_true", help="print the time to first audio")
     say.add_argument("--words", action="store_true", help="print word timings")
     _add_voice_args(say, device="cpu", backend=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "backend"))
+    _add_cache_dir_arg(say)
     say.set_defaults(func=_cmd_say)
 
     voices = _subcommand(sub, "voices", "list or check voices")
@@ -718,6 +743,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-keys-file", default=server_option("api_keys_file"), metavar="FILE",
                        help="API keys, one per line ('#' comments): every call but health checks and reflection "
                             "must send 'authorization: Bearer <key>' metadata (default: no keys required)")
+    serve.add_argument("--preload", action=argparse.BooleanOptionalAction,
+                       default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "preload"),
+                       help="load, export and warm up every voice (--voices) before health says SERVING; "
+                            "without it only the default voice is, and others load on their first request")
+    _add_cache_dir_arg(serve)
 
     def telemetry_option(name: str) -> ConfigDefault:
         return ConfigDefault("service.telemetry.config:TelemetryConfig", name)
@@ -742,6 +772,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of FP16 chunks re-run in FP32 between engine steps, into the shadow PSNR "
                             "metric (0 = off, 0.01 = one chunk in 100)")
     serve.set_defaults(func=_cmd_serve, precheck=_serve_precheck)
+
+    check = _subcommand(sub, "health", "ask a server's grpc.health.v1 service; exit 0 when SERVING, else 1")
+    check.add_argument("--addr", default=f"localhost:{DEFAULT_PORT}", metavar="HOST:PORT", help="the server")
+    check.add_argument("--service", default="", help="service name to ask about (default: the whole server)")
+    check.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    check.add_argument("--tls-ca", default=None, metavar="FILE",
+                       help="PEM CA bundle to verify the server with: connect over TLS (default: plaintext)")
+    check.add_argument("--tls-server-name", default=None, metavar="NAME",
+                       help="name to check the server's certificate against (default: the host of --addr)")
+    check.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM client certificate (mutual TLS)")
+    check.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    check.set_defaults(func=_cmd_health)
 
     client = _subcommand(sub, "client", "stream text to a server, write a WAV, print TTFA and chunk timings")
     client.add_argument("text", nargs="?", default=None, help="the text to send (or --stdin)")

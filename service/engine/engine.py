@@ -93,13 +93,18 @@ class TtsEngine:
         session (every step shape the decoder uses is prepared before the first caller)."""
         await asyncio.get_running_loop().run_in_executor(None, self._start_sync)
         assert self._default is not None
+        voices = [str(v.config_path) for v in self._preloaded()]
         self._loop.frontend_config = dataclasses.replace(
-            self.config.frontend, preload=(*self.config.frontend.preload, str(self._default.config_path)))
+            self.config.frontend, preload=(*self.config.frontend.preload, *voices))
         self._loop.start()
         self.ready = True
         for precision in self._warm_precisions():
             session = await self._open_session(SessionConfig(seed=0, precision=precision), internal=True)
             await self._collect(session, self.config.warmup_text)
+        for info in self._preloaded()[1:]:  # the other voices (EngineConfig.preload)
+            for precision in self._warm_precisions():
+                config = SessionConfig(voice=info.name, seed=0, precision=precision)
+                await self._collect(await self._open_session(config, internal=True), self.config.warmup_text)
         # Once more, warm, for the decoder's measured speed (first runs are slower than serving).
         stats = self._loop.stats
         stats.step_seconds = stats.audio_seconds = 0.0
@@ -110,6 +115,12 @@ class TtsEngine:
             estimate = executor.capacity_streams(precision.value)
             if estimate:
                 log.info("capacity estimate at %s: %.0f real-time streams", precision.value, estimate)
+
+    def _preloaded(self) -> list[VoiceInfo]:
+        """The voices ready before SERVING: the default first, then (preload) every other one."""
+        assert self._default is not None
+        others = [v for v in self._voices.values() if v is not self._default] if self.config.preload else []
+        return [self._default, *others]
 
     def _warm_precisions(self) -> list[Precision]:
         """FP32 (every guard trip redoes in it) and what AUTO picks here."""
@@ -129,7 +140,12 @@ class TtsEngine:
             raise VoiceNotFoundError(
                 f"unknown default voice {self.config.voice!r}; available: {', '.join(sorted(self._voices))} (--voice)"
             )
-        runtime = self._runtime(self._default)
+        for info in self._preloaded():  # before the engine thread runs (graph captures need the GPU alone)
+            self._prepare(info)
+
+    def _prepare(self, info: VoiceInfo) -> None:
+        """Load a voice (exports included) and capture its encoder graphs where the backend has them."""
+        runtime = self._runtime(info)
         capture = getattr(runtime.backend, "capture_encoder", None)
         if capture is not None:
             capture(self.config.batch.acoustic_max_batch)
@@ -195,6 +211,8 @@ class TtsEngine:
             if runtime is None:
                 voice = Voice(info)
                 options: dict[str, object] = {"threads": self.config.threads} if self.config.threads else {}
+                if self.config.cache_dir is not None and self.backend_name != "torch":  # the exporting backends
+                    options["cache_dir"] = self.config.cache_dir
                 backend = create_backend(self.backend_name, voice, self.device, **options)
                 runtime = Synthesizer(voice, backend, self.config.schedule)
                 self._runtimes[info.name] = runtime
