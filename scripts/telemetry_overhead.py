@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,11 +55,65 @@ def load(port: int, sessions: int, seed: int) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"(\w+)=([0-9.]+)", last) if k in FIELDS}
 
 
+def micro(repeats: int = 2000) -> None:
+    """The instrumentation's own cost per call: real SDK providers (spans batched to the OTLP
+    receiver) against the no-op default, in this process."""
+    import time
+
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from service.telemetry import SessionInfo, Telemetry
+
+    sink = OtlpSink()
+    tracer = TracerProvider()
+    tracer.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=sink.endpoint, insecure=True)))
+    kinds = {"off": Telemetry(), "on": Telemetry(MeterProvider(metric_readers=[InMemoryMetricReader()]), tracer)}
+    for name, t in kinds.items():
+        sessions = [t.session_opened(SessionInfo(i, "v", "fp32", "cpu", "LINEAR16", 22050)) for i in range(64)]
+
+        def step(rows: int, first: bool, t: Telemetry = t) -> None:
+            now = time.monotonic()
+            t.decoder_step([(i, "v", first and i == 0) for i in range(rows)],
+                           [(i, "v", False, 0.05) for i in range(rows)], now, now + 0.01, now + 0.011, 0)
+
+        def session(k: int, t: Telemetry = t) -> None:
+            r = t.session_opened(SessionInfo(1000 + k, "v", "fp32", "cpu", "LINEAR16", 22050))
+            t.first_audio(r, 0.05)
+            for c in range(20):
+                r.chunk(c * 0.1, 0.1)
+            t.utterance_queued(1000 + k, 0, 0.0)
+            t.acoustic_step([(1000 + k, 0)], 0.0, 0.01)
+            t.utterance_done(1000 + k, 0, 20, 100, 40, "fp32", False, 1.0)
+            t.session_ended(r, None, False, 40, 0)
+
+        cases: dict[str, Callable[[int], None]] = {
+            "decoder step, 4 rows": lambda k: step(4, False), "decoder step, 64 rows": lambda k: step(64, False),
+            "decoder step making a first chunk, 4 rows": lambda k: step(4, True), "session (1 utterance)": session}
+        for label, case in cases.items():
+            start = time.perf_counter()
+            for k in range(repeats):
+                case(k)
+            print(f"  telemetry {name:3}: {label:45} {(time.perf_counter() - start) / repeats * 1e6:7.1f} us")
+        for r in sessions:
+            t.session_ended(r, None, True, 0, 0)
+    tracer.shutdown()
+    sink.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--micro", action="store_true", help="only the per-call cost of the instrumentation")
     args = parser.parse_args()
+    print("instrumentation cost per call (this process):")
+    micro()
+    if args.micro:
+        return 0
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     sink = OtlpSink()
     metrics_port = free_port()

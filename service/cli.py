@@ -756,9 +756,9 @@ def build_parser() -> argparse.ArgumentParser:
         return ConfigDefault("service.telemetry.config:LogConfig", name)
 
     serve.add_argument("--metrics-port", type=_port, default=telemetry_option("metrics_port"),
-                       help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; "
-                            "default: off). OTLP export turns on when OTEL_EXPORTER_OTLP_ENDPOINT (or its "
-                            "_TRACES_/_METRICS_ variants) is set")
+                       help="serve Prometheus metrics on this port at /metrics, 0 picks a free one; OTLP export "
+                            "turns on by itself when OTEL_EXPORTER_OTLP_ENDPOINT (or a _TRACES_/_METRICS_ "
+                            "variant) is set (default: off)")
     serve.add_argument("--metrics-host", default=telemetry_option("metrics_host"), metavar="HOST",
                        help="address the metrics endpoint listens on (default: the same as --host)")
     serve.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),

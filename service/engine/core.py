@@ -309,7 +309,7 @@ class EngineCore:
         if not rows:
             return
         start, nonfinite = time.monotonic(), self.stats.nonfinite_fp32
-        planned = [(s.spec.session_id, s.spec.voice_name, u.chunk_index == 0) for s, u in rows]
+        planned = [(s.spec.session_id, s.spec.voice_name, u.index == 0 and u.chunk_index == 0) for s, u in rows]
         try:
             chunks, failed = self.executor.decode(rows, start, self._others_urgent)
         except Exception as exc:  # outside any one step (slot bookkeeping): every row fails

@@ -302,13 +302,13 @@ class Telemetry:
             arrived = queued.get(key)
             if arrived is not None and arrived <= start:
                 self.queue_wait.record(start - arrived)
-        if self.tracing:
+        if self.tracing and any(index == 0 for _, index in jobs):  # calls with a session's first sentence
             self._step_span("cadenza.engine.acoustic", [sid for sid, _ in jobs], start, end,
                             {"cadenza.batch.size": len(jobs)})
 
     def decoder_step(self, rows: Sequence[tuple[int, str, bool]], chunks: Sequence[tuple[int, str, bool, float]],
                      start: float, computed: float, delivered: float, fp32_nonfinite: int) -> None:
-        """One decoder step. `rows`: (session id, voice, first chunk of an utterance) planned;
+        """One decoder step. `rows`: (session id, voice, the session's first chunk) planned;
         `chunks`: (session id, voice, FP32 fallback, audio seconds) made; times in monotonic
         seconds (start, executor done, chunks delivered); `fp32_nonfinite`: FP32 rows the guard
         zeroed (no fallback possible)."""
@@ -340,7 +340,7 @@ class Telemetry:
         if fp32_nonfinite:
             self.trips.add(fp32_nonfinite, {"cadenza.voice": rows[0][1], "stage": STAGE_DECODER,
                                             "cadenza.precision": "fp32"})
-        if self.tracing and any(first for _, _, first in rows):  # steps that start utterances: few
+        if self.tracing and any(first for _, _, first in rows):  # steps that make a session's first audio
             self._step_span("cadenza.engine.step", [sid for sid, _, _ in rows], start, computed,
                             {"cadenza.batch.size": len(rows)})
 
