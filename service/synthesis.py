@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from service.backends.base import Backend
+from service.models.family import PriorRows
 from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
 from service.staged_decoder import StagedDecoder
 from service.text.frontend import PhonemizedSentence
@@ -100,51 +101,64 @@ class AudioChunk:
 
 
 class PriorSample:
-    """The prior sample z_p [C, T] = m + noise * sigma, drawn frame by frame on demand.
+    """The prior sample z_p [C, T] = mean + sigma * noise, noise counter-based from `key`.
 
-    A sentence's first chunk needs only its first frames, and the noise draw is most of the
-    acoustic stage's host work: drawing it as decoding reaches each frame keeps a burst of
-    starts from waiting for whole sentences' noise. Noise is drawn frame-major from the
-    utterance's own generator, so any split of the draws gives the same samples."""
+    Decoder steps draw their frames on the device (`parts` gives what they need); the host
+    computes frames only where it needs them itself (staged decoding, shadow checks). Both
+    get the same numbers for any split of the frames (`service.models.noise`)."""
 
-    def __init__(self, mean: np.ndarray, sigma: np.ndarray, src: np.ndarray, rng: np.random.Generator | None) -> None:
+    def __init__(self, mean: np.ndarray, sigma: np.ndarray, src: np.ndarray, key: int) -> None:
         self._mean = mean  # [C, T_ph] per phoneme id
         self._sigma = sigma  # [C, T_ph] noise scale per phoneme id (0: no noise)
         self._src = src  # [T] phoneme id of each frame
-        self._rng = rng
-        self._buf = np.empty((mean.shape[0], len(src)), dtype=np.float32)
-        self._done = 0
+        self.key = key
+        self._buf: np.ndarray | None = None  # the host copy, made on first use
 
     @classmethod
     def fixed(cls, z_p: np.ndarray) -> PriorSample:
         """A prior sample given whole (tests, tools)."""
         z = np.ascontiguousarray(z_p, dtype=np.float32)
-        prior = cls(z, np.zeros_like(z), np.arange(z.shape[1]), None)
-        prior._buf, prior._done = z, z.shape[1]
-        return prior
+        return cls(z, np.zeros_like(z), np.arange(z.shape[1]), 0)
 
     @property
     def channels(self) -> int:
-        return int(self._buf.shape[0])
+        return int(self._mean.shape[0])
 
     @property
     def frames(self) -> int:
-        return int(self._buf.shape[1])
+        return len(self._src)
 
-    def window(self, lo: int, hi: int) -> np.ndarray:
-        """Frames [lo, hi) (clipped to the end), drawing what was not drawn yet."""
-        hi = min(hi, self.frames)
-        if hi > self._done:
-            a, src = self._done, self._src[self._done : hi]
-            assert self._rng is not None
-            noise = self._rng.standard_normal((hi - a, self.channels), dtype=np.float32).T
-            np.multiply(noise, self._sigma[:, src], out=noise)
-            np.add(noise, self._mean[:, src], out=self._buf[:, a:hi])
-            self._done = hi
-        return self._buf[:, lo:hi]
+    def parts(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, sigma) of frames [lo, hi), clipped to the end."""
+        src = self._src[lo:hi]
+        return self._mean[:, src], self._sigma[:, src]
 
     def full(self) -> np.ndarray:
-        return self.window(0, self.frames)
+        """The whole sample on the host (computed once)."""
+        if self._buf is None:
+            import torch
+
+            from service.models.noise import counter_normal
+
+            noise = counter_normal(torch.tensor([self.key]), torch.tensor([0]), self.channels, self.frames)[0]
+            mean, sigma = self.parts(0, self.frames)
+            self._buf = (mean + sigma * noise.numpy()).astype(np.float32)
+        return self._buf
+
+    def window(self, lo: int, hi: int) -> np.ndarray:
+        return self.full()[:, lo:hi]
+
+
+def prior_rows(priors: Sequence[PriorSample], starts: Sequence[int], frames: int) -> PriorRows:
+    """Frames [start, start + frames) of each prior, zero past its end, as one decoder step
+    draws them."""
+    mean = np.zeros((len(priors), priors[0].channels, frames), dtype=np.float32)
+    sigma = np.zeros_like(mean)
+    for i, (prior, lo) in enumerate(zip(priors, starts, strict=True)):
+        m, sd = prior.parts(lo, lo + frames)
+        mean[i, :, : m.shape[1]] = m
+        sigma[i, :, : sd.shape[1]] = sd
+    return PriorRows(mean, sigma, [p.key for p in priors], list(starts))
 
 
 @dataclass
@@ -329,7 +343,8 @@ class Synthesizer:
         if src.size < frames:  # all-zero durations: one frame of the last phoneme
             src = np.full(frames, n - 1)
         sigma = np.exp(logs_p[:, :n].astype(np.float32)) * np.float32(noise_scale)
-        prior = PriorSample(np.ascontiguousarray(m_p[:, :n], dtype=np.float32), sigma, src, job.rng)
+        key = int(job.rng.integers(0, 1 << 63))
+        prior = PriorSample(np.ascontiguousarray(m_p[:, :n], dtype=np.float32), sigma, src, key)
         ends = np.concatenate([[0], np.cumsum(durations)]) * self.hop
         words = [(wd.text, int(ends[wd.start_id]), int(ends[wd.end_id])) for wd in sent.words]
         return Utterance(sent.text, list(sent.phoneme_ids), prior, durations, job.sid, words)

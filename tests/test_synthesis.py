@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, open_synthesizer
+from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, open_synthesizer, prior_rows
 
 TEXT = "Hello there, this is a test of chunked decoding. It has two sentences!"
 SCHEDULES = [
@@ -160,26 +160,51 @@ def test_ceil_ambiguity_is_detected(builtin_ort: Synthesizer) -> None:
 
 
 def test_prior_sample_drawn_in_pieces_equals_drawn_whole(builtin_ort: Synthesizer) -> None:
-    """The slot decoder draws the prior frame by frame as decoding reaches it: any split of
-    the draws gives the same sample, so step sizes and batching never change the audio."""
+    """Decoder steps draw the prior on the device, a few frames at a time; the host draws it
+    whole. Any split gives the same sample, so step sizes and batching never change the audio."""
+    import torch
+
+    from service.models.noise import counter_normal
     from service.synthesis import AcousticJob, utterance_rng
 
     params = SynthesisParams(seed=5)
     (sentence,) = builtin_ort.voice.frontend.sentences("A sentence long enough for several decoder steps.")
 
-    def utt():  # type: ignore[no-untyped-def]
-        job = AcousticJob(sentence, None, params, utterance_rng(5, sentence.phoneme_ids))
+    def utt(seed: int):  # type: ignore[no-untyped-def]
+        job = AcousticJob(sentence, None, params, utterance_rng(seed, sentence.phoneme_ids))
         return builtin_ort.acoustic_batch([job])[0]
 
-    whole = utt().z_p
-    lazy = utt()
+    a = utt(5)
+    whole = a.z_p
+    assert np.array_equal(utt(5).z_p, whole)  # same seed, same sample
     pieces, lo = [], 0
     for step in (77, 1, 32, 5, 32, 1000):
-        pieces.append(lazy.prior.window(lo, lo + step).copy())
+        rows = prior_rows([a.prior], [lo], step)
+        noise = counter_normal(torch.tensor(rows.keys), torch.tensor(rows.starts), a.prior.channels, step).numpy()
+        z = rows.mean + rows.sigma * noise
+        n = max(0, min(step, a.frames - lo))
+        assert not z[0, :, n:].any()  # zero past the end
+        pieces.append(z[0, :, :n])
         lo += step
-    assert np.array_equal(np.concatenate(pieces, axis=1), whole)
-    assert np.array_equal(lazy.prior.window(10, 20), whole[:, 10:20])  # drawn frames are kept
-    # noise is there (not just the mean): two seeds differ
-    other = builtin_ort.acoustic_batch([AcousticJob(sentence, None, params, utterance_rng(6, sentence.phoneme_ids))])
-    n = min(other[0].frames, whole.shape[1])
-    assert np.abs(other[0].z_p[:, :n] - whole[:, :n]).max() > 0.1
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), whole, atol=1e-6, rtol=0)
+    # the noise is there (not just the mean), drawn from the sentence's own seed
+    other = utt(6)
+    n = min(other.frames, a.frames)
+    assert np.abs(other.z_p[:, :n] - whole[:, :n]).max() > 0.1
+    assert other.prior.key != a.prior.key
+
+
+def test_counter_noise_is_standard_normal_and_independent() -> None:
+    import torch
+
+    from service.models.noise import counter_normal
+
+    x = counter_normal(torch.tensor([1, 2, 3, 1 << 62]), torch.tensor([0, 0, 7, 10**6]), 192, 400).numpy()
+    assert abs(float(x.mean())) < 0.01 and abs(float(x.std()) - 1.0) < 0.01
+    assert np.isfinite(x).all() and float(np.abs(x).max()) < 6.0
+    flat = x.reshape(4, -1)
+    assert abs(np.corrcoef(flat[0], flat[1])[0, 1]) < 0.02  # keys are independent
+    assert abs(np.corrcoef(x[0, :-1].ravel(), x[0, 1:].ravel())[0, 1]) < 0.02  # neighbouring channels
+    assert abs(np.corrcoef(x[0, :, :-1].ravel(), x[0, :, 1:].ravel())[0, 1]) < 0.02  # neighbouring frames
+    shifted = counter_normal(torch.tensor([3]), torch.tensor([0]), 192, 407).numpy()
+    assert np.array_equal(shifted[0, :, 7:], x[2])  # a frame's noise depends on its index only

@@ -20,8 +20,8 @@ import numpy as np
 
 from service.engine.config import BatchConfig
 from service.engine.state import EngineStats, SessionState, UtteranceState, UtteranceStatus
-from service.models.family import StepRows, StreamingDecoder
-from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
+from service.models.family import PriorRows, StepRows, StreamingDecoder
+from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, prior_rows, utterance_rng
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -343,18 +343,11 @@ class Executor:
         return Chunk(s, u, samples, "fp32", False)
 
 
-def _prior(utts: list[UtteranceState], start: int | None, frames: int) -> np.ndarray:
-    """[B, C, frames] prior frames of each utterance from `start` (None: from what it was fed
-    so far), zero past its end, as a decoder step takes them."""
-    first = utts[0].utt
-    assert first is not None
-    out = np.zeros((len(utts), first.prior.channels, frames), dtype=np.float32)
-    for i, u in enumerate(utts):
-        assert u.utt is not None
-        lo = u.fed if start is None else start
-        part = u.utt.prior.window(lo, lo + frames)
-        out[i, :, : part.shape[1]] = part
-    return out
+def _prior(utts: list[UtteranceState], start: int | None, frames: int) -> PriorRows:
+    """The next `frames` prior frames of each utterance from `start` (None: from what it was
+    fed so far)."""
+    priors = [u.utt.prior for u in utts]  # type: ignore[union-attr]
+    return prior_rows(priors, [u.fed if start is None else start for u in utts], frames)
 
 
 def _groups(items: list[T], size: int) -> list[list[T]]:

@@ -16,14 +16,31 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class PriorRows:
+    """A step's input frames, as the decoder draws them on its device: mean + sigma * noise,
+    where noise is `service.models.noise.counter_normal(keys, starts)`. Rows past their
+    utterance's end have mean = sigma = 0 (a family without noise passes sigma = 0)."""
+
+    mean: np.ndarray  # [B, C, frames]
+    sigma: np.ndarray  # [B, C, frames]
+    keys: Sequence[int]  # each row's noise key (its utterance's)
+    starts: Sequence[int]  # each row's first frame, counted from its utterance's start
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        b, c, f = self.mean.shape
+        return int(b), int(c), int(f)
+
+
+@dataclass(frozen=True)
 class StepRows:
     """One batched decoder step: every row advances its slot by `frames` latent frames.
 
     `fed[i]` is how many latent frames row i's utterance had already been fed; `lengths[i]`
-    its total frames; `inputs` [B, C, frames] the next prior frames (zero past the end)."""
+    its total frames; `inputs` the next frames of each row (zero past the end)."""
 
     slots: Sequence[int]
-    inputs: np.ndarray
+    inputs: PriorRows
     fed: Sequence[int]
     lengths: Sequence[int]
     sids: Sequence[int] | None

@@ -53,12 +53,14 @@ name (the built-in ``en_US-joe-medium``, or one in ``voices_dir``) or a ``.onnx`
 
 
 def default_workers() -> int:
-    """min(4, CPUs this process may run on)."""
+    """Half the CPUs this process may run on (at least 2, at most 8, never more than there
+    are): espeak for a burst of starts spreads over them, and the other half is left to the
+    engine thread, the event loop and gRPC."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    return max(1, min(4, cpus))
+    return max(1, min(8, cpus, max(2, cpus // 2)))
 
 _WARM_TEXT = "Hello."
 _STOP_TIMEOUT_S = 5.0

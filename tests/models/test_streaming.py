@@ -11,7 +11,7 @@ import torch
 from service.models.family import StepRows
 from service.models.vits.model import VitsModel
 from service.models.vits.streaming import VitsStreamingDecoder
-from service.synthesis import SynthesisParams, Utterance, open_synthesizer
+from service.synthesis import SynthesisParams, Utterance, open_synthesizer, prior_rows
 
 
 def _utterances(voice: str | None, text: str, speaker: int | None) -> tuple[VitsModel, list[Utterance]]:
@@ -36,10 +36,7 @@ def _stream_together(dec: VitsStreamingDecoder, utts: list[Utterance], slots: li
     k = 0
     while any(fed - dec.lag < u.frames for u in utts):
         n = sizes[min(k, len(sizes) - 1)]
-        inputs = np.zeros((len(utts), utts[0].z_p.shape[0], n), np.float32)
-        for i, u in enumerate(utts):
-            part = u.z_p[:, fed : fed + n]
-            inputs[i, :, : part.shape[1]] = part
+        inputs = prior_rows([u.prior for u in utts], [fed] * len(utts), n)
         sids = None if utts[0].sid is None else [u.sid or 0 for u in utts]
         audio = dec.step(StepRows(slots, inputs, [fed] * len(utts), [u.frames for u in utts], sids))
         for i in range(len(utts)):

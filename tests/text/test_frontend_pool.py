@@ -133,7 +133,8 @@ def test_phonemized_sentences_pickle(frontend: Frontend) -> None:
 
 def test_config() -> None:
     assert FrontendPoolConfig().workers is None  # decided when a pool starts, not at import
-    assert default_workers() == max(1, min(4, len(os.sched_getaffinity(0))))
+    cpus = len(os.sched_getaffinity(0))
+    assert default_workers() == max(1, min(8, cpus, max(2, cpus // 2)))
     with pytest.raises(ValueError, match="workers"):
         FrontendPoolConfig(workers=-1)
     assert Path(CONFIG).is_file()

@@ -25,6 +25,7 @@ import torch
 
 from service.models.cuda_graphs import GraphCapturer
 from service.models.family import StepRows
+from service.models.noise import counter_normal
 from service.models.vits.model import VitsModel
 from service.models.vits.receptive_field import decoder_stage_table
 
@@ -114,7 +115,12 @@ class VitsStreamingDecoder:
     def _tensors(self, rows: StepRows, b: int) -> tuple[torch.Tensor, ...]:
         dev = self.device
         slots = torch.as_tensor(np.asarray(rows.slots, dtype=np.int64), device=dev)
-        z = torch.as_tensor(np.ascontiguousarray(rows.inputs, dtype=np.float32), device=dev).to(self.dtype)
+        prior = rows.inputs
+        parts = torch.as_tensor(np.stack([prior.mean, prior.sigma]), dtype=torch.float32, device=dev)
+        keys = torch.as_tensor(np.asarray(prior.keys, dtype=np.int64), device=dev)
+        starts = torch.as_tensor(np.asarray(prior.starts, dtype=np.int64), device=dev)
+        _, channels, frames = prior.shape
+        z = (parts[0] + parts[1] * counter_normal(keys, starts, channels, frames)).to(self.dtype)
         fed = torch.as_tensor(np.asarray(rows.fed, dtype=np.int64), device=dev)
         lengths = torch.as_tensor(np.asarray(rows.lengths, dtype=np.int64), device=dev)
         sids = torch.as_tensor(np.asarray(rows.sids if rows.sids is not None else [0] * b, dtype=np.int64),
