@@ -108,8 +108,8 @@ def test_rendered_args_and_probe_commands_are_accepted_by_the_cli(values: Path |
 def test_defaults_serve_the_builtin_voice_on_cpu_with_grpc_probes() -> None:
     docs = render()
     c = container(docs)
-    assert sorted(d["kind"] for d in docs) == ["Deployment", "Pod", "Pod", "PodDisruptionBudget", "Service",
-                                               "ServiceAccount"]
+    assert sorted(d["kind"] for d in docs) == ["Deployment", "NetworkPolicy", "NetworkPolicy", "Pod", "Pod",
+                                               "PodDisruptionBudget", "Service", "ServiceAccount"]
     assert c["args"][0] == "serve" and "--device=auto" in c["args"]
     assert "--host=[::]" in c["args"]  # the server's own default is loopback: unreachable through the Service
     assert "--max-message-bytes=4194304" in c["args"]  # integers render as integers
@@ -242,6 +242,23 @@ def test_service_monitor_follows_the_prometheus_operator_api() -> None:
 def test_pdb_never_blocks_a_drain(sets: tuple[str, ...]) -> None:
     pdb = one(render(*sets), "PodDisruptionBudget")["spec"]
     assert "minAvailable" not in pdb and pdb["maxUnavailable"] >= 1
+
+
+def test_network_policy_opens_only_the_grpc_and_metrics_ports() -> None:
+    docs = render("networkPolicy.grpcFrom[0].namespaceSelector.matchLabels.team=voice")
+    server = one(docs, "NetworkPolicy", "t-cadenza")["spec"]
+    assert server["podSelector"]["matchLabels"] == one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    grpc, metrics = server["ingress"]
+    assert grpc["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+    assert grpc["from"] == [{"namespaceSelector": {"matchLabels": {"team": "voice"}}}]
+    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}] and "from" not in metrics
+    tests = one(docs, "NetworkPolicy", "t-cadenza-test")["spec"]
+    assert tests["policyTypes"] == ["Ingress"] and "ingress" not in tests  # nothing connects to test pods
+    # The test pods never match the server's selector (the Service must not route to them).
+    selector = one(docs, "Service", "t-cadenza")["spec"]["selector"].items()
+    for pod in (d for d in docs if d["kind"] == "Pod"):
+        assert not selector <= pod["metadata"]["labels"].items()
+        assert tests["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
 
 
 def test_headless_service_and_spread_for_client_side_balancing() -> None:
