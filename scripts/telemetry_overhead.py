@@ -28,7 +28,14 @@ sys.path.insert(0, str(ROOT))
 from tests.telemetry.otlp_sink import OtlpSink  # noqa: E402
 
 CLI = [sys.executable, "-m", "service.cli"]
-FIELDS = ("pass_rate", "ttfa_p50_ms", "ttfa_p99_ms", "rtfx")
+FIELDS = ("pass_rate", "ttfa_p50_ms", "ttfa_p99_ms", "rtfx", "server_cpu_s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (its main process: where telemetry runs). Less
+    disturbed than wall times by other work on a shared machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -47,12 +54,15 @@ def start(extra: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str],
     raise RuntimeError("the server did not start")
 
 
-def load(port: int, sessions: int, seed: int) -> dict[str, float]:
+def load(port: int, pid: int, sessions: int, seed: int) -> dict[str, float]:
+    before = cpu_seconds(pid)
     done = subprocess.run([*CLI, "bench", "load", "--target", f"127.0.0.1:{port}", "--sessions", str(sessions),
                            "--arrival", "burst", "--seed", str(seed)], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, check=True)
     last = done.stdout.strip().splitlines()[-1]
-    return {k: float(v) for k, v in re.findall(r"(\w+)=([0-9.]+)", last) if k in FIELDS}
+    row = {k: float(v) for k, v in re.findall(r"(\w+)=([0-9.]+)", last) if k in FIELDS}
+    row["server_cpu_s"] = cpu_seconds(pid) - before
+    return row
 
 
 def micro(repeats: int = 2000) -> None:
@@ -119,6 +129,7 @@ def main() -> int:
     metrics_port = free_port()
     off, off_port = start([], env)
     on, on_port = start(["--metrics-port", str(metrics_port)], {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint})
+    ports = {"off": off_port, "on": on_port}
     stop = threading.Event()
 
     def scrape() -> None:  # as Prometheus would
@@ -131,9 +142,9 @@ def main() -> int:
     results: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     try:
         for k in range(args.rounds):
-            order = [("off", off_port), ("on", on_port)] if k % 2 == 0 else [("on", on_port), ("off", off_port)]
-            for name, port in order:
-                row = load(port, args.sessions, seed=k)
+            order = [("off", off), ("on", on)] if k % 2 == 0 else [("on", on), ("off", off)]
+            for name, process in order:
+                row = load(ports[name], process.pid, args.sessions, seed=k)
                 results[name].append(row)
                 print(f"round {k} {name:3}: " + " ".join(f"{f}={row[f]:g}" for f in FIELDS), flush=True)
     finally:
