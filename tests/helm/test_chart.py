@@ -105,6 +105,15 @@ def test_rendered_args_and_probe_commands_are_accepted_by_the_cli(values: Path |
             assert build_parser().parse_args(command[1:]).func.__name__ == "_cmd_health"
 
 
+@pytest.mark.parametrize("values", ALL_SETS, ids=SET_IDS)
+def test_notes_render_with_the_address_and_the_balancing_advice(values: Path | None) -> None:
+    args = ["install", "tts", str(CHART), "--namespace", "speech", "--dry-run=client"]
+    notes = helm(*args, *(["-f", str(values)] if values else [])).stdout.split("NOTES:", 1)[1]
+    assert "tts-cadenza.speech.svc:50051" in notes and "helm test tts" in notes
+    several = values is not None and values.name in ("cpu-values.yaml", "autoscaling-values.yaml")
+    assert ("round_robin" in notes) == several  # headless advice, or the hint to turn it on
+
+
 def test_defaults_serve_the_builtin_voice_on_cpu_with_grpc_probes() -> None:
     docs = render()
     c = container(docs)
