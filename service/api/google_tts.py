@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -347,7 +348,7 @@ class GoogleTextToSpeechServicer(CompatServicer):
             if reader is not None and not reader.done():
                 reader.cancel()
             if session is not None:
-                session.cancel()
+                session.cancel(sys.exc_info()[1])
 
 
 def add_google(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import sys
 from collections.abc import AsyncIterator
 
 import grpc
@@ -134,7 +135,7 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
                 with contextlib.suppress(BaseException):
                     await reader
             if session is not None:
-                session.cancel()
+                session.cancel(sys.exc_info()[1])
 
     async def _next(self, requests: AsyncIterator[pb.StreamingSynthesizeRequest], session: Session | None = None,
                     ) -> pb.StreamingSynthesizeRequest | None:
@@ -180,7 +181,7 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
                     yield msg
         finally:
             if session is not None:
-                session.cancel()
+                session.cancel(sys.exc_info()[1])
 
     async def ListVoices(
         self, request: pb.ListVoicesRequest, context: grpc.aio.ServicerContext

@@ -12,6 +12,7 @@ if it speaks ``language_code``, else the first voice that does.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -272,7 +273,7 @@ class RivaSynthesisServicer(CompatServicer, rtts_grpc.RivaSpeechSynthesisService
                 session = None
             finally:
                 if session is not None:
-                    session.cancel()
+                    session.cancel(sys.exc_info()[1])
 
     async def GetRivaSynthesisConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """The voices, one Riva "model" each."""

@@ -215,8 +215,9 @@ class Session(Protocol):
         """No more text: speak the rest, then `events()` ends with a SessionSummary."""
         ...
 
-    def cancel(self) -> None:
-        """Stop now: drop queued work (in-flight work ends within one chunk) and free the session."""
+    def cancel(self, error: BaseException | None = None) -> None:
+        """Stop now: drop queued work (in-flight work ends within one chunk) and free the session.
+        `error`: what ended the call early, if anything (the session's status in logs and traces)."""
         ...
 
     def events(self) -> AsyncIterator[SessionEvent]:

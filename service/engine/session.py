@@ -110,10 +110,11 @@ class EngineSession:
         self._disarm_idle()
         self._engine_loop.submit_end(self.id)
 
-    def cancel(self) -> None:
+    def cancel(self, error: BaseException | None = None) -> None:
         if self._state == "closed":
             return
-        self._close(cancelled=True)
+        ended_by = error if isinstance(error, Exception) else None  # not CancelledError: the client left
+        self._close(error=ended_by, cancelled=ended_by is None)
         self._engine_loop.submit_cancel(self.id)
         self._queue.put_nowait(_END)
 

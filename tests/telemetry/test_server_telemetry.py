@@ -226,3 +226,24 @@ def test_shadow_psnr_exported_and_computed_on_the_engine_thread() -> None:
     finally:
         channel.close()
         server.close()
+
+
+def test_session_line_has_the_status_the_call_ended_with(stub: pb_grpc.TextToSpeechStub, seen: Observed,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A call the servicer ends (text after end_input) logs its session with that status."""
+    def requests() -> Iterator[pb.StreamingSynthesizeRequest]:
+        yield pb.StreamingSynthesizeRequest(config=pb.SessionConfig(seed=1, request_id="req-late"))
+        yield pb.StreamingSynthesizeRequest(text="A sentence long enough to still be speaking. " * 8)
+        yield pb.StreamingSynthesizeRequest(end_input=True)
+        yield pb.StreamingSynthesizeRequest(text="Too late.")
+
+    seen.spans.clear()
+    with caplog.at_level(logging.INFO, logger="service.sessions"), pytest.raises(grpc.RpcError) as info:
+        for _ in stub.StreamingSynthesize(requests(), timeout=TIMEOUT_S):
+            pass
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    eventually(lambda: any("request_id=req-late" in r.getMessage() for r in caplog.records))
+    (line,) = [r.getMessage() for r in caplog.records if "request_id=req-late" in r.getMessage()]
+    assert "outcome=error status=FAILED_PRECONDITION" in line
+    eventually(lambda: bool(seen.finished("cadenza.session")))
+    assert seen.finished("cadenza.session")[-1].attributes["cadenza.status"] == "FAILED_PRECONDITION"
