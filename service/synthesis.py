@@ -152,13 +152,12 @@ class PriorSample:
 def prior_rows(priors: Sequence[PriorSample], starts: Sequence[int], frames: int) -> PriorRows:
     """Frames [start, start + frames) of each prior, zero past its end, as one decoder step
     draws them."""
-    mean = np.zeros((len(priors), priors[0].channels, frames), dtype=np.float32)
-    sigma = np.zeros_like(mean)
+    packed = np.zeros((2, len(priors), priors[0].channels, frames), dtype=np.float32)
     for i, (prior, lo) in enumerate(zip(priors, starts, strict=True)):
         m, sd = prior.parts(lo, lo + frames)
-        mean[i, :, : m.shape[1]] = m
-        sigma[i, :, : sd.shape[1]] = sd
-    return PriorRows(mean, sigma, [p.key for p in priors], list(starts))
+        packed[0, i, :, : m.shape[1]] = m
+        packed[1, i, :, : sd.shape[1]] = sd
+    return PriorRows(packed, [p.key for p in priors], list(starts))
 
 
 @dataclass

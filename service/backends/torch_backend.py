@@ -146,13 +146,12 @@ class TorchBackend:
     def guarded_host(self, audio: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """The guard over a whole step's audio [B, S] (one fused kernel on CUDA), then one copy
         to the host: (float32 audio with non-finite samples zeroed, non-finite count per row)."""
-        result = guard(audio)
-        host = audio.float().cpu().numpy()
-        nonfinite = result.nonfinite.cpu().numpy().astype(np.int64)
-        bad = nonfinite > 0
-        if bad.any():
-            host[bad] = np.nan_to_num(host[bad], nan=0.0, posinf=0.0, neginf=0.0)
-        return host, nonfinite
+        return self.guard_async(audio).result()
+
+    def guard_async(self, audio: torch.Tensor) -> _GuardedCopy:
+        """`guarded_host` without waiting: the guard and the copies to pinned host memory are
+        queued behind the step on its stream; `.result()` waits for them."""
+        return _GuardedCopy(audio, guard(audio).nonfinite)
 
     def decoder_stages(self) -> list[tuple[int, int, int]]:
         return decoder_stage_table(self.models["fp32"])
@@ -297,6 +296,33 @@ class _EncoderGraphs:
         cut = (slice(0, batch), slice(None), slice(0, length))
         return EncodeOut(m_p[cut].float().cpu().numpy(), logs_p[cut].float().cpu().numpy(),
                          logw[cut].float().cpu().numpy())
+
+
+class _GuardedCopy:
+    """A step's audio and guard counts on their way to the host (pinned memory, one event)."""
+
+    def __init__(self, audio: torch.Tensor, nonfinite: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if audio.device.type == "cuda":
+            self._audio = torch.empty(audio.shape, dtype=torch.float32, pin_memory=True)
+            self._audio.copy_(audio.float(), non_blocking=True)
+            self._nonfinite = torch.empty(nonfinite.shape, dtype=nonfinite.dtype, pin_memory=True)
+            self._nonfinite.copy_(nonfinite, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._audio, self._nonfinite = audio.float(), nonfinite
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._event is not None:
+            self._event.synchronize()
+        # A copy: chunks cut from it wait in session queues, and pinned memory is scarce.
+        host = self._audio.numpy().copy()
+        nonfinite = self._nonfinite.numpy().astype(np.int64)
+        bad = nonfinite > 0
+        if bad.any():
+            host[bad] = np.nan_to_num(host[bad], nan=0.0, posinf=0.0, neginf=0.0)
+        return host, nonfinite
 
 
 def _to_host(audio: torch.Tensor, precision: str) -> VocodeOut:

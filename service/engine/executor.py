@@ -41,6 +41,18 @@ class Chunk:
     fallback: bool
 
 
+@dataclass
+class _InFlight:
+    """A decoder step queued on the device: what `_finish` needs to cut its chunks."""
+
+    rows: list[tuple[SessionState, UtteranceState]]
+    precision: str
+    frames: int
+    fed: list[int]  # each row's frames fed before this step
+    pending: Any  # backend handle: .result() -> (host audio [B, S], non-finite count per row)
+    t0: float
+
+
 class _Slots:
     """The decoder slots of one (voice, precision): a streaming decoder and its free list."""
 
@@ -67,6 +79,7 @@ class Executor:
         self.on_trip = on_trip
         self._slots: dict[tuple[int, str], _Slots] = {}
         self.host_row_seconds = 0.0  # engine-thread time per row of a large step (moving average)
+        self._acoustic_seconds = 0.0  # acoustic stage time not yet charged to rows
 
     # --- mode ------------------------------------------------------------------------------------
 
@@ -162,6 +175,7 @@ class Executor:
         runtime = pending[0][0].spec.runtime
         pending.sort(key=lambda p: len(p[2].sentence.phoneme_ids))  # length buckets: little padding
         failed: list[tuple[SessionState, BaseException]] = []
+        t0 = time.perf_counter()
         for group in _groups(pending, self.config.acoustic_max_batch):
             try:
                 utts = runtime.acoustic_batch([job for _, _, job in group])
@@ -179,6 +193,7 @@ class Executor:
                     first = s.spec.schedule.first_chunk(u.index)
                     u.bounds = s.spec.schedule.boundaries(utt.frames, first)
                     u.staged = s.spec.runtime.staged_decoder(utt)
+        self._acoustic_seconds += time.perf_counter() - t0
         return failed
 
     # --- decoder steps ---------------------------------------------------------------------------
@@ -208,17 +223,64 @@ class Executor:
                 u.slot = slot
                 pool.decoder.reset([slot])
             groups.setdefault((id(s.spec.runtime), u.precision, u.fed == 0), []).append((s, u))
+        start = time.perf_counter()
+        batches = [(part, precision, first) for (_, precision, first), group in groups.items()
+                   for part in _halves(group, self.PIPELINE_MIN_ROWS)]
         out: list[Chunk] = []
         failed: list[Failure] = []
-        for (_, precision, first), group in groups.items():
-            chunks, bad = self._slot_step(group, precision, first)
+        # Pipelined: batch i+1 is prepared and launched while the device still runs batch i,
+        # and batch i's chunks are built while the device runs batch i+1.
+        flight = self._launch_or_fallback(*batches[0])
+        for i in range(len(batches)):
+            following = self._launch_or_fallback(*batches[i + 1]) if i + 1 < len(batches) else None
+            chunks, bad = self._land(flight, *batches[i])
             out += chunks
             failed += bad
+            flight = following
+        self._account_host_time(time.perf_counter() - start, batches)
         return out, failed
+
+    def _account_host_time(self, seconds: float, batches: list[tuple[list[Any], str, bool]]) -> None:
+        """Engine-thread seconds per row of a large step, the acoustic stage's time since the
+        last one included: what serving a real-time stream costs the engine thread."""
+        rows = sum(len(b) for b, _, first in batches if not first)
+        if rows < 32:
+            return
+        per_row = (seconds + self._acoustic_seconds) / rows
+        self._acoustic_seconds = 0.0
+        old = self.host_row_seconds
+        self.host_row_seconds = per_row if not old else 0.9 * old + 0.1 * per_row
+
+    # Batches of at least twice this many rows run as two halves, so the host's work on one
+    # overlaps the device's work on the other.
+    PIPELINE_MIN_ROWS = 32
+
+    def _launch_or_fallback(self, rows: list[tuple[SessionState, UtteranceState]], precision: str,
+                            first: bool) -> _InFlight | None:
+        """Launch a step; None when the launch failed (`_land` then runs it synchronously,
+        with its retry in halves)."""
+        fed = [u.fed for _, u in rows]
+        try:
+            return self._launch(rows, precision, first)
+        except Exception as exc:
+            for (_, u), before in zip(rows, fed, strict=True):
+                u.fed = before
+            log.warning("decoder step launch of %d rows failed (%s)", len(rows), exc)
+            return None
+
+    def _land(self, flight: _InFlight | None, rows: list[tuple[SessionState, UtteranceState]], precision: str,
+              first: bool) -> tuple[list[Chunk], list[Failure]]:
+        if flight is not None:
+            try:
+                return self._finish(flight), []
+            except Exception as exc:
+                for (_, u), before in zip(rows, flight.fed, strict=True):
+                    u.fed = before
+                log.warning("decoder step of %d rows failed (%s); running it again", len(rows), exc)
+        return self._slot_step(rows, precision, first)
 
     def _slot_step(self, rows: list[tuple[SessionState, UtteranceState]], precision: str,
                    first: bool) -> tuple[list[Chunk], list[Failure]]:
-        start = time.perf_counter()
         fed = [u.fed for _, u in rows]
         try:
             out = self._slot_step_rows(rows, precision, first)
@@ -245,10 +307,6 @@ class Executor:
                     out += chunks
                     failed += bad
             return out, failed
-        if len(rows) >= 32 and not first:
-            per_row = (time.perf_counter() - start) / len(rows)
-            old = self.host_row_seconds
-            self.host_row_seconds = per_row if not old else 0.9 * old + 0.1 * per_row
         return out, []
 
     def _rebuild(self, s: SessionState, u: UtteranceState) -> None:
@@ -269,33 +327,47 @@ class Executor:
 
     def _slot_step_rows(self, rows: list[tuple[SessionState, UtteranceState]], precision: str,
                         first: bool) -> list[Chunk]:
+        return self._finish(self._launch(rows, precision, first))
+
+    def _launch(self, rows: list[tuple[SessionState, UtteranceState]], precision: str, first: bool) -> _InFlight:
+        """Queue one batched step on the device (no waiting for it); advances each row's `fed`."""
         runtime = rows[0][0].spec.runtime
-        pool = self.slots(runtime, precision)
-        dec = pool.decoder
+        dec = self.slots(runtime, precision).decoder
         frames = (runtime.schedule.first_frames + dec.lag) if first else self.config.step_frames
-        inputs = _prior([u for _, u in rows], None, frames)
+        utts = [u for _, u in rows]
+        fed = [u.fed for u in utts]
         sids = None if rows[0][0].spec.sid is None else [s.spec.sid or 0 for s, _ in rows]
-        step = StepRows([u.slot for _, u in rows], inputs, [u.fed for _, u in rows],  # type: ignore[misc]
-                        [u.frames for _, u in rows], sids)
+        step = StepRows([u.slot for u in utts], _prior(utts, None, frames), fed,  # type: ignore[misc]
+                        [u.frames for u in utts], sids)
         t0 = time.perf_counter()
-        audio, nonfinite = runtime.backend.guarded_host(dec.step(step))  # type: ignore[attr-defined]
-        self.stats.step_seconds += time.perf_counter() - t0
+        pending = runtime.backend.guard_async(dec.step(step))  # type: ignore[attr-defined]
+        for u in utts:
+            u.fed += frames
+        return _InFlight(rows, precision, frames, fed, pending, t0)
+
+    def _finish(self, flight: _InFlight) -> list[Chunk]:
+        """Wait for a launched step and cut each row's chunk out of its audio (an FP32 redo for
+        rows whose FP16 audio tripped the guard)."""
+        audio, nonfinite = flight.pending.result()
+        rows, precision, frames = flight.rows, flight.precision, flight.frames
+        runtime = rows[0][0].spec.runtime
+        dec = self.slots(runtime, precision).decoder
+        self.stats.step_seconds += time.perf_counter() - flight.t0
         self.stats.steps += 1
         self.stats.rows += len(rows)
         self.stats.max_rows = max(self.stats.max_rows, len(rows))
         out = []
         hop = dec.hop
         for i, (s, u) in enumerate(rows):
-            start = (u.fed - dec.lag) * hop  # position of audio[i, 0] in the utterance
+            start = (flight.fed[i] - dec.lag) * hop  # position of audio[i, 0] in the utterance
             lo, hi = max(0, start), min(u.frames * hop, start + frames * hop)
-            u.fed += frames
             fallback = False
             if nonfinite[i] and precision != "fp32":
                 samples = self._redo_fp32(s, u, lo, hi)
                 fallback = True
             else:
                 if nonfinite[i]:
-                    self.stats.nonfinite_fp32 += 1  # zeroed by guarded_host: no FP32 to fall back to
+                    self.stats.nonfinite_fp32 += 1  # zeroed by the guard: no FP32 to fall back to
                 samples = audio[i, lo - start : hi - start] if hi > lo else np.zeros(0, np.float32)
                 if self.shadow is not None and precision != "fp32" and hi > lo:
                     self.shadow.offer(runtime.backend, u.utt.z_p, (lo // hop, hi // hop),  # type: ignore[union-attr]
@@ -348,6 +420,14 @@ def _prior(utts: list[UtteranceState], start: int | None, frames: int) -> PriorR
     fed so far)."""
     priors = [u.utt.prior for u in utts]  # type: ignore[union-attr]
     return prior_rows(priors, [u.fed if start is None else start for u in utts], frames)
+
+
+def _halves(items: list[T], min_rows: int) -> list[list[T]]:
+    """`items` as two halves when each has at least `min_rows`, else whole."""
+    if len(items) < 2 * min_rows:
+        return [items]
+    half = (len(items) + 1) // 2
+    return [items[:half], items[half:]]
 
 
 def _groups(items: list[T], size: int) -> list[list[T]]:

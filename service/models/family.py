@@ -21,14 +21,21 @@ class PriorRows:
     where noise is `service.models.noise.counter_normal(keys, starts)`. Rows past their
     utterance's end have mean = sigma = 0 (a family without noise passes sigma = 0)."""
 
-    mean: np.ndarray  # [B, C, frames]
-    sigma: np.ndarray  # [B, C, frames]
+    packed: np.ndarray  # [2, B, C, frames] float32: mean, sigma (one array: one upload)
     keys: Sequence[int]  # each row's noise key (its utterance's)
     starts: Sequence[int]  # each row's first frame, counted from its utterance's start
 
     @property
+    def mean(self) -> np.ndarray:
+        return self.packed[0]
+
+    @property
+    def sigma(self) -> np.ndarray:
+        return self.packed[1]
+
+    @property
     def shape(self) -> tuple[int, int, int]:
-        b, c, f = self.mean.shape
+        _, b, c, f = self.packed.shape
         return int(b), int(c), int(f)
 
 

@@ -72,8 +72,18 @@ def _reference(runtime: Synthesizer, loop: asyncio.AbstractEventLoop) -> list[li
     return _decode_all(Executor(BatchConfig(step_frames=16), EngineStats()), _rows(runtime, "fp32", loop))
 
 
+def _executor(stats: EngineStats, pipelined: bool) -> Executor:
+    """`pipelined`: every step's rows go as two halves, the second launched before the first
+    is cut into chunks (the path batches of 64+ rows take)."""
+    executor = Executor(BatchConfig(step_frames=16), stats)
+    if pipelined:
+        executor.PIPELINE_MIN_ROWS = 1
+    return executor
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
 def test_a_guard_trip_in_a_batch_redoes_only_the_tripped_row(
-    runtime: Synthesizer, loop: asyncio.AbstractEventLoop
+    runtime: Synthesizer, loop: asyncio.AbstractEventLoop, pipelined: bool
 ) -> None:
     backend = runtime.backend
     assert isinstance(backend, TorchBackend)
@@ -81,7 +91,7 @@ def test_a_guard_trip_in_a_batch_redoes_only_the_tripped_row(
     fault = inject_nonfinite(backend.model_for("fp16"), "dec.resblocks.0", rows=(1,), every=3, limit=1)
     stats = EngineStats()
     try:
-        chunks = _decode_all(Executor(BatchConfig(step_frames=16), stats), _rows(runtime, "fp16", loop))
+        chunks = _decode_all(_executor(stats, pipelined), _rows(runtime, "fp16", loop))
     finally:
         fault.remove()
     assert fault.fired == 1 and stats.fallbacks == 1
@@ -100,8 +110,9 @@ def test_a_guard_trip_in_a_batch_redoes_only_the_tripped_row(
     np.testing.assert_allclose(redone, expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 def test_a_failing_batch_is_split_and_every_row_still_decodes_exactly(
-    runtime: Synthesizer, loop: asyncio.AbstractEventLoop
+    runtime: Synthesizer, loop: asyncio.AbstractEventLoop, pipelined: bool
 ) -> None:
     """A step that raises for batches of 2+ rows is retried in halves down to single rows,
     each row's decoder state rebuilt first: every session still gets exactly its audio."""
@@ -110,10 +121,20 @@ def test_a_failing_batch_is_split_and_every_row_still_decodes_exactly(
     reference = _reference(runtime, loop)
     breaker = break_batches(backend.model_for("fp32"), "dec.resblocks.0", min_rows=2)
     try:
-        chunks = _decode_all(Executor(BatchConfig(step_frames=16), EngineStats()), _rows(runtime, "fp32", loop))
+        chunks = _decode_all(_executor(EngineStats(), pipelined), _rows(runtime, "fp32", loop))
     finally:
         breaker.remove()
     assert breaker.raised >= 1
+    for got, ref in zip(chunks, reference, strict=True):
+        np.testing.assert_allclose(np.concatenate([c.samples for c in got]), np.concatenate([c.samples for c in ref]),
+                                   atol=1e-5, rtol=0)
+
+
+def test_pipelined_halves_equal_one_batch(runtime: Synthesizer, loop: asyncio.AbstractEventLoop) -> None:
+    reference = _reference(runtime, loop)
+    stats = EngineStats()
+    chunks = _decode_all(_executor(stats, True), _rows(runtime, "fp32", loop))
+    assert stats.steps > len(chunks[0])  # the rows really went in two launches per round
     for got, ref in zip(chunks, reference, strict=True):
         np.testing.assert_allclose(np.concatenate([c.samples for c in got]), np.concatenate([c.samples for c in ref]),
                                    atol=1e-5, rtol=0)

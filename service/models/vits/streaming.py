@@ -97,7 +97,7 @@ class VitsStreamingDecoder:
     def reset(self, slots: Sequence[int]) -> None:
         if not slots:
             return
-        index = torch.as_tensor(list(slots), dtype=torch.long, device=self.device)
+        index = self._upload(np.asarray(list(slots), dtype=np.int64))
         for h in self.history:
             h.index_fill_(0, index, 0)
 
@@ -112,19 +112,23 @@ class VitsStreamingDecoder:
                 return self._graph_step(rows, bucket)[:b]
         return self._run(*self._tensors(rows, b))
 
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        """Host -> device without waiting for the device: through pinned memory on CUDA (a
+        pageable copy would wait for the step still running, and the pipeline with it)."""
+        t = torch.from_numpy(np.ascontiguousarray(values))
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
     def _tensors(self, rows: StepRows, b: int) -> tuple[torch.Tensor, ...]:
-        dev = self.device
-        slots = torch.as_tensor(np.asarray(rows.slots, dtype=np.int64), device=dev)
         prior = rows.inputs
-        parts = torch.as_tensor(np.stack([prior.mean, prior.sigma]), dtype=torch.float32, device=dev)
-        keys = torch.as_tensor(np.asarray(prior.keys, dtype=np.int64), device=dev)
-        starts = torch.as_tensor(np.asarray(prior.starts, dtype=np.int64), device=dev)
+        parts = self._upload(prior.packed)
+        ints = self._upload(np.asarray([rows.slots, rows.fed, rows.lengths,
+                                        rows.sids if rows.sids is not None else [0] * b,
+                                        prior.keys, prior.starts], dtype=np.int64))
+        slots, fed, lengths, sids, keys, starts = ints
         _, channels, frames = prior.shape
         z = (parts[0] + parts[1] * counter_normal(keys, starts, channels, frames)).to(self.dtype)
-        fed = torch.as_tensor(np.asarray(rows.fed, dtype=np.int64), device=dev)
-        lengths = torch.as_tensor(np.asarray(rows.lengths, dtype=np.int64), device=dev)
-        sids = torch.as_tensor(np.asarray(rows.sids if rows.sids is not None else [0] * b, dtype=np.int64),
-                               device=dev)
         return slots, z, fed, lengths, sids
 
     def _run(
