@@ -7,8 +7,9 @@ Health checks and reflection are left out (probes would drown the rest)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -76,34 +77,32 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             span.set_status(Status(StatusCode.ERROR, status))
         span.end()
 
+    @contextlib.contextmanager
+    def _observed(self, method: str, metadata: Any, context: grpc.aio.ServicerContext) -> Iterator[None]:
+        """Around one call: its span (current inside) and, at the end, its duration and status."""
+        started = time.monotonic()
+        span = self._start(method, metadata)
+        error: BaseException | None = None
+        try:
+            yield
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self._finish(span, method, context, started, error)
+
     def _unary(self, behavior: Callable[..., Any], method: str, metadata: Any) -> Callable[..., Any]:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            started = time.monotonic()
-            span = self._start(method, metadata)
-            error: BaseException | None = None
-            try:
+            with self._observed(method, metadata, context):
                 return await behavior(request, context)
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                self._finish(span, method, context, started, error)
 
         return call
 
     def _streaming(self, behavior: Callable[..., Any], method: str, metadata: Any) -> Callable[..., Any]:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            started = time.monotonic()
-            span = self._start(method, metadata)
-            error: BaseException | None = None
-            try:
+            with self._observed(method, metadata, context):
                 async for response in behavior(request, context):
                     yield response
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                self._finish(span, method, context, started, error)
 
         return call
 
