@@ -68,6 +68,8 @@ class EngineCore:
         self._stopping = False
         self._poked = False  # a client took audio since the last plan
         self._first_audio_wait_s = 0.0
+        # Throughput window: (start, busy seconds, audio seconds, steps, rows) at its start.
+        self._window: tuple[float, float, float, int, int] | None = None
         self._specs: dict[int, WorkSpec] = {}  # for the frontend thread (guarded by _cv)
         self._texts_sent: dict[int, int] = {}  # per session: texts handed to the frontend (loop side)
         self._frontend: FrontendPool | None = None
@@ -179,7 +181,9 @@ class EngineCore:
                     self._fail(s, RuntimeError("engine stopped"))
                 return
             try:
+                t0 = time.monotonic()
                 idle, wake_at = self._iterate()
+                self._note_busy(0.0 if idle else time.monotonic() - t0)
                 failures = 0
             except Exception:  # a bug here must not kill the thread silently
                 log.exception("engine iteration failed")
@@ -187,6 +191,33 @@ class EngineCore:
                 if failures >= self.MAX_FAILED_ITERATIONS:
                     raise
                 idle, wake_at = True, time.monotonic() + 0.01
+
+    # The engine's throughput is measured over windows of this much wall time, and only from
+    # windows in which the thread worked at least BUSY_SHARE of it: a lightly loaded engine
+    # makes small batches and would understate what it carries when full.
+    # ... and steps of FULL_ROWS rows on average (a few sessions running ahead of playback keep
+    # the thread busy too, with batches too small to say what it carries).
+    RATE_WINDOW_S = 2.0
+    BUSY_SHARE = 0.7
+    FULL_ROWS = 16
+
+    def _note_busy(self, seconds: float) -> None:
+        now, st = time.monotonic(), self.stats
+        if self._window is None:
+            self._window = (now, 0.0, st.audio_seconds, st.steps, st.rows)
+            return
+        start, busy, audio, steps, rows = self._window
+        busy += seconds
+        self._window = (start, busy, audio, steps, rows)
+        wall = now - start
+        if wall < self.RATE_WINDOW_S:
+            return
+        n = st.steps - steps
+        if busy >= self.BUSY_SHARE * wall and n and (st.rows - rows) / n >= self.FULL_ROWS:
+            rate = (st.audio_seconds - audio) / busy
+            old = self.executor.engine_rate
+            self.executor.engine_rate = rate if not old else 0.7 * old + 0.3 * rate
+        self._window = (now, 0.0, st.audio_seconds, st.steps, st.rows)
 
     def _die(self, exc: BaseException) -> None:
         """Record the death and fail what this thread still holds (the event loop side fails

@@ -78,8 +78,9 @@ class Executor:
         self.shadow = shadow
         self.on_trip = on_trip
         self._slots: dict[tuple[int, str], _Slots] = {}
-        self.host_row_seconds = 0.0  # engine-thread time per row of a large step (moving average)
-        self._acoustic_seconds = 0.0  # acoustic stage time not yet charged to rows
+        # Audio seconds the engine thread makes per second of its work, measured while it was
+        # busy (EngineCore.note_busy); 0 until then.
+        self.engine_rate = 0.0
 
     # --- mode ------------------------------------------------------------------------------------
 
@@ -114,10 +115,11 @@ class Executor:
     CAPACITY_HEADROOM = 0.8
 
     def capacity_streams(self, precision: str | None = None) -> float | None:
-        """Real-time streams the decoder can carry: audio seconds made per second at the best
-        measured batch of steady steps (GPU step times timed at warm-up, the host's time per
-        row as measured while serving), or the staged decoder's measured speed. None before
-        anything was measured."""
+        """Real-time streams the engine can carry: audio seconds made per second at the best
+        measured batch of steady steps (GPU step times timed at warm-up), or the staged
+        decoder's measured speed, and never more than the whole engine thread made while it
+        was busy (acoustic stage, planning and delivery included). None before anything was
+        measured."""
         best = 0.0
         for (_, p), pool in self._slots.items():
             if precision is not None and p != precision:
@@ -127,10 +129,10 @@ class Executor:
             for (rows, n), seconds in dec.step_seconds.items():
                 if n == frames and seconds > 0:
                     best = max(best, rows * audio / seconds)
-            if self.host_row_seconds > 0:
-                best = min(best, audio / self.host_row_seconds) if best else audio / self.host_row_seconds
         if not best and self.stats.step_seconds > 0 and not self._slots:
             best = self.stats.audio_seconds / self.stats.step_seconds
+        if self.engine_rate > 0:
+            best = min(best, self.engine_rate) if best else self.engine_rate
         return best * self.CAPACITY_HEADROOM if best else None
 
     @staticmethod
@@ -175,7 +177,6 @@ class Executor:
         runtime = pending[0][0].spec.runtime
         pending.sort(key=lambda p: len(p[2].sentence.phoneme_ids))  # length buckets: little padding
         failed: list[tuple[SessionState, BaseException]] = []
-        t0 = time.perf_counter()
         for group in _groups(pending, self.config.acoustic_max_batch):
             try:
                 utts = runtime.acoustic_batch([job for _, _, job in group])
@@ -193,7 +194,6 @@ class Executor:
                     first = s.spec.schedule.first_chunk(u.index)
                     u.bounds = s.spec.schedule.boundaries(utt.frames, first)
                     u.staged = s.spec.runtime.staged_decoder(utt)
-        self._acoustic_seconds += time.perf_counter() - t0
         return failed
 
     # --- decoder steps ---------------------------------------------------------------------------
@@ -223,7 +223,6 @@ class Executor:
                 u.slot = slot
                 pool.decoder.reset([slot])
             groups.setdefault((id(s.spec.runtime), u.precision, u.fed == 0), []).append((s, u))
-        start = time.perf_counter()
         batches = [(part, precision, first) for (_, precision, first), group in groups.items()
                    for part in _halves(group, self.PIPELINE_MIN_ROWS)]
         out: list[Chunk] = []
@@ -237,19 +236,7 @@ class Executor:
             out += chunks
             failed += bad
             flight = following
-        self._account_host_time(time.perf_counter() - start, batches)
         return out, failed
-
-    def _account_host_time(self, seconds: float, batches: list[tuple[list[Any], str, bool]]) -> None:
-        """Engine-thread seconds per row of a large step, the acoustic stage's time since the
-        last one included: what serving a real-time stream costs the engine thread."""
-        rows = sum(len(b) for b, _, first in batches if not first)
-        if rows < 32:
-            return
-        per_row = (seconds + self._acoustic_seconds) / rows
-        self._acoustic_seconds = 0.0
-        old = self.host_row_seconds
-        self.host_row_seconds = per_row if not old else 0.9 * old + 0.1 * per_row
 
     # Batches of at least twice this many rows run as two halves, so the host's work on one
     # overlaps the device's work on the other.

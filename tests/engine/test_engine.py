@@ -384,3 +384,35 @@ def test_a_client_that_stops_reading_is_ended_after_the_stall_limit() -> None:
         h.run(run())
     finally:
         h.close()
+
+
+def test_capacity_is_capped_by_what_the_busy_engine_made(harness: EngineHarness) -> None:
+    """A window in which the engine thread worked most of the time with large steps caps the
+    estimate at the audio it made per working second; an idle or small-batch window does not."""
+    core = harness.engine._loop
+    executor, stats = core.executor, core.stats
+    saved = executor.engine_rate
+    try:
+        executor.engine_rate = 0.0
+        before = executor.capacity_streams()  # None here: CPU slot steps are not timed at warm-up
+        core._window = (time.monotonic() - 2.5, 0.0, stats.audio_seconds, stats.steps, stats.rows)
+        stats.audio_seconds += 10.0
+        stats.steps += 2
+        stats.rows += 4  # 2 rows per step: too small to measure capacity from
+        core._note_busy(2.4)
+        assert executor.engine_rate == 0.0
+        core._window = (time.monotonic() - 2.5, 0.0, stats.audio_seconds, stats.steps, stats.rows)
+        stats.audio_seconds += 10.0
+        stats.steps += 2
+        stats.rows += 64
+        core._note_busy(0.5)  # mostly idle: not saturated
+        assert executor.engine_rate == 0.0
+        core._window = (time.monotonic() - 2.5, 0.0, stats.audio_seconds, stats.steps, stats.rows)
+        stats.audio_seconds += 10.0
+        stats.steps += 2
+        stats.rows += 64
+        core._note_busy(2.0)
+        assert executor.engine_rate == pytest.approx(5.0)
+        assert executor.capacity_streams() == pytest.approx(0.8 * 5.0 if before is None else min(before, 0.8 * 5.0))
+    finally:
+        executor.engine_rate = saved
