@@ -7,10 +7,12 @@ another's."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from service.backends.base import EncodeOut, VocodeOut
 from service.engine.guard import guard
@@ -65,8 +67,12 @@ class TorchBackend:
         self.pins = tuple(pins)
         self.models: dict[str, VitsModel] = {"fp32": voice.model.to(self._device).eval()}
         self._streams = StreamPool(self._device, stream_pool_size) if self._device.type == "cuda" else None
-        self._encoder_graphs = _EncoderGraphs(self.models["fp32"], self._device) if self._device.type == "cuda" \
-            else None
+        self._encoder_graphs = None
+        if self._device.type == "cuda":
+            model = self.models["fp32"]
+            gemm_convs(model.enc_p)
+            gemm_convs(model.dp)
+            self._encoder_graphs = _EncoderGraphs(model, self._device)
         if self._device.type == "cuda":
             # FP32 must mean FP32: TF32 tensor-core math keeps only 10 mantissa bits, no
             # better than FP16, and the FP32 path is the numerical safety net.
@@ -296,6 +302,37 @@ class _EncoderGraphs:
         cut = (slice(0, batch), slice(None), slice(0, length))
         return EncodeOut(m_p[cut].float().cpu().numpy(), logs_p[cut].float().cpu().numpy(),
                          logw[cut].float().cpu().numpy())
+
+
+def gemm_convs(module: torch.nn.Module) -> None:
+    """Run `module`'s 1-D convolutions as one matrix product each (depthwise ones as one
+    multiply-and-sum). The acoustic stage runs without cuDNN (see `encode`), and PyTorch's own
+    convolution loops over the batch, two kernels per sentence per layer: at 64 sentences most of
+    the stage's time is kernel launches. Same arithmetic, so results agree to rounding."""
+    for conv in module.modules():
+        if isinstance(conv, torch.nn.Conv1d) and conv.stride == (1,) and conv.padding_mode == "zeros" \
+                and conv.groups in (1, conv.in_channels) and isinstance(conv.padding, tuple):
+            conv.forward = functools.partial(_gemm_conv1d, conv)  # type: ignore[method-assign]
+
+
+def _gemm_conv1d(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    (k,), (dilation,) = conv.kernel_size, conv.dilation
+    pad = int(conv.padding[0])  # a tuple: `gemm_convs` leaves padding="same" convs alone
+    w = conv.weight
+    if k == 1 and pad == 0:
+        y = torch.matmul(w[:, :, 0], x)  # [O, C] @ [B, C, T]
+    else:
+        x = F.pad(x, (pad, pad)) if pad else x
+        cols = x.unfold(2, dilation * (k - 1) + 1, 1)[..., ::dilation]  # [B, C, T', k]
+        if conv.groups == 1:
+            b, c, t, _ = cols.shape
+            flat = cols.permute(0, 2, 1, 3).reshape(b, t, c * k)  # [B, T', C*k]
+            y = torch.matmul(flat, w.reshape(w.shape[0], c * k).t()).transpose(1, 2)
+        else:  # depthwise
+            y = (cols * w[:, 0].view(1, -1, 1, k)).sum(dim=3)
+    if conv.bias is not None:
+        y = y + conv.bias.view(1, -1, 1)
+    return y
 
 
 class _GuardedCopy:

@@ -134,7 +134,11 @@ def test_cuda_fault_injection_falls_back_to_fp32(layer: str) -> None:
 @pytest.mark.gpu
 def test_cuda_encoder_graphs_equal_the_eager_acoustic_stage() -> None:
     """The acoustic stage replayed from a CUDA graph (rows and phonemes padded to a bucket)
-    gives the eager stage's outputs for every real row."""
+    gives the eager stage's outputs for every real row, and both agree with the CPU model
+    (torch's own convolutions: the CUDA backend runs them as matrix products)."""
+    import copy
+
+    cpu_model = copy.deepcopy(Voice(builtin_voice_info()).model).cpu().eval()
     backend = TorchBackend(Voice(builtin_voice_info()), device="cuda")
     rng = np.random.default_rng(0)
     lengths = np.asarray([37, 12, 50], dtype=np.int64)
@@ -146,7 +150,34 @@ def test_cuda_encoder_graphs_equal_the_eager_acoustic_stage() -> None:
     assert backend._encoder_graphs is not None and backend._encoder_graphs._graphs  # it ran from a graph
     backend._encoder_graphs = None
     eager = backend.encode(ids, lengths, noise, None)
-    for a, b in ((graphed.m_p, eager.m_p), (graphed.logs_p, eager.logs_p), (graphed.logw, eager.logw)):
+    with torch.inference_mode():
+        ref = cpu_model.encode(torch.as_tensor(ids), torch.as_tensor(lengths), torch.as_tensor(noise))
+    for a, b, c in ((graphed.m_p, eager.m_p, ref[0]), (graphed.logs_p, eager.logs_p, ref[1]),
+                    (graphed.logw, eager.logw, ref[2])):
         assert a.shape == b.shape
         for i, n in enumerate(lengths):
             np.testing.assert_allclose(a[i, :, :n], b[i, :, :n], atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(a[i, :, :n], c.numpy()[i, :, :n], atol=1e-3, rtol=1e-3)
+
+
+def test_gemm_convolutions_equal_the_library_ones() -> None:
+    """The acoustic stage's convolutions as matrix products (what the CUDA backend runs) give
+    what torch's own convolutions give, padded, dilated and depthwise ones included."""
+    import copy
+
+    from service.backends.torch_backend import gemm_convs
+
+    model = Voice(builtin_voice_info()).model.eval()
+    gemm = copy.deepcopy(model)
+    gemm_convs(gemm.enc_p)
+    gemm_convs(gemm.dp)
+    replaced = [m for m in gemm.modules() if isinstance(m, torch.nn.Conv1d) and "forward" in vars(m)]
+    assert len(replaced) > 20 and any(m.groups > 1 for m in replaced) and any(m.dilation[0] > 1 for m in replaced)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 100, (4, 90), generator=gen)
+    lengths = torch.tensor([90, 61, 33, 7])
+    noise = torch.randn(4, 2, 90, generator=gen) * 0.8
+    with torch.inference_mode():
+        want, got = model.encode(ids, lengths, noise), gemm.encode(ids, lengths, noise)
+    for a, b in zip(want[:3], got[:3], strict=True):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), atol=1e-4, rtol=0)
