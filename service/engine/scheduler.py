@@ -62,9 +62,11 @@ class Scheduler:
         decode: list[tuple[tuple[int, float, float], SessionState, UtteranceState]] = []
         wake = math.inf
         for s in sessions:
+            if not s.utterances:  # waiting for text: nothing to plan
+                continue
             slack = s.slack(now)
-            head = s.head
-            if head is not None and head.status is UtteranceStatus.DECODING and s.unread_s() < cfg.max_ahead_s:
+            head = s.utterances[0]
+            if head.status is UtteranceStatus.DECODING and s.unread_s() < cfg.max_ahead_s:
                 decode.append(((0 if head.chunk_index == 0 else 1, slack, s.ready_since), s, head))
             nxt = next((u for u in s.utterances if u.status is UtteranceStatus.ACOUSTIC), None)
             if nxt is not None:
