@@ -283,10 +283,8 @@ class EngineCore:
         sessions = list(self._sessions.values())
         runtime = sessions[0].spec.runtime if sessions else None
         max_rows = self.executor.max_rows(runtime)
-        slotted = runtime is not None and self.executor.uses_slots(runtime)
-        free = self.executor.free_slots if slotted else None
-        fill = self.executor.step_rows if slotted else None
-        plan = self.scheduler.plan(sessions, now, max_rows, free, fill)
+        free = self.executor.free_slots if runtime is not None and self.executor.uses_slots(runtime) else None
+        plan = self.scheduler.plan(sessions, now, max_rows, free)
         if plan.empty:
             if self._shadow_run is not None and self._shadow_run():
                 return False, None
@@ -298,7 +296,7 @@ class EngineCore:
         else:
             self._acoustic(plan.acoustic)
             if plan.acoustic:  # sentences that just got their latent frames start now
-                plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free, fill)
+                plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free)
             self._decode(plan.decode)
         for s in list(self._sessions.values()):
             self._finish_if_done(s)

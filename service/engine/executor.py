@@ -96,13 +96,6 @@ class Executor:
         """Sessions one step may advance: many with slots, one with the staged decoder."""
         return self.config.max_step_rows if runtime is None or self.uses_slots(runtime) else 1
 
-    def step_rows(self, rows: int) -> int:
-        """Rows a step of `rows` rows computes (its batch shape: the CUDA graph bucket, for each
-        half of a pipelined step), so the scheduler can fill the padding with real work."""
-        if rows < 2 * self.PIPELINE_MIN_ROWS:
-            return _bucket(rows, self.config.max_step_rows)
-        return 2 * _bucket((rows + 1) // 2, self.config.max_step_rows)
-
     def slots(self, runtime: Synthesizer, precision: str) -> _Slots:
         key = (id(runtime), precision)
         pool = self._slots.get(key)
@@ -414,11 +407,6 @@ def _prior(utts: list[UtteranceState], start: int | None, frames: int) -> PriorR
     fed so far)."""
     priors = [u.utt.prior for u in utts]  # type: ignore[union-attr]
     return prior_rows(priors, [u.fed if start is None else start for u in utts], frames)
-
-
-def _bucket(rows: int, max_rows: int) -> int:
-    """The decoder's batch bucket for `rows` rows: the next power of two, at most `max_rows`."""
-    return min(max_rows, 1 << max(0, rows - 1).bit_length())
 
 
 def _halves(items: list[T], min_rows: int) -> list[list[T]]:

@@ -9,9 +9,6 @@ stage and which sessions advance by one decoder step, most urgent first:
   only when no session is waiting for its first audio or below its lead and no sentence
   waits for the acoustic stage (the GPU then has time to spare: unary requests and clients
   that buffer still get their audio as fast as it can be made);
-* a step that runs anyway is filled up to the rows its batch shape computes regardless (the
-  step's CUDA graph bucket: padding rows cost as much as real ones), with the least buffered
-  of the sessions that are ahead, so they build their lead for free;
 * a session whose client has not yet taken `max_ahead_s` of the audio delivered to it is
   not stepped (backpressure: bounded memory per session, GPU time for those who need it;
   the session wakes the engine when its client catches up);
@@ -50,12 +47,10 @@ class Scheduler:
         self.config = config
 
     def plan(self, sessions: Iterable[SessionState], now: float, max_rows: int,
-             free_slots: Callable[[SessionState, UtteranceState], int] | None = None,
-             fill: Callable[[int], int] | None = None) -> Plan:
+             free_slots: Callable[[SessionState, UtteranceState], int] | None = None) -> Plan:
         """`free_slots(s, u)`: decoder slots free for `u`'s voice and precision (None: no slots,
         e.g. the staged decoder). An utterance that needs a slot is planned only while one is
-        free, so waiting starts never crowd out the sessions that hold the slots.
-        `fill(n)`: the rows a step of n rows computes anyway (None: n)."""
+        free, so waiting starts never crowd out the sessions that hold the slots."""
         cfg = self.config
         plan = Plan()
         acoustic: list[tuple[tuple[float, float], SessionState, UtteranceState]] = []
@@ -82,11 +77,7 @@ class Scheduler:
             decode.sort(key=lambda item: item[0])
             urgent = [item for item in decode if item[0][0] == 0 or item[0][1] < cfg.lead_s]
             if urgent or acoustic:
-                relaxed = [item for item in decode if item[0][0] == 1 and item[0][1] >= cfg.lead_s]
-                # Fill only the step of playing sessions (first chunks are a step of their own).
-                playing = sum(1 for _, u in self._take(urgent, max_rows, free_slots) if u.chunk_index > 0)
-                room = min(max_rows - len(urgent), fill(playing) - playing) if fill and playing else 0
-                decode = urgent + relaxed[:max(0, room)]
+                decode = urgent
             plan.decode = self._take(decode, max_rows, free_slots)
             plan.decode_first = bool(decode) and decode[0][0][0] == 1 and decode[0][0][1] < cfg.urgent_slack_s
         if plan.empty and wake < math.inf:

@@ -119,31 +119,3 @@ def test_starts_wait_for_a_free_slot_and_never_crowd_out_slot_holders(runtime: S
     one = Scheduler(BatchConfig()).plan(starts + holders, NOW, max_rows=4, free_slots=lambda s, u: 1)
     planned = [s for s, _ in one.decode]
     assert len(planned) == 4 and planned[0] in starts and {id(s) for s in planned[1:]} == {id(s) for s in holders}
-
-
-def test_a_step_that_runs_anyway_is_filled_with_sessions_ahead(runtime: Synthesizer) -> None:
-    """While a sentence waits for the acoustic stage only urgent sessions step, but their step's
-    batch shape has room: it is filled with the least buffered of the sessions ahead."""
-    cfg = BatchConfig(lead_s=1.0)
-    behind = [_session(runtime, i, playing_for=1.0, slack=0.2 + 0.1 * i) for i in range(1, 4)]
-    ahead = [_session(runtime, 10 + i, playing_for=1.0, slack=2.0 + 0.1 * i) for i in range(6)]
-    starting = _session(runtime, 30, decoding=False, acoustic=1)
-    sessions = [*ahead, *behind, starting]
-    plan = Scheduler(cfg).plan(sessions, NOW, max_rows=16)
-    assert [s for s, _ in plan.decode] == behind  # no fill without knowing the batch shape
-    plan = Scheduler(cfg).plan(sessions, NOW, max_rows=16, fill=lambda n: 4 if n <= 4 else 8)
-    assert [s for s, _ in plan.decode] == [*behind, ahead[0]]
-    plan = Scheduler(cfg).plan(sessions, NOW, max_rows=5, fill=lambda n: 8)
-    assert [s for s, _ in plan.decode] == [*behind, *ahead[:2]]  # never past max_rows
-    first = _session(runtime, 40)  # a first chunk alone is a step of its own: nothing to fill
-    plan = Scheduler(cfg).plan([*ahead, first, starting], NOW, max_rows=16, fill=lambda n: 8)
-    assert [s for s, _ in plan.decode] == [first]
-
-
-def test_step_rows_are_the_decoder_buckets() -> None:
-    from service.engine.executor import Executor
-    from service.engine.state import EngineStats
-
-    ex = Executor(BatchConfig(max_step_rows=256), EngineStats())
-    rows = (1, 3, 5, 17, 63, 64, 65, 100, 200, 256)
-    assert [ex.step_rows(n) for n in rows] == [1, 4, 8, 32, 64, 64, 128, 128, 256, 256]
