@@ -3,8 +3,11 @@
 Each engine iteration it decides which sessions' next sentences go through the acoustic
 stage and which sessions advance by one decoder step, most urgent first:
 
-* a session waiting for its first audio outranks every session already playing, and among
-  playing sessions the one with the least audio buffered at its client goes first;
+* a playing session about to run dry (less than `urgent_slack_s` buffered) goes first: a gap
+  in audio that is playing is worse than a later start; then sessions waiting for their first
+  audio; then the other playing sessions, the least buffered first (on one CPU core's worth of
+  decoding, where a step serves one session, this keeps the first sessions of a burst playing
+  while the rest start);
 * deadlines first: a session with at least `lead_s` of audio ahead of its playback is stepped
   only when no session is waiting for its first audio or below its lead and no sentence
   waits for the acoustic stage (the GPU then has time to spare: unary requests and clients
@@ -62,7 +65,8 @@ class Scheduler:
             slack = s.slack(now)
             head = s.utterances[0]
             if head.status is UtteranceStatus.DECODING and s.unread_s() < cfg.max_ahead_s:
-                decode.append(((0 if head.chunk_index == 0 else 1, slack, s.ready_since), s, head))
+                rank = 1 if head.chunk_index == 0 else 0 if slack < cfg.urgent_slack_s else 2
+                decode.append(((rank, slack, s.ready_since), s, head))
             nxt = next((u for u in s.utterances if u.status is UtteranceStatus.ACOUSTIC), None)
             if nxt is not None:
                 if s.queued_audio_s() < cfg.acoustic_lookahead_s:
@@ -75,11 +79,11 @@ class Scheduler:
             plan.acoustic = [(s, u) for _, s, u in acoustic if s.spec.runtime is runtime][: cfg.acoustic_max_batch]
         if decode:
             decode.sort(key=lambda item: item[0])
-            urgent = [item for item in decode if item[0][0] == 0 or item[0][1] < cfg.lead_s]
+            urgent = [item for item in decode if item[0][0] < 2 or item[0][1] < cfg.lead_s]
             if urgent or acoustic:
                 decode = urgent
             plan.decode = self._take(decode, max_rows, free_slots)
-            plan.decode_first = bool(decode) and decode[0][0][0] == 1 and decode[0][0][1] < cfg.urgent_slack_s
+            plan.decode_first = bool(decode) and decode[0][0][0] == 0
         if plan.empty and wake < math.inf:
             plan.wake_at = wake
         return plan

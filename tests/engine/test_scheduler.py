@@ -59,11 +59,16 @@ def _session(runtime: Synthesizer, sid: int, *, playing_for: float | None = None
     return s
 
 
-def test_first_chunks_first_then_least_buffered(runtime: Synthesizer) -> None:
-    low = _session(runtime, 1, playing_for=2.0, slack=0.2)
-    mid = _session(runtime, 2, playing_for=2.0, slack=0.6)
-    new = _session(runtime, 3)
-    plan = Scheduler(BatchConfig()).plan([low, mid, new], NOW, max_rows=8)
+def test_about_to_run_dry_then_first_chunks_then_least_buffered(runtime: Synthesizer) -> None:
+    dry = _session(runtime, 1, playing_for=2.0, slack=0.2)
+    low = _session(runtime, 2, playing_for=2.0, slack=0.4)
+    mid = _session(runtime, 3, playing_for=2.0, slack=0.6)
+    new = _session(runtime, 4)
+    cfg = BatchConfig(urgent_slack_s=0.3)
+    plan = Scheduler(cfg).plan([mid, low, new, dry], NOW, max_rows=8)
+    assert [s for s, _ in plan.decode] == [dry, new, low, mid]
+    assert plan.decode_first  # the session running dry also goes before new sentences
+    plan = Scheduler(cfg).plan([mid, low, new], NOW, max_rows=8)
     assert [s for s, _ in plan.decode] == [new, low, mid]
     assert not plan.decode_first  # the head of the queue is a first chunk, not a playing session
 
