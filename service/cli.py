@@ -19,6 +19,8 @@ from service.backends.registry import backend_names
 from service.voices import BUILTIN_VOICE, VoiceNotFoundError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from service.engine.config import BatchConfig
 
 EPILOG = "Errors are one line (exit 1; 2 for usage errors). Set CADENZA_DEBUG=1 to see the traceback instead."
@@ -399,7 +401,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("a client certificate needs its key: give --tls-cert and --tls-key together")
     metadata = list(args.metadata or ())
-    api_key = args.api_key if args.api_key is not None else os.environ.get("CADENZA_API_KEY")
+    api_key = _api_key(args)
     if api_key:
         from service.api.auth import bearer_metadata
 
@@ -470,15 +472,40 @@ def _cmd_bench_streams(args: argparse.Namespace) -> int:
 def _cmd_bench_load(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from service.tools.bench_load import LoadConfig, run_bench_load
+    from service.tools.bench_load import Connection, LoadConfig, run_bench_load
 
+    connection = Connection(tls_ca=_path(args.tls_ca), tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key),
+                            api_key=_api_key(args))
     config = LoadConfig(
         target=args.target, sessions=args.sessions, arrival=args.arrival, rate=args.rate, duration_s=args.duration,
         pace=args.pace, tokens_per_s=args.tokens_per_s, precision=args.precision, seed=args.seed,
         connect_timeout_s=args.connect_timeout,
     )
     return run_bench_load(config, args.sweep, Path(args.json) if args.json else None,
-                          Path(args.png) if args.png else None)
+                          Path(args.png) if args.png else None, connection)
+
+
+def _path(value: str | None) -> Path | None:
+    from pathlib import Path
+
+    return Path(value) if value is not None else None
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $CADENZA_API_KEY (read when the command runs, not at import)."""
+    return args.api_key if args.api_key is not None else os.environ.get("CADENZA_API_KEY") or None
+
+
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    """TLS and API-key options of the commands that connect to a server."""
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="API key, sent as 'authorization: Bearer KEY' (default: $CADENZA_API_KEY, if set)")
+    p.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="PEM CA bundle to verify the server with: connect over TLS (default: plaintext, "
+                        "or the system's CAs with --tls-cert)")
+    p.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="PEM client certificate for mutual TLS; needs --tls-key (default: none)")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
 
 
 # --- shared option groups -----------------------------------------------------------------------------
@@ -696,6 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="picks each session's texts and the poisson arrivals")
     bload.add_argument("--connect-timeout", type=float, default=load("connect_timeout_s"),
                        help="seconds to wait for the server to be reachable and SERVING")
+    _add_connection_args(bload)
     bload.set_defaults(func=_cmd_bench_load)
 
     def limit(name: str) -> ConfigDefault:
@@ -805,14 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--metadata", type=metadata_arg, action="append", default=None, metavar="KEY=VALUE",
                         help="gRPC metadata sent with the call (e.g. authorization=Bearer ...); repeatable "
                              "(default: none)")
-    client.add_argument("--api-key", default=None, metavar="KEY",
-                        help="API key, sent as 'authorization: Bearer KEY' (default: $CADENZA_API_KEY, if set)")
-    client.add_argument("--tls-ca", default=None, metavar="FILE",
-                        help="PEM CA bundle to verify the server with: connect over TLS (default: plaintext, "
-                             "or the system's CAs with --tls-cert)")
-    client.add_argument("--tls-cert", default=None, metavar="FILE",
-                        help="PEM client certificate for mutual TLS; needs --tls-key (default: none)")
-    client.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    _add_connection_args(client)
     client.set_defaults(func=_cmd_client)
     return parser
 

@@ -90,6 +90,52 @@ class LoadConfig:
     connect_timeout_s: float = 30.0
 
 
+@dataclass(frozen=True)
+class Connection:
+    """How to reach a secured server: TLS files (`tls_ca` verifies the server; `tls_cert` +
+    `tls_key` for mutual TLS) and an API key. Kept apart from `LoadConfig`, which goes into
+    the JSON report: the key must not."""
+
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    api_key: str | None = field(default=None, repr=False)
+
+    def channel(self, target: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
+        from service.api.client import channel_credentials
+
+        pairs = (("authorization", f"Bearer {self.api_key}"),)
+        interceptors: list[Any] | None = [_UnaryMetadata(pairs), _StreamMetadata(pairs)] if self.api_key else None
+        credentials = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
+        if credentials is None:
+            return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
+
+
+class _SendMetadata:
+    """Adds fixed metadata (the API key) to every call on a channel."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...]) -> None:
+        self._pairs = pairs
+
+    def _with(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(tuple(details.metadata or ()) + self._pairs))
+        return details._replace(metadata=metadata)
+
+
+# grpc.aio files an interceptor under one call shape only: one class per shape.
+class _UnaryMetadata(_SendMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                    request: Any) -> Any:
+        return await continuation(self._with(details), request)
+
+
+class _StreamMetadata(_SendMetadata, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                      request_iterator: Any) -> Any:
+        return await continuation(self._with(details), request_iterator)
+
+
 @dataclass
 class SessionRecord:
     """One session as the client saw it. Times are client-side."""
@@ -498,9 +544,10 @@ def _arrival_text(cfg: LoadConfig) -> str:
             f"{POISSON_DURATION_S if cfg.duration_s is None else cfg.duration_s:g} s")
 
 
-async def _main(cfg: LoadConfig, sweep: bool, json_path: Path | None, png_path: Path | None) -> int:
+async def _main(cfg: LoadConfig, sweep: bool, json_path: Path | None, png_path: Path | None,
+                connection: Connection) -> int:
     # Separate connections: grpc shares one subchannel between channels with the same target and arguments.
-    channels = [grpc.aio.insecure_channel(cfg.target, options=[("grpc.use_local_subchannel_pool", 1)])
+    channels = [connection.channel(cfg.target, [("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(math.ceil(cfg.sessions / SESSIONS_PER_CHANNEL))]
     try:
         return await _drive(channels, cfg, sweep, json_path, png_path)
@@ -551,7 +598,7 @@ async def _drive(channels: Sequence[grpc.aio.Channel], cfg: LoadConfig, sweep: b
 
 
 def run_bench_load(cfg: LoadConfig, sweep: bool = False, json_path: Path | None = None,
-                   png_path: Path | None = None) -> int:
+                   png_path: Path | None = None, connection: Connection | None = None) -> int:
     """Validate, run (or sweep), report. Raises ConnectionError when the target cannot be used."""
     if cfg.sessions < 1:
         raise ValueError("--sessions must be at least 1")
@@ -565,4 +612,6 @@ def run_bench_load(cfg: LoadConfig, sweep: bool = False, json_path: Path | None 
         raise ValueError(f"unknown precision {cfg.precision!r}; use auto, fp16 or fp32")
     if cfg.arrival not in ("burst", "poisson") or cfg.pace not in ("sentence", "llm"):
         raise ValueError("--arrival is burst or poisson, --pace is sentence or llm")
-    return asyncio.run(_main(cfg, sweep, json_path, png_path))
+    if connection is not None and (connection.tls_cert is None) != (connection.tls_key is None):
+        raise ValueError("a client certificate needs its key: give --tls-cert and --tls-key together")
+    return asyncio.run(_main(cfg, sweep, json_path, png_path, connection or Connection()))

@@ -425,3 +425,19 @@ def test_second_sigterm_during_drain_quits_at_once(tmp_path: Path) -> None:
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_bench_load_over_tls_with_an_api_key(tls_server: ServerThread, pki: Pki, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`cadenza bench load` drives a secured server (TLS + API key); the key never reaches its
+    JSON report, and without the key it stops with one clear error line."""
+    report = tmp_path / "load.json"
+    base = ["bench", "load", "--target", f"localhost:{tls_server.server.port}", "--sessions", "2",
+            "--tls-ca", str(pki.ca), "--connect-timeout", "20"]
+    assert main([*base, "--api-key", KEY, "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith("pass_rate=1.000"), out
+    assert KEY not in report.read_text()
+    assert main(base) == 1
+    err = capsys.readouterr().err
+    assert "UNAUTHENTICATED" in err and "Traceback" not in err, err
