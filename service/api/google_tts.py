@@ -351,6 +351,30 @@ class GoogleTextToSpeechServicer(CompatServicer):
                 session.cancel(sys.exc_info()[1])
 
 
+def register_service_descriptor() -> None:
+    """Put a descriptor of the Google service in the default pool, so server reflection can
+    describe it. google-cloud-texttospeech (proto-plus) registers its messages there but not its
+    service: this file declares it, method for method as served (idempotent)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindServiceByName(SERVICE_NAME)
+        return
+    except KeyError:
+        pass
+    package, _, name = SERVICE_NAME.rpartition(".")
+    proto = descriptor_pb2.FileDescriptorProto(
+        name="cadenza/compat/google_cloud_texttospeech_v1_service.proto", package=package, syntax="proto3",
+        dependency=[ListVoicesRequest.DESCRIPTOR.file.name])
+    service = proto.service.add(name=name)
+    for method_name, method in GOOGLE_METHODS.items():
+        service.method.add(name=method_name, input_type=f".{method.request.DESCRIPTOR.full_name}",
+                           output_type=f".{method.response.DESCRIPTOR.full_name}",
+                           client_streaming=method.request_streaming, server_streaming=method.response_streaming)
+    pool.Add(proto)
+
+
 def add_google(
     server: grpc.aio.Server,
     engine: Engine,
@@ -358,6 +382,7 @@ def add_google(
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
 ) -> None:
     """Serve ``google.cloud.texttospeech.v1.TextToSpeech`` on `server` under Google's method paths."""
+    register_service_descriptor()
     servicer = GoogleTextToSpeechServicer(engine, default_seed, idle_timeout_s)
     add_service(server, SERVICE_NAME, servicer, GOOGLE_METHODS,
                 fields={"SynthesizeSpeech": _UNARY_FIELDS, "StreamingSynthesize": _STREAMING_FIELDS})

@@ -175,3 +175,26 @@ def test_seed_metadata(client: texttospeech.TextToSpeechClient, native: Native) 
     )
     assert response.audio_content == native.synthesize(TEXT, voice=TINY, seed=11)
     assert response.audio_content != native.synthesize(TEXT, voice=TINY, seed=0)
+
+
+def test_reflection_describes_the_google_service(address: str) -> None:
+    """Server reflection (what grpcurl and Postman use) lists and describes the Google service,
+    its methods with their streaming shapes and message types."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    service = "google.cloud.texttospeech.v1.TextToSpeech"
+    with grpc.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        ask = [reflection_pb2.ServerReflectionRequest(list_services=""),
+               reflection_pb2.ServerReflectionRequest(file_containing_symbol=service)]
+        listed, described = list(stub.ServerReflectionInfo(iter(ask), timeout=TIMEOUT_S))
+    assert service in {s.name for s in listed.list_services_response.service}
+    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+             for raw in described.file_descriptor_response.file_descriptor_proto]
+    methods = {m.name: m for f in files for s in f.service if f"{f.package}.{s.name}" == service for m in s.method}
+    assert set(methods) == {"ListVoices", "SynthesizeSpeech", "StreamingSynthesize"}
+    assert methods["StreamingSynthesize"].client_streaming and methods["StreamingSynthesize"].server_streaming
+    assert methods["SynthesizeSpeech"].input_type == ".google.cloud.texttospeech.v1.SynthesizeSpeechRequest"
+    messages = {f"{f.package}.{m.name}" for f in files for m in f.message_type}
+    assert "google.cloud.texttospeech.v1.SynthesizeSpeechRequest" in messages  # its dependency came along
