@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.serve_process import start_serve
+
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "service.cli"]
 
@@ -19,18 +20,8 @@ CLI = [sys.executable, "-m", "service.cli"]
 @pytest.mark.slow
 def test_serve_client_quickstart_and_drain(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen(
-        [*CLI, "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--threads", "2"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    server, port = start_serve("--device", "cpu", "--threads", "2")
     try:
-        assert server.stdout is not None
-        port = None
-        for line in server.stdout:
-            if m := re.search(r"serving on \S+:(\d+)", line):
-                port = int(m.group(1))
-                break
-        assert port, "server did not start"
         out = tmp_path / "hello.wav"
         done = subprocess.run(
             [*CLI, "client", "Hello from Cadenza. This is a streaming test.", "-o", str(out),

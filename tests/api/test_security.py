@@ -7,11 +7,7 @@ import asyncio
 import datetime
 import ipaddress
 import logging
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +31,7 @@ from service.api.server import CadenzaServer, ServerConfig, is_loopback
 from service.cli import build_parser, main
 from service.engine.config import BatchConfig, EngineConfig, Limits
 from tests.api.native_server import ServerThread
+from tests.serve_process import start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
@@ -378,23 +375,10 @@ def test_warns_when_exposed_without_tls_or_keys(caplog: pytest.LogCaptureFixture
 
 
 def test_second_sigterm_during_drain_quits_at_once(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--voices", str(DATA),
-         "--voice", "tiny-multi", "--backend", "torch", "--device", "cpu", "--threads", "1", "--drain-grace", "30",
-         "--idle-timeout", "120"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    server, port = start_serve("--voices", str(DATA), "--voice", "tiny-multi", "--backend", "torch", "--device", "cpu",
+                               "--threads", "1", "--drain-grace", "30", "--idle-timeout", "120")
     lines: list[str] = []
     try:
-        assert server.stdout is not None
-        port = None
-        for line in server.stdout:
-            lines.append(line)
-            if m := re.search(r"serving on \S+:(\d+)", line):
-                port = int(m.group(1))
-                break
-        assert port, "".join(lines)
         channel, stub = connect(f"127.0.0.1:{port}")
         release = threading.Event()
 

@@ -4,13 +4,10 @@ HTTP API answers with the time-to-first-audio histogram and the active-sessions 
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -21,6 +18,7 @@ import pytest
 
 from service.api.client import connect, stream
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
+from tests.serve_process import start_serve
 from tests.telemetry.conftest import DATA, TIMEOUT_S, HeldStream
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,19 +49,13 @@ def serve(tmp_path: Path) -> Iterator[tuple[int, int]]:
     """`cadenza serve` with the tiny voice: (gRPC port, metrics port)."""
     metrics_port = _free_port()
     log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-         "--voices", str(DATA), "--voice", "tiny-multi", "--backend", "torch", "--device", "cpu", "--threads", "1",
-         "--metrics-port", str(metrics_port)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
-        assert server.stdout is not None
-        port = None
-        for line in server.stdout:
-            if m := re.search(r"serving on \S+:(\d+)", line):
-                port = int(m.group(1))
-                break
-        assert port, (tmp_path / "serve.log").read_text()
+        server, port = start_serve("--voices", str(DATA), "--voice", "tiny-multi", "--backend", "torch", "--device",
+                                   "cpu", "--threads", "1", "--metrics-port", str(metrics_port), stderr=log)
+    except AssertionError:
+        log.close()
+        raise AssertionError((tmp_path / "serve.log").read_text()) from None
+    try:
         yield port, metrics_port
     finally:
         _stop(server)

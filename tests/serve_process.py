@@ -1,0 +1,29 @@
+"""`cadenza serve` as a subprocess, for the tests that need the real command (signals, ports)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_serve(*args: str, stderr: int | IO[str] = subprocess.STDOUT) -> tuple[subprocess.Popen[str], int]:
+    """`cadenza serve --host 127.0.0.1 --port 0 ARGS` from the repository root: the process and
+    the port it printed once serving (killed, and the test failed with its output, if it never did)."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    assert server.stdout is not None
+    lines = []
+    for line in server.stdout:
+        lines.append(line)
+        if m := re.search(r"serving on \S+:(\d+)", line):
+            return server, int(m.group(1))
+    server.kill()
+    server.wait()
+    raise AssertionError("cadenza serve printed no port:\n" + "".join(lines))
