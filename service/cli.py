@@ -327,19 +327,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from service.engine.config import EngineConfig, Limits
 
     voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
-    def path(value: str | Path | None) -> Path | None:
-        return Path(value) if value is not None else None
-
     config = ServerConfig(
         host=args.host, port=args.port, drain_grace_s=args.drain_grace,
-        tls_cert=path(args.tls_cert), tls_key=path(args.tls_key), tls_client_ca=path(args.tls_client_ca),
-        api_keys_file=path(args.api_keys_file), telemetry=_telemetry_config(args),
+        tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key), tls_client_ca=_path(args.tls_client_ca),
+        api_keys_file=_path(args.api_keys_file), telemetry=_telemetry_config(args),
         engine=EngineConfig(
             voice=voice, voices_dir=Path(voices_dir) if voices_dir else None,
             backend=args.backend, device=args.device, threads=args.threads,
             batch=_batch_config(args),
             cache_bytes=args.cache_mb << 20,
-            preload=args.preload, cache_dir=path(args.cache_dir),
+            preload=args.preload, cache_dir=_path(args.cache_dir),
             shadow_fraction=args.shadow_fraction,
         ),
         limits=Limits(
@@ -357,18 +354,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_health(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from service.api.healthcheck import HealthCheck, check_health
-
-    def path(value: str | None) -> Path | None:
-        return Path(value) if value else None
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("a client certificate needs its key: give --tls-cert and --tls-key together")
     status = check_health(HealthCheck(
-        addr=args.addr, service=args.service, timeout_s=args.timeout, tls_ca=path(args.tls_ca),
-        tls_server_name=args.tls_server_name, tls_cert=path(args.tls_cert), tls_key=path(args.tls_key)))
+        addr=args.addr, service=args.service, timeout_s=args.timeout, tls_ca=_path(args.tls_ca),
+        tls_server_name=args.tls_server_name, tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key)))
     print(f"{args.addr}: {status}")
     return 0 if status == "SERVING" else 1
 
@@ -485,10 +477,11 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
                           Path(args.png) if args.png else None, connection)
 
 
-def _path(value: str | None) -> Path | None:
+def _path(value: str | Path | None) -> Path | None:
+    """An optional file option as a Path (unset or empty: None)."""
     from pathlib import Path
 
-    return Path(value) if value is not None else None
+    return Path(value) if value else None
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

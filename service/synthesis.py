@@ -145,9 +145,6 @@ class PriorSample:
             self._buf = (mean + sigma * noise.numpy()).astype(np.float32)
         return self._buf
 
-    def window(self, lo: int, hi: int) -> np.ndarray:
-        return self.full()[:, lo:hi]
-
 
 def prior_rows(priors: Sequence[PriorSample], starts: Sequence[int], frames: int) -> PriorRows:
     """Frames [start, start + frames) of each prior, zero past its end, as one decoder step

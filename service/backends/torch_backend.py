@@ -353,8 +353,9 @@ class _GuardedCopy:
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         if self._event is not None:
             self._event.synchronize()
-        # A copy: chunks cut from it wait in session queues, and pinned memory is scarce.
-        host = self._audio.numpy().copy()
+        host = self._audio.numpy()
+        if self._event is not None:  # chunks cut from it wait in session queues: leave pinned memory
+            host = host.copy()
         nonfinite = self._nonfinite.numpy().astype(np.int64)
         bad = nonfinite > 0
         if bad.any():

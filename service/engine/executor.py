@@ -246,12 +246,9 @@ class Executor:
                             first: bool) -> _InFlight | None:
         """Launch a step; None when the launch failed (`_land` then runs it synchronously,
         with its retry in halves)."""
-        fed = [u.fed for _, u in rows]
         try:
             return self._launch(rows, precision, first)
         except Exception as exc:
-            for (_, u), before in zip(rows, fed, strict=True):
-                u.fed = before
             log.warning("decoder step launch of %d rows failed (%s)", len(rows), exc)
             return None
 
@@ -261,19 +258,14 @@ class Executor:
             try:
                 return self._finish(flight), []
             except Exception as exc:
-                for (_, u), before in zip(rows, flight.fed, strict=True):
-                    u.fed = before
                 log.warning("decoder step of %d rows failed (%s); running it again", len(rows), exc)
         return self._slot_step(rows, precision, first)
 
     def _slot_step(self, rows: list[tuple[SessionState, UtteranceState]], precision: str,
                    first: bool) -> tuple[list[Chunk], list[Failure]]:
-        fed = [u.fed for _, u in rows]
         try:
-            out = self._slot_step_rows(rows, precision, first)
+            out = self._finish(self._launch(rows, precision, first))
         except Exception as exc:
-            for (_, u), before in zip(rows, fed, strict=True):
-                u.fed = before
             if len(rows) == 1:
                 log.exception("decoder step failed (session %d)", rows[0][0].spec.session_id)
                 return [], [(rows[0][0], exc)]
@@ -312,12 +304,9 @@ class Executor:
         sids = None if s.spec.sid is None else [s.spec.sid]
         return dec.step(StepRows([u.slot], _prior([u], 0, u.fed), [0], [u.frames], sids))
 
-    def _slot_step_rows(self, rows: list[tuple[SessionState, UtteranceState]], precision: str,
-                        first: bool) -> list[Chunk]:
-        return self._finish(self._launch(rows, precision, first))
-
     def _launch(self, rows: list[tuple[SessionState, UtteranceState]], precision: str, first: bool) -> _InFlight:
-        """Queue one batched step on the device (no waiting for it); advances each row's `fed`."""
+        """Queue one batched step on the device (no waiting for it); advances each row's `fed`
+        once it is queued (a launch that raises changes nothing)."""
         runtime = rows[0][0].spec.runtime
         dec = self.slots(runtime, precision).decoder
         frames = (runtime.schedule.first_frames + dec.lag) if first else self.config.step_frames
@@ -334,7 +323,16 @@ class Executor:
 
     def _finish(self, flight: _InFlight) -> list[Chunk]:
         """Wait for a launched step and cut each row's chunk out of its audio (an FP32 redo for
-        rows whose FP16 audio tripped the guard)."""
+        rows whose FP16 audio tripped the guard). If that fails, every row's `fed` goes back to
+        where the step started, for the caller's retry."""
+        try:
+            return self._cut(flight)
+        except BaseException:
+            for (_, u), before in zip(flight.rows, flight.fed, strict=True):
+                u.fed = before
+            raise
+
+    def _cut(self, flight: _InFlight) -> list[Chunk]:
         audio, nonfinite = flight.pending.result()
         rows, precision, frames = flight.rows, flight.precision, flight.frames
         runtime = rows[0][0].spec.runtime
