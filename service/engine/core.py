@@ -114,7 +114,8 @@ class EngineCore:
             return
         future = self._frontend.submit(spec.runtime.voice.info.config_path, text, spec.custom_dictionary,
                                        priority=seq)
-        future.add_done_callback(lambda f: self._phonemized(session_id, seq, text, f))
+        sent = time.monotonic()
+        future.add_done_callback(lambda f: self._phonemized(session_id, seq, text, sent, f))
 
     def submit_end(self, session_id: int) -> None:
         """No more text: carries how many texts came before it, so it is applied after them."""
@@ -132,7 +133,8 @@ class EngineCore:
             self._specs.pop(session_id, None)
         self._post("cancel", session_id)
 
-    def _phonemized(self, session_id: int, seq: int, text: str, future: Future[list[PhonemizedSentence]]) -> None:
+    def _phonemized(self, session_id: int, seq: int, text: str, sent: float,
+                    future: Future[list[PhonemizedSentence]]) -> None:
         """Frontend done (on a frontend thread): hand the sentences to the engine thread."""
         if future.cancelled():
             return
@@ -142,7 +144,7 @@ class EngineCore:
 
             self._post("error", session_id, InvalidArgument("text", f"cannot phonemise {text[:40]!r}: {exc}"))
             return
-        self._post("text", session_id, (seq, [s for s in future.result() if s.phoneme_ids]))
+        self._post("text", session_id, (seq, sent, [s for s in future.result() if s.phoneme_ids]))
 
     def first_audio_wait(self) -> float:
         """The longest any session waited for its first audio at the last iteration (seconds;
@@ -246,10 +248,13 @@ class EngineCore:
             assert isinstance(s, _Tracked)
             if kind == "text":
                 assert isinstance(payload, tuple)
-                seq, sentences = payload
-                s.arrived[seq] = sentences
+                seq, sent, sentences = payload
+                s.arrived[seq] = (sent, sentences)
                 while s.applied in s.arrived:
-                    for sentence in s.arrived.pop(s.applied):
+                    sent, sentences = s.arrived.pop(s.applied)
+                    if s.marks.sent is None and sentences:
+                        s.marks.sent, s.marks.phonemized = sent, now
+                    for sentence in sentences:
                         s.utterances.append(UtteranceState(s.next_index, sentence))
                         self.telemetry.utterance_queued(sid, s.next_index, now)
                         s.next_index += 1
@@ -332,8 +337,10 @@ class EngineCore:
             self._fail(s, why)
         now = time.monotonic()
         self.telemetry.acoustic_step([(s.spec.session_id, u.index) for s, u in jobs], start, now)
-        for s, _ in jobs:
+        for s, u in jobs:
             s.ready_since = now
+            if u.index == 0:
+                s.marks.acoustic_start, s.marks.acoustic_end = start, now
 
     def _decode(self, rows: list[tuple[SessionState, UtteranceState]]) -> None:
         rows = [(s, u) for s, u in rows if s.spec.session_id in self._sessions and s.head is u]
@@ -341,6 +348,9 @@ class EngineCore:
             return
         start, nonfinite = time.monotonic(), self.stats.nonfinite_fp32
         planned = [(s.spec.session_id, s.spec.voice_name, u.index == 0 and u.chunk_index == 0) for s, u in rows]
+        for s, u in rows:
+            if s.first_audio_at is None:
+                s.marks.step_start = start
         try:
             chunks, failed = self.executor.decode(rows, start, self._others_urgent)
         except Exception as exc:  # outside any one step (slot bookkeeping): every row fails
@@ -381,6 +391,6 @@ class _Tracked(SessionState):
     """A session plus the ordering of its phonemised texts (the frontend may finish them
     out of order; they are applied in the order they were sent)."""
 
-    arrived: dict[int, list[PhonemizedSentence]] = field(default_factory=dict)
+    arrived: dict[int, tuple[float, list[PhonemizedSentence]]] = field(default_factory=dict)  # seq -> (sent, ...)
     applied: int = 0
     end_after: int | None = None

@@ -62,6 +62,7 @@ class OutputStage:
     def _emit(self, s: SessionState, chunk: ChunkResult, now: float) -> None:
         if s.first_audio_at is None:
             s.first_audio_at = now
+            self.telemetry.first_audio_stages(s.marks.stages(now))
         s.samples_out += len(chunk.samples)
         s.ready_since = now
         self._deliver(s, "on_chunk", chunk)

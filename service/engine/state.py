@@ -116,6 +116,28 @@ class UtteranceState:
 
 
 @dataclass
+class FirstAudioMarks:
+    """When a session's first sentence passed each stage on its way to first audio (monotonic
+    seconds): where time to first audio goes, per session."""
+
+    sent: float | None = None  # handed to the frontend
+    phonemized: float | None = None  # reached the engine thread
+    acoustic_start: float | None = None
+    acoustic_end: float | None = None
+    step_start: float | None = None  # the decoder step that made the first chunk
+
+    def stages(self, emitted: float) -> dict[str, float]:
+        """Seconds spent in each stage, for the stages whose both ends are known."""
+        points = [("frontend", self.sent), ("acoustic_wait", self.phonemized), ("acoustic", self.acoustic_start),
+                  ("decoder_wait", self.acoustic_end), ("decoder", self.step_start), ("", emitted)]
+        out: dict[str, float] = {}
+        for (name, at), (_, end) in zip(points, points[1:]):
+            if at is not None and end is not None:
+                out[name] = max(0.0, end - at)
+        return out
+
+
+@dataclass
 class SessionState:
     """Engine-thread state of one session."""
 
@@ -128,6 +150,7 @@ class SessionState:
     samples_out: int = 0  # model-rate samples delivered (the playback clock)
     first_audio_at: float | None = None
     first_text_at: float | None = None  # when its first sentence reached the engine
+    marks: FirstAudioMarks = field(default_factory=FirstAudioMarks)
     held_since: float | None = None  # when backpressure last started holding it back
     ready_since: float = 0.0  # when it last got new work or output (ties in urgency)
 

@@ -126,6 +126,10 @@ class Telemetry:
         self.ttfa = hist("cadenza.session.time_to_first_audio", "s",
                          "First text received -> first audio ready for the client, once per session",
                          SECONDS_BUCKETS)
+        self.first_audio_stage = hist(
+            "cadenza.session.first_audio.stage", "s",
+            "Time a session's first sentence spent in each stage before its first audio (stage: frontend, "
+            "acoustic_wait, acoustic, decoder_wait, decoder)", SECONDS_BUCKETS)
         self.session_duration = hist("cadenza.session.duration", "s", "Session open -> end", SECONDS_BUCKETS)
         self.chunk_gap = hist("cadenza.session.chunk_gap.max", "s",
                               "Largest gap between two consecutive audio chunks of a session", SECONDS_BUCKETS)
@@ -291,6 +295,11 @@ class Telemetry:
     def utterance_queued(self, session_id: int, index: int, now: float) -> None:
         """A sentence of a session reached the engine (phonemised)."""
         self._queued[(session_id, index)] = now
+
+    def first_audio_stages(self, stages: Mapping[str, float]) -> None:
+        """Where one session's time to first audio went (seconds per stage)."""
+        for stage, seconds in stages.items():
+            self.first_audio_stage.record(seconds, {"stage": stage})
 
     def acoustic_step(self, jobs: Sequence[tuple[int, int]], start: float, end: float) -> None:
         """One acoustic-stage call for `jobs` ((session id, utterance index)) ran from `start`."""

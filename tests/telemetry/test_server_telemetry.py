@@ -69,6 +69,28 @@ def test_ttfa_recorded_once_per_session(stub: pb_grpc.TextToSpeechStub, seen: Ob
                                                     "rpc.response.status_code": "OK"}) >= 3
 
 
+def test_first_audio_split_into_its_stages(stub: pb_grpc.TextToSpeechStub, seen: Observed) -> None:
+    """Each session's first sentence records one time per stage, and together they fit inside
+    its time to first audio (they start when the text reaches the engine, after the client sent it)."""
+    name, stages = "cadenza.session.first_audio.stage", ("frontend", "acoustic_wait", "acoustic", "decoder_wait",
+                                                          "decoder")
+
+    def totals() -> tuple[list[float], float]:
+        points = seen.points(name)
+        return [seen.total(name, stage=st) for st in stages], sum(p.sum for p in points)
+
+    counts_before, sum_before = totals()
+    ttfa_before = sum(p.sum for p in seen.points("cadenza.session.time_to_first_audio"))
+    results = [_run(stub, ["Where does the time go? ", "Second sentence."], seed=11), _run(stub, ["Once."], seed=None)]
+    eventually(lambda: totals()[0] == [c + 2 for c in counts_before])
+    assert all(r.summary is not None for r in results)
+    spent = totals()[1] - sum_before
+    ttfa = sum(p.sum for p in seen.points("cadenza.session.time_to_first_audio")) - ttfa_before
+    assert 0 < spent <= ttfa
+    assert seen.total(name, stage="acoustic") - counts_before[2] == 2
+    assert sum(p.sum for p in seen.points(name) if p.attributes["stage"] == "acoustic") > 0
+
+
 def test_active_sessions_and_refusals(stub: pb_grpc.TextToSpeechStub, seen: Observed) -> None:
     refused_before = seen.total("cadenza.sessions.rejected", reason="max_sessions")
     held = [HeldStream(stub) for _ in range(3)]  # the fixture's limit: 3 open sessions
