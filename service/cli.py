@@ -546,13 +546,15 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="utterances decoding at once per voice and precision")
     p.add_argument("--max-ahead", type=float, default=_batch("max_ahead_s"),
                    help="seconds of unread audio after which a session is not stepped")
+    p.add_argument("--acoustic-max-batch", type=_positive_int, default=_batch("acoustic_max_batch"),
+                   help="sentences one acoustic-stage call takes at most")
 
 
 def _batch_config(args: argparse.Namespace) -> BatchConfig:
     from service.engine.config import BatchConfig
 
     return BatchConfig(decoder=args.decoder, step_frames=args.step_frames, max_step_rows=args.max_step_rows,
-                       slots=args.slots, max_ahead_s=args.max_ahead)
+                       slots=args.slots, max_ahead_s=args.max_ahead, acoustic_max_batch=args.acoustic_max_batch)
 
 
 def _version() -> str:

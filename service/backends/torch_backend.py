@@ -287,21 +287,26 @@ class _EncoderGraphs:
         bucket = self._bucket(batch, length)
         if bucket is None:
             return None
+        rows, padded = bucket
         graph, (s_ids, s_len, s_noise, s_sid), (m_p, logs_p, logw) = self._get(*bucket)
-        dev = self.device
-        s_ids.zero_()
-        s_ids[:batch, :length].copy_(torch.as_tensor(ids, device=dev))
-        s_len.fill_(1)
-        s_len[:batch].copy_(torch.as_tensor(lengths, device=dev))
-        s_noise.zero_()
-        s_noise[:batch, :, :length].copy_(torch.as_tensor(dp_noise, device=dev))
-        s_sid.zero_()
+        # Whole padded inputs from the host (padding rows: length 1, zeros), one copy each, and
+        # one copy back: few calls on the engine thread, which may wait for the GIL at each.
+        host_ids = np.zeros((rows, padded), dtype=np.int64)
+        host_ids[:batch, :length] = ids
+        host_len = np.ones(rows, dtype=np.int64)
+        host_len[:batch] = lengths
+        host_noise = np.zeros((rows, 2, padded), dtype=np.float32)
+        host_noise[:batch, :, :length] = dp_noise
+        host_sid = np.zeros(rows, dtype=np.int64)
         if sid is not None:
-            s_sid[:batch].copy_(torch.as_tensor(sid, device=dev))
+            host_sid[:batch] = sid
+        for static, host in ((s_ids, host_ids), (s_len, host_len), (s_noise, host_noise), (s_sid, host_sid)):
+            static.copy_(torch.from_numpy(host))
         graph.replay()
-        cut = (slice(0, batch), slice(None), slice(0, length))
-        return EncodeOut(m_p[cut].float().cpu().numpy(), logs_p[cut].float().cpu().numpy(),
-                         logw[cut].float().cpu().numpy())
+        out = torch.cat([m_p[:batch, :, :length], logs_p[:batch, :, :length], logw[:batch, :, :length]],
+                        dim=1).float().cpu().numpy()
+        c = m_p.shape[1]
+        return EncodeOut(out[:, :c], out[:, c : 2 * c], out[:, 2 * c :])
 
 
 def gemm_convs(module: torch.nn.Module) -> None:

@@ -51,10 +51,17 @@ class BatchConfig:
     # not make the others run dry (staged chunks pay only a few samples of context).
     cpu_quantum_frames: int = 32
     cpu_urgent_slack_s: float = 0.5
+    # How long a thread holding the GIL runs before it must hand it over (Python's default is
+    # 5 ms). The engine thread makes many short native calls that each give the GIL up; while
+    # the event loop is busy (a burst of new streams) each such call waits up to this long to
+    # get it back, so a 5 ms interval turns a step of a few dozen calls into a long stall.
+    gil_switch_interval_s: float = 0.0005
 
     def __post_init__(self) -> None:
         if self.decoder not in ("auto", "slots", "staged"):
             raise ValueError(f"unknown decoder {self.decoder!r}; use auto, slots or staged")
+        if not 0 < self.gil_switch_interval_s <= 1:
+            raise ValueError("gil_switch_interval_s must be in (0, 1] seconds")
         if min(self.step_frames, self.max_step_rows, self.slots, self.acoustic_max_batch) < 1:
             raise ValueError("step_frames, max_step_rows, slots and acoustic_max_batch must be at least 1")
 

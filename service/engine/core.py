@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +81,7 @@ class EngineCore:
     # --- any thread ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        sys.setswitchinterval(self.batch.gil_switch_interval_s)  # process-wide: see BatchConfig
         self._frontend = FrontendPool(self.frontend_config)
         self._thread.start()
 

@@ -115,19 +115,17 @@ class VitsStreamingDecoder:
     def _upload(self, values: np.ndarray) -> torch.Tensor:
         """Host -> device without waiting for the device: through pinned memory on CUDA (a
         pageable copy would wait for the step still running, and the pipeline with it)."""
-        t = torch.from_numpy(np.ascontiguousarray(values))
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+        return _pinned(values, self.device).to(self.device, non_blocking=True)
 
     def _tensors(self, rows: StepRows, b: int) -> tuple[torch.Tensor, ...]:
-        prior = rows.inputs
-        parts = self._upload(prior.packed)
-        ints = self._upload(np.asarray([rows.slots, rows.fed, rows.lengths,
-                                        rows.sids if rows.sids is not None else [0] * b,
-                                        prior.keys, prior.starts], dtype=np.int64))
+        ints = self._upload(_int_rows(rows, b))
+        return self._inputs(ints, self._upload(rows.inputs.packed))
+
+    def _inputs(self, ints: torch.Tensor, parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(slots, z, fed, lengths, sids) from the packed step inputs: the prior sample is drawn
+        here, on the device (inside the CUDA graph when the step is captured)."""
         slots, fed, lengths, sids, keys, starts = ints
-        _, channels, frames = prior.shape
+        _, _, channels, frames = parts.shape
         z = (parts[0] + parts[1] * counter_normal(keys, starts, channels, frames)).to(self.dtype)
         return slots, z, fed, lengths, sids
 
@@ -177,45 +175,54 @@ class VitsStreamingDecoder:
                     self.step_seconds[(bucket, frames)] = best
 
     def _graph_step(self, rows: StepRows, bucket: int) -> torch.Tensor:
+        """Two uploads and one replay: every other op of the step (the noise draw included) is
+        inside the graph, so the engine thread makes few calls per step (each one may wait for
+        the GIL while the event loop is busy)."""
         frames = rows.inputs.shape[2]
         captured = self._captured.get((bucket, frames))
         if captured is None:
             captured = self._capture(bucket, frames)
             self._captured[(bucket, frames)] = captured
         b = rows.inputs.shape[0]
-        slots, z, fed, lengths, sids = self._tensors(rows, b)
-        captured.slots[:b].copy_(slots)
-        captured.slots[b:].fill_(self._scratch)
-        captured.z[:b].copy_(z)
-        captured.z[b:].zero_()
-        captured.fed[:b].copy_(fed)
-        captured.lengths[:b].copy_(lengths)
-        captured.lengths[b:].zero_()
-        captured.sids[:b].copy_(sids)
+        ints = _int_rows(rows, b, bucket, self._scratch)
+        captured.ints.copy_(_pinned(ints, self.device), non_blocking=True)
+        if b < bucket:
+            captured.parts[:, b:].zero_()  # padding rows: mean = sigma = 0
+        captured.parts[:, :b].copy_(_pinned(rows.inputs.packed, self.device), non_blocking=True)
         captured.graph.replay()
         return captured.out
 
     def _capture(self, bucket: int, frames: int) -> _CapturedStep:
         dev = self.device
         channels = self.shapes[0].channels
-        static = (
-            torch.full((bucket,), self._scratch, dtype=torch.long, device=dev),
-            torch.zeros(bucket, channels, frames, dtype=self.dtype, device=dev),
-            torch.zeros(bucket, dtype=torch.long, device=dev),
-            torch.zeros(bucket, dtype=torch.long, device=dev),
-            torch.zeros(bucket, dtype=torch.long, device=dev),
-        )
-        graph, out = self._capturer.capture(self._run, *static)
+        ints = torch.zeros(6, bucket, dtype=torch.long, device=dev)
+        ints[0].fill_(self._scratch)
+        parts = torch.zeros(2, bucket, channels, frames, dtype=torch.float32, device=dev)
+        graph, out = self._capturer.capture(lambda i, p: self._run(*self._inputs(i, p)), ints, parts)
         # Warm-up and capture wrote into the scratch slot only; it holds no session.
-        return _CapturedStep(graph, *static, out)
+        return _CapturedStep(graph, ints, parts, out)
+
+
+def _int_rows(rows: StepRows, b: int, bucket: int | None = None, scratch: int = 0) -> np.ndarray:
+    """[6, bucket] int64: slots, fed, lengths, speaker ids, noise keys, first frames; rows past
+    `b` read and write the scratch slot with length 0."""
+    prior = rows.inputs
+    out = np.zeros((6, bucket or b), dtype=np.int64)
+    out[0, b:] = scratch
+    out[:, :b] = [rows.slots, rows.fed, rows.lengths, rows.sids if rows.sids is not None else [0] * b,
+                  prior.keys, prior.starts]
+    return out
+
+
+def _pinned(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host tensor a non-blocking copy to `device` can read without waiting (pinned on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(values))
+    return t.pin_memory() if device.type == "cuda" else t
 
 
 @dataclass
 class _CapturedStep:
     graph: torch.cuda.CUDAGraph
-    slots: torch.Tensor
-    z: torch.Tensor
-    fed: torch.Tensor
-    lengths: torch.Tensor
-    sids: torch.Tensor
+    ints: torch.Tensor  # [6, bucket]: see _int_rows
+    parts: torch.Tensor  # [2, bucket, C, frames]: mean, sigma
     out: torch.Tensor
