@@ -115,7 +115,7 @@ class EngineCore:
         if spec is None:
             return
         future = self._frontend.submit(spec.runtime.voice.info.config_path, text, spec.custom_dictionary,
-                                       priority=seq)
+                                       priority=seq, words=spec.word_timings)
         sent = time.monotonic()
         future.add_done_callback(lambda f: self._phonemized(session_id, seq, text, sent, f))
 

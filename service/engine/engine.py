@@ -324,7 +324,7 @@ class TtsEngine:
         self._loop.submit_open(WorkSpec(
             session_id=session.id, runtime=runtime, voice_name=info.name, sid=sid, params=params,
             schedule=schedule, precision=precision.value, custom_dictionary=config.custom_dictionary,
-            sink=session, loop=asyncio.get_running_loop(), cursor=setup.cursor,
+            sink=session, loop=asyncio.get_running_loop(), cursor=setup.cursor, word_timings=config.word_timings,
         ))
         return session
 

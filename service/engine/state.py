@@ -68,6 +68,7 @@ class WorkSpec:
     sink: Sink
     loop: asyncio.AbstractEventLoop
     cursor: ReadCursor = field(default_factory=ReadCursor)
+    word_timings: bool = True  # the client asked for word timings (without: the frontend skips word alignment)
 
 
 class SessionStatus(enum.Enum):

@@ -122,9 +122,13 @@ class Frontend:
         return cls(config["espeak"]["voice"], config["phoneme_id_map"])
 
     def sentences(
-        self, text: str, custom_dictionary: Mapping[str, str] | None = None
+        self, text: str, custom_dictionary: Mapping[str, str] | None = None, words: bool = True
     ) -> list[PhonemizedSentence]:
         """Text to sentences of phonemes, ids and word spans (``[]`` for blank text).
+
+        ``words=False``: no word spans (empty ``words``; ids and sentence texts are the same).
+        Matching written words to the phoneme words espeak made is most of the frontend's time,
+        and only callers that asked for word timings need it.
 
         Raises ``AnnotationError`` for unusable annotations or dictionary entries.
         """
@@ -140,7 +144,7 @@ class Frontend:
                     and not (sources[i - 1].piece.text.startswith("[["))
                 )
                 source.piece.sentences = self._text_sentences(source.piece.text, after_word)
-                locals_per_source.append(self._align_text(source))
+                locals_per_source.append(self._align_text(source, words))
             else:
                 locals_per_source.append([])
         out, placements = assemble([s.piece for s in sources])
@@ -155,7 +159,7 @@ class Frontend:
                 n = len(source.piece.raw)
                 builder.from_user.update(range(place.offset, place.offset + n))
                 builder.cover(source.start, source.end)
-                if n:
+                if n and words:
                     builder.words.append(_Word(source.display, place.offset, place.offset + n))
                 continue
             for sentence, place in zip(local, places, strict=True):
@@ -223,8 +227,8 @@ class Frontend:
             self._solo_cache[token] = cached
         return cached
 
-    def _align_text(self, source: _Source) -> list[_LocalSentence]:
-        """Assign the tokens of a text piece to its espeak sentences and phoneme words."""
+    def _align_text(self, source: _Source, words: bool = True) -> list[_LocalSentence]:
+        """Assign the tokens of a text piece to its espeak sentences and (`words`) phoneme words."""
         text, base = source.piece.text, source.start
         tokens = _tokens(text, base)
         sentences = source.piece.sentences
@@ -240,15 +244,15 @@ class Frontend:
             edges = [0, *bounds, len(tokens)]
             groups = [tokens[edges[i] : edges[i + 1]] for i in range(len(sentences))]
         result: list[_LocalSentence] = []
-        for group, words in zip(groups, pwords, strict=True):
+        for group, spans in zip(groups, pwords, strict=True):
             local = _LocalSentence()
             if group:
                 local.char_start, local.char_end = group[0].start, group[-1].end
             sentence = sentences[len(result)]
-            texts = ["".join(sentence[a:b]) for a, b in words]
-            for t0, t1, first, last in _map_words(group, texts, self._solo_words):
+            texts = ["".join(sentence[a:b]) for a, b in spans]
+            for t0, t1, first, last in _map_words(group, texts, self._solo_words) if words else ():
                 written = text[group[t0].start - base : group[t1 - 1].end - base]
-                local.words.append(_Word(_word_text(written), words[first][0], words[last - 1][1]))
+                local.words.append(_Word(_word_text(written), spans[first][0], spans[last - 1][1]))
             result.append(local)
         return result
 

@@ -143,9 +143,9 @@ def _worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str
             return  # parent gone
         if request is None:
             return
-        config_path, text, dictionary = request
+        config_path, text, dictionary, words = request
         try:
-            reply: tuple[str, Any] = ("ok", cache.get(config_path).sentences(text, dictionary))
+            reply: tuple[str, Any] = ("ok", cache.get(config_path).sentences(text, dictionary, words=words))
         except Exception as exc:
             reply = ("err", _portable(exc.with_traceback(None)))
         try:
@@ -160,11 +160,12 @@ class _Request:
     config_path: str
     text: str
     dictionary: dict[str, str] | None
+    words: bool = True  # align words (Frontend.sentences)
     deaths: int = 0  # worker deaths while this request was the one running
 
     @property
-    def message(self) -> tuple[str, str, dict[str, str] | None]:
-        return (self.config_path, self.text, self.dictionary)
+    def message(self) -> tuple[str, str, dict[str, str] | None, bool]:
+        return (self.config_path, self.text, self.dictionary, self.words)
 
     @property
     def small(self) -> bool:
@@ -340,7 +341,7 @@ class _Worker:
         while (request := self._take(block=True)) is not None:
             try:
                 frontend = cache.get(request.config_path)
-                request.future.set_result(frontend.sentences(request.text, request.dictionary))
+                request.future.set_result(frontend.sentences(request.text, request.dictionary, words=request.words))
             except BaseException as exc:
                 request.future.set_exception(exc)
 
@@ -437,13 +438,15 @@ class FrontendPool:
 
     def submit(
         self, voice: VoiceKey, text: str, custom_dictionary: Mapping[str, str] | None = None, priority: float = 0,
+        words: bool = True,
     ) -> Future[list[PhonemizedSentence]]:
         """Phonemise ``text`` with ``voice``'s frontend, as ``Frontend.sentences`` does.
         Requests with a lower ``priority`` are taken first (the engine puts a session's first
         text ahead of the later texts of sessions already speaking).
 
         ``voice``: its Piper config path, or a voice name or ``.onnx`` path. The future holds
-        the sentences, or the exception the frontend raised (same type and message)."""
+        the sentences, or the exception the frontend raised (same type and message). ``words``:
+        as ``Frontend.sentences`` takes it."""
         if self._closing:
             raise RuntimeError("FrontendPool is closed")
         future: Future[list[PhonemizedSentence]] = Future()
@@ -456,7 +459,7 @@ class FrontendPool:
         with self._submit_lock:
             if self._closing:
                 raise RuntimeError("FrontendPool is closed")
-            self._queue.put((priority, next(self._order), _Request(future, config_path, text, dictionary)))
+            self._queue.put((priority, next(self._order), _Request(future, config_path, text, dictionary, words)))
         return future
 
     def close(self, cancel_pending: bool = True) -> None:

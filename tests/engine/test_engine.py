@@ -42,6 +42,22 @@ async def _drive(session, deltas: list[str]) -> tuple[bytes, list[AudioOut], Ses
     raise AssertionError("no summary")
 
 
+def test_word_timings_only_when_asked_and_never_lost_to_the_cache(harness: EngineHarness) -> None:
+    """Without word timings the frontend skips word alignment; a cached utterance made that way
+    must not serve a later session that asks for them (same seed, same text)."""
+    async def run(words: bool) -> tuple[bytes, list[AudioOut], SessionSummary]:
+        return await _drive(await harness.engine.open_session(SessionConfig(seed=41, encoding=FLOAT,
+                                                                            word_timings=words)), [TEXT])
+
+    bare, ev_bare, _ = harness.run(run(False))
+    timed, ev_timed, _ = harness.run(run(True))
+    again, ev_again, _ = harness.run(run(True))
+    assert bare == timed == again and len(bare) > 0
+    assert not [w for e in ev_bare for w in e.words]
+    words = [w.word for e in ev_timed for w in e.words]
+    assert words[:3] == ["The", "quick", "brown"] and words == [w.word for e in ev_again for w in e.words]
+
+
 def test_tiny_deltas_equal_text_at_once(harness: EngineHarness) -> None:
     cfg = SessionConfig(seed=7, encoding=FLOAT, word_timings=True)
 

@@ -30,6 +30,18 @@ def test_spans_valid_on_corpus(frontend: Frontend, corpus: list[str]) -> None:
         _check_spans(sentence)
 
 
+def test_without_words_only_the_spans_differ(frontend: Frontend, corpus: list[str]) -> None:
+    """words=False skips the word alignment and nothing else: same sentences, texts and ids
+    (annotations and dictionary entries included), no spans."""
+    texts = [*corpus, " ".join(corpus), "Say [[ həlˈoʊ ]] twice, then tomato at 10:30."]
+    for text in texts:
+        full = frontend.sentences(text, {"tomato": "[T][AH0][M][EY1][T][OW2]"})
+        bare = frontend.sentences(text, {"tomato": "[T][AH0][M][EY1][T][OW2]"}, words=False)
+        assert [(s.text, s.phonemes, s.phoneme_ids) for s in bare] == [(s.text, s.phonemes, s.phoneme_ids)
+                                                                          for s in full]
+        assert all(not s.words for s in bare) and any(s.words for s in full)
+
+
 def test_one_to_one_words(frontend: Frontend) -> None:
     (sentence,) = frontend.sentences("Hello, brave new world!")
     assert _word_ipa(sentence) == [
