@@ -228,30 +228,14 @@ def drop(future: asyncio.Future[Any] | None) -> None:
 
 
 async def relay_events(session: Session, reader: asyncio.Task[None] | None = None) -> AsyncIterator[SessionEvent]:
-    """The session's events, stopping with the reader's error as soon as the request side fails.
+    """The session's events, stopping with the reader's error as soon as the request side fails
+    (a bad input message must not hang the stream behind pending audio)."""
+    def failed(task: asyncio.Task[None]) -> None:
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            session.interrupt(error)
 
-    Waiting on both keeps a bad input message from hanging the stream behind pending audio.
-    """
-    events = aiter(session.events())
-    pending: asyncio.Future[SessionEvent] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(events))
-            waiters: set[asyncio.Future[object]] = {pending}  # type: ignore[arg-type]
-            if reader is not None and not reader.done():
-                waiters.add(reader)  # type: ignore[arg-type]
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            if reader is not None and reader.done() and not reader.cancelled():
-                error = reader.exception()
-                if error is not None:
-                    raise error
-            if pending.done():
-                done, pending = pending, None
-                try:
-                    event = done.result()
-                except StopAsyncIteration:
-                    return
-                yield event
-    finally:
-        drop(pending)
+    if reader is not None:
+        reader.add_done_callback(failed)
+    async for event in session.events():
+        yield event

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from service.api.compat import drop, next_request, speaker_value, unary_text
+from service.api.compat import next_request, relay_events, speaker_value, unary_text
 from service.api.errors import add_service, methods_of
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
@@ -126,7 +126,7 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
                                       f"{first.WhichOneof('request') or 'nothing'}")
             session = await self.engine.open_session(session_config(first.config))
             reader = asyncio.create_task(self._read(requests, session))
-            async for event in _relay(session, reader):
+            async for event in relay_events(session, reader):
                 for msg in responses(event):
                     yield msg
         finally:
@@ -201,27 +201,6 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
             default_voice=info.default_voice, fp32_pins=info.fp32_pins, versions=dict(info.versions),
             capacity_streams=info.capacity_streams or 0.0, open_sessions=info.open_sessions,
         )
-
-
-async def _relay(session: Session, reader: asyncio.Task[None]) -> AsyncIterator[SessionEvent]:
-    """Session events, failing as soon as the reader fails (a bad message must not wait behind audio)."""
-    events = aiter(session.events())
-    pending: asyncio.Future[SessionEvent] | None = None
-    try:
-        while True:
-            pending = asyncio.ensure_future(anext(events))
-            if not reader.done():
-                await asyncio.wait({pending, reader}, return_when=asyncio.FIRST_COMPLETED)
-            if reader.done() and not reader.cancelled() and (error := reader.exception()) is not None:
-                raise error
-            try:
-                event = await pending
-            except StopAsyncIteration:
-                return
-            pending = None
-            yield event
-    finally:
-        drop(pending)
 
 
 NATIVE_METHODS = methods_of(pb.DESCRIPTOR.services_by_name["TextToSpeech"])

@@ -224,6 +224,11 @@ class Session(Protocol):
         """AudioOut events in order, then one SessionSummary (unless cancelled)."""
         ...
 
+    def interrupt(self, error: BaseException) -> None:
+        """Make `events()` raise `error` now, ahead of any audio still queued (the request side
+        failed: a bad message must not wait behind audio)."""
+        ...
+
     def quiet_s(self, now: float) -> float:
         """Seconds (on `time.monotonic`) the server has had nothing to send: 0 while audio is
         queued for the client or being written to it. Idle timeouts count only this time."""

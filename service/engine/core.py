@@ -183,6 +183,7 @@ class EngineCore:
             if stopping:
                 for s in list(self._sessions.values()):
                     self._fail(s, RuntimeError("engine stopped"))
+                self.output.flush()
                 return
             try:
                 t0 = time.monotonic()
@@ -195,6 +196,8 @@ class EngineCore:
                 if failures >= self.MAX_FAILED_ITERATIONS:
                     raise
                 idle, wake_at = True, time.monotonic() + 0.01
+            finally:
+                self.output.flush()
 
     # The engine's throughput is measured over windows of this much wall time, and only from
     # windows in which the thread worked at least BUSY_SHARE of it: a lightly loaded engine
@@ -234,6 +237,7 @@ class EngineCore:
                 self._fail(s, RuntimeError("the engine thread died"))
             except Exception:  # best effort: the loop side fails them anyway
                 log.exception("could not fail a session after the engine thread died")
+        self.output.flush()
 
     def _apply(self, items: list[tuple[str, int, object]]) -> None:
         now = time.monotonic()
@@ -350,7 +354,7 @@ class EngineCore:
             return
         start, nonfinite = time.monotonic(), self.stats.nonfinite_fp32
         planned = [(s.spec.session_id, s.spec.voice_name, u.index == 0 and u.chunk_index == 0) for s, u in rows]
-        for s, u in rows:
+        for s, _ in rows:
             if s.first_audio_at is None:
                 s.marks.step_start = start
         try:
@@ -368,6 +372,7 @@ class EngineCore:
         self.telemetry.decoder_step(planned, made, start, now, time.monotonic(), self.stats.nonfinite_fp32 - nonfinite)
         for s, why in failed:
             self._fail(s, why)
+        self.output.flush()  # this step's chunks go out before the next stage runs
 
     def _others_urgent(self, s: SessionState) -> bool:
         """Another session is waiting for its first audio or will soon run out of it."""

@@ -3,6 +3,7 @@ result cache, retires finished utterances and sessions, and keeps the accounts."
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Hashable
 
@@ -21,6 +22,7 @@ class OutputStage:
         self.cache = cache
         self._release = release  # gives an utterance's decoder slot back
         self.telemetry = telemetry or Telemetry()
+        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[Callable[..., None], tuple[object, ...]]]] = {}
 
     def cache_key(self, s: SessionState, u: UtteranceState) -> Hashable | None:
         """Only seeded sessions are cacheable (unseeded audio is meant to differ)."""
@@ -96,9 +98,25 @@ class OutputStage:
             self.telemetry.utterance_dropped(s.spec.session_id, u.index)
         s.utterances.clear()
 
-    @staticmethod
-    def _deliver(s: SessionState, method: str, *args: object) -> None:
+    def _deliver(self, s: SessionState, method: str, *args: object) -> None:
+        """Queued until `flush`, in order: one wake-up of each event loop per flush, not one
+        per chunk (each costs the loop a callback and the engine thread a syscall)."""
+        self._pending.setdefault(s.spec.loop, []).append((getattr(s.spec.sink, method), args))
+
+    def flush(self) -> None:
+        """Hand everything delivered since the last flush to the sessions' event loops."""
+        pending, self._pending = self._pending, {}
+        for loop, calls in pending.items():
+            try:
+                loop.call_soon_threadsafe(_run_all, calls)
+            except RuntimeError:  # the event loop is closed: nobody is listening
+                log.debug("event loop closed: %d session callbacks dropped", len(calls))
+
+
+def _run_all(calls: list[tuple[Callable[..., None], tuple[object, ...]]]) -> None:
+    """On the event loop: one flush's callbacks, in order; one failing sink does not stop the rest."""
+    for fn, args in calls:
         try:
-            s.spec.loop.call_soon_threadsafe(getattr(s.spec.sink, method), *args)
-        except RuntimeError:  # the session's event loop is closed: nobody is listening
-            log.debug("session %d: event loop closed, %s dropped", s.spec.session_id, method)
+            fn(*args)
+        except Exception:
+            log.exception("session callback %s failed", getattr(fn, "__qualname__", fn))

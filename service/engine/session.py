@@ -28,6 +28,7 @@ from service.telemetry import SessionInfo, Telemetry
 from service.text.segment import IncrementalSegmenter, SegmenterConfig
 
 _END = object()
+_WAKE = object()  # wakes events() to look at an interrupt
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class EngineSession:
         self._on_close = on_close
         self._aloop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._interrupt: BaseException | None = None  # see interrupt()
         self._segmenter = IncrementalSegmenter(setup.segmenter)
         cfg = setup.config
         self._output = AudioOutput(setup.in_rate, setup.out_rate, cfg.encoding, cfg.wav_header)
@@ -118,9 +120,17 @@ class EngineSession:
         self._engine_loop.submit_cancel(self.id)
         self._queue.put_nowait(_END)
 
+    def interrupt(self, error: BaseException) -> None:
+        self._interrupt = error
+        self._queue.put_nowait(_WAKE)
+
     async def events(self) -> AsyncIterator[SessionEvent]:
         while True:
+            if self._interrupt is not None:
+                raise self._interrupt
             item = await self._queue.get()
+            if item is _WAKE:
+                continue
             if item is _END:
                 return
             if isinstance(item, BaseException):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import math
 from collections import deque
 from collections.abc import Hashable, Mapping
@@ -132,7 +133,7 @@ class FirstAudioMarks:
         points = [("frontend", self.sent), ("acoustic_wait", self.phonemized), ("acoustic", self.acoustic_start),
                   ("decoder_wait", self.acoustic_end), ("decoder", self.step_start), ("", emitted)]
         out: dict[str, float] = {}
-        for (name, at), (_, end) in zip(points, points[1:]):
+        for (name, at), (_, end) in itertools.pairwise(points):
             if at is not None and end is not None:
                 out[name] = max(0.0, end - at)
         return out
