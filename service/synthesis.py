@@ -12,11 +12,11 @@ import hashlib
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from service.backends.base import Backend, EncodeOut
+from service.backends.base import Backend
 from service.models.family import PriorRows
 from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
 from service.staged_decoder import StagedDecoder
@@ -193,28 +193,6 @@ class AcousticJob:
     rng: np.random.Generator
 
 
-@dataclass
-class AcousticFlight:
-    """An acoustic-stage call in flight (see `Synthesizer.acoustic_launch`)."""
-
-    jobs: list[AcousticJob]
-    ids: np.ndarray
-    lengths: np.ndarray
-    dp_noise: np.ndarray
-    sids: np.ndarray | None
-    pending: Any  # .result() -> EncodeOut
-
-
-class _Encoded:
-    """A backend result that is ready now (backends without `encode_async`)."""
-
-    def __init__(self, out: EncodeOut) -> None:
-        self._out = out
-
-    def result(self) -> EncodeOut:
-        return self._out
-
-
 @dataclass(frozen=True)
 class Window:
     """Compute frames [lo, hi) of the input, keep outputs for frames [keep_lo, keep_hi)."""
@@ -311,11 +289,6 @@ class Synthesizer:
         """Acoustic stage for several sentences in one backend call (padded, masked).
         Each job draws its noise from its own generator in the same order as a
         batch of one, so batching never changes which noise a sentence gets."""
-        return self.acoustic_finish(self.acoustic_launch(jobs))
-
-    def acoustic_launch(self, jobs: list[AcousticJob]) -> AcousticFlight:
-        """`acoustic_batch`'s backend call, queued (on a GPU it runs while the caller does
-        other work); `acoustic_finish` waits for it and does the host-side rest."""
         info = self.voice.info
         lengths = np.asarray([len(j.sentence.phoneme_ids) for j in jobs], dtype=np.int64)
         t_max = int(lengths.max())
@@ -330,15 +303,7 @@ class Synthesizer:
         if any(s is None for s in sids) and any(s is not None for s in sids):
             raise ValueError("an acoustic batch mixes single- and multi-speaker jobs")
         sid_arr = None if sids[0] is None else np.asarray(sids, dtype=np.int64)
-        launch = getattr(self.backend, "encode_async", None)
-        pending = launch(ids, lengths, dp_noise, sid_arr) if launch is not None else None
-        if pending is None:
-            pending = _Encoded(self.backend.encode(ids, lengths, dp_noise, sid_arr))
-        return AcousticFlight(jobs, ids, lengths, dp_noise, sid_arr, pending)
-
-    def acoustic_finish(self, flight: AcousticFlight) -> list[Utterance]:
-        jobs, ids, lengths, dp_noise, sid_arr = flight.jobs, flight.ids, flight.lengths, flight.dp_noise, flight.sids
-        enc = flight.pending.result()
+        enc = self.backend.encode(ids, lengths, dp_noise, sid_arr)
         out = []
         for i, job in enumerate(jobs):
             n = int(lengths[i])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -119,16 +118,6 @@ class TorchBackend:
                 torch.as_tensor(dp_noise, device=dev), self._sid(sid),
             )
         return EncodeOut(m_p.float().cpu().numpy(), logs_p.float().cpu().numpy(), logw.float().cpu().numpy())
-
-    def encode_async(
-        self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None
-    ) -> Any:
-        """`encode` without waiting: with CUDA graphs the stage runs on its own stream (beside
-        the decoder steps) and its results come back to pinned memory behind one event;
-        `.result()` waits for them. None where no graph fits (call `encode`)."""
-        if self._encoder_graphs is None:
-            return None
-        return self._encoder_graphs.launch(ids, lengths, dp_noise, sid)
 
     def capture_encoder(self, max_batch: int) -> None:
         """Capture the acoustic stage's CUDA graphs for every batch bucket up to `max_batch`
@@ -257,7 +246,6 @@ class _EncoderGraphs:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
                                                    tuple[torch.Tensor, ...]]] = {}
         self._capturer = GraphCapturer(device)
-        self._stream: torch.cuda.Stream | None = None  # launches run here, beside the decoder's steps
 
     def _bucket(self, batch: int, length: int) -> tuple[int, int] | None:
         rows = next((b for b in self.BATCHES if b >= batch), None)
@@ -295,21 +283,14 @@ class _EncoderGraphs:
     @torch.inference_mode()
     def run(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray,
             sid: np.ndarray | None) -> EncodeOut | None:
-        pending = self.launch(ids, lengths, dp_noise, sid)
-        return None if pending is None else pending.result()
-
-    @torch.inference_mode()
-    def launch(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray,
-               sid: np.ndarray | None) -> _PendingEncode | None:
-        """Queue the stage on its own stream; None when no graph fits (the caller runs it eagerly).
-        Whole padded inputs from the host (padding rows: length 1, zeros), one copy each, and one
-        copy back: few calls on the engine thread, which may wait for the GIL at each."""
         batch, length = ids.shape
         bucket = self._bucket(batch, length)
         if bucket is None:
             return None
         rows, padded = bucket
         graph, (s_ids, s_len, s_noise, s_sid), (m_p, logs_p, logw) = self._get(*bucket)
+        # Whole padded inputs from the host (padding rows: length 1, zeros), one copy each, and
+        # one copy back: few calls on the engine thread, which may wait for the GIL at each.
         host_ids = np.zeros((rows, padded), dtype=np.int64)
         host_ids[:batch, :length] = ids
         host_len = np.ones(rows, dtype=np.int64)
@@ -319,32 +300,12 @@ class _EncoderGraphs:
         host_sid = np.zeros(rows, dtype=np.int64)
         if sid is not None:
             host_sid[:batch] = sid
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        # One stream for every launch: a bucket's static buffers are rewritten only after the
-        # previous replay that used them and its copy back (stream order).
-        with torch.cuda.stream(self._stream):
-            for static, host in ((s_ids, host_ids), (s_len, host_len), (s_noise, host_noise), (s_sid, host_sid)):
-                static.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
-            graph.replay()
-            out = torch.cat([m_p[:batch, :, :length], logs_p[:batch, :, :length], logw[:batch, :, :length]],
-                            dim=1).float()
-            host_out = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
-            host_out.copy_(out, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return _PendingEncode(host_out, event, int(m_p.shape[1]))
-
-
-class _PendingEncode:
-    """An acoustic-stage launch on its way to the host: [B, 2C + 1, T] in pinned memory."""
-
-    def __init__(self, host: torch.Tensor, event: torch.cuda.Event, channels: int) -> None:
-        self._host, self._event, self._channels = host, event, channels
-
-    def result(self) -> EncodeOut:
-        self._event.synchronize()
-        out, c = self._host.numpy(), self._channels
+        for static, host in ((s_ids, host_ids), (s_len, host_len), (s_noise, host_noise), (s_sid, host_sid)):
+            static.copy_(torch.from_numpy(host))
+        graph.replay()
+        out = torch.cat([m_p[:batch, :, :length], logs_p[:batch, :, :length], logw[:batch, :, :length]],
+                        dim=1).float().cpu().numpy()
+        c = m_p.shape[1]
         return EncodeOut(out[:, :c], out[:, c : 2 * c], out[:, 2 * c :])
 
 

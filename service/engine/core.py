@@ -22,7 +22,7 @@ import numpy as np
 
 from service.engine.cache import ResultCache
 from service.engine.config import BatchConfig
-from service.engine.executor import AcousticInFlight, Executor
+from service.engine.executor import Executor
 from service.engine.output import OutputStage
 from service.engine.scheduler import Scheduler
 from service.engine.state import (
@@ -301,15 +301,14 @@ class EngineCore:
                 return False, None
             wakes = [t for t in (plan.wake_at, stall_check) if t is not None]
             return True, min(wakes) if wakes else None
-        # The acoustic stage runs (on a GPU: on its own stream) while the planned decoder steps
-        # run; then the sentences that just got their latent frames take their first step.
-        flight = self._acoustic_launch(plan.acoustic)
-        self._decode(plan.decode)
-        if flight is not None:
-            self._acoustic_land(*flight)
-            landed = {id(u) for _, u in plan.acoustic}
-            plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free)
-            self._decode([(s, u) for s, u in plan.decode if id(u) in landed])
+        if plan.decode_first:
+            self._decode(plan.decode)
+            self._acoustic(plan.acoustic)
+        else:
+            self._acoustic(plan.acoustic)
+            if plan.acoustic:  # sentences that just got their latent frames start now
+                plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free)
+            self._decode(plan.decode)
         for s in list(self._sessions.values()):
             self._finish_if_done(s)
         if self._shadow_run is not None:
@@ -335,16 +334,12 @@ class EngineCore:
                 check = min(check or math.inf, s.held_since + limit)
         return check
 
-    def _acoustic_launch(self, jobs: list[tuple[SessionState, UtteranceState]]
-                         ) -> tuple[list[tuple[SessionState, UtteranceState]], AcousticInFlight, float] | None:
+    def _acoustic(self, jobs: list[tuple[SessionState, UtteranceState]]) -> None:
         if not jobs:
-            return None
+            return
         start = time.monotonic()
-        return jobs, self.executor.acoustic_launch(jobs, self.output.cache_key, self.output.cache.get), start
-
-    def _acoustic_land(self, jobs: list[tuple[SessionState, UtteranceState]], flight: AcousticInFlight,
-                       start: float) -> None:
-        for s, why in self.executor.acoustic_land(flight):
+        failed = self.executor.acoustic(jobs, self.output.cache_key, self.output.cache.get)
+        for s, why in failed:
             self._fail(s, why)
         now = time.monotonic()
         self.telemetry.acoustic_step([(s.spec.session_id, u.index) for s, u in jobs], start, now)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -21,21 +21,13 @@ import numpy as np
 from service.engine.config import BatchConfig
 from service.engine.state import EngineStats, SessionState, UtteranceState, UtteranceStatus
 from service.models.family import PriorRows, StepRows, StreamingDecoder
-from service.synthesis import AcousticFlight, AcousticJob, ShadowSampler, Synthesizer, finite, prior_rows, utterance_rng
+from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, prior_rows, utterance_rng
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 Failure = tuple[SessionState, BaseException]
-
-
-@dataclass
-class AcousticInFlight:
-    """Acoustic-stage calls queued by `Executor.acoustic_launch`, one per group of sentences."""
-
-    groups: list[tuple[list[tuple[SessionState, UtteranceState]], AcousticFlight]] = field(default_factory=list)
-    failed: list[Failure] = field(default_factory=list)  # groups whose launch raised
 
 
 @dataclass
@@ -164,19 +156,9 @@ class Executor:
         self, jobs: list[tuple[SessionState, UtteranceState]], cache_key: Callable[[SessionState, UtteranceState],
                                                                                    Hashable | None],
         cache_get: Callable[[Hashable], object | None],
-    ) -> list[Failure]:
+    ) -> list[tuple[SessionState, BaseException]]:
         """Run the acoustic stage for `jobs` (one voice); cached sentences skip it. Returns
         the sessions that failed, with why."""
-        return self.acoustic_land(self.acoustic_launch(jobs, cache_key, cache_get))
-
-    def acoustic_launch(
-        self, jobs: list[tuple[SessionState, UtteranceState]], cache_key: Callable[[SessionState, UtteranceState],
-                                                                                   Hashable | None],
-        cache_get: Callable[[Hashable], object | None],
-    ) -> AcousticInFlight:
-        """Queue the acoustic stage for `jobs` (`acoustic_land` takes the results): on a GPU it
-        runs while the engine thread goes on with decoder steps."""
-        flight = AcousticInFlight()
         pending: list[tuple[SessionState, UtteranceState, AcousticJob]] = []
         for s, u in jobs:
             u.precision = s.spec.precision
@@ -191,32 +173,20 @@ class Executor:
             rng = s.rng if s.rng is not None else utterance_rng(spec.params.seed, u.sentence.phoneme_ids)
             pending.append((s, u, AcousticJob(u.sentence, spec.sid, spec.params, rng)))
         if not pending:
-            return flight
+            return []
         runtime = pending[0][0].spec.runtime
         pending.sort(key=lambda p: len(p[2].sentence.phoneme_ids))  # length buckets: little padding
+        failed: list[tuple[SessionState, BaseException]] = []
         for group in _groups(pending, self.config.acoustic_max_batch):
-            rows = [(s, u) for s, u, _ in group]
             try:
-                flight.groups.append((rows, runtime.acoustic_launch([job for _, _, job in group])))
+                utts = runtime.acoustic_batch([job for _, _, job in group])
             except Exception as exc:
                 log.exception("acoustic stage failed")
-                flight.failed += [(s, exc) for s, _ in rows]
-        return flight
-
-    def acoustic_land(self, flight: AcousticInFlight) -> list[Failure]:
-        """Wait for an acoustic launch and make its utterances ready to decode."""
-        failed = list(flight.failed)
-        for rows, call in flight.groups:
-            runtime = rows[0][0].spec.runtime
-            try:
-                utts = runtime.acoustic_finish(call)
-            except Exception as exc:
-                log.exception("acoustic stage failed")
-                failed += [(s, exc) for s, _ in rows]
+                failed += [(s, exc) for s, _, _ in group]
                 continue
-            self.stats.acoustic_jobs += len(rows)
+            self.stats.acoustic_jobs += len(group)
             self.stats.acoustic_batches += 1
-            for (s, u), utt in zip(rows, utts, strict=True):
+            for (s, u, _), utt in zip(group, utts, strict=True):
                 u.utt = utt
                 u.word_spans = utt.word_spans
                 u.status = UtteranceStatus.DECODING

@@ -17,10 +17,8 @@ stage and which sessions advance by one decoder step, most urgent first:
   the session wakes the engine when its client catches up);
 * a sentence is taken to the acoustic stage only when its session has less than
   `acoustic_lookahead_s` of audio waiting, so a long text queued at once never holds up the
-  chunks of the sentence that is playing, nor other sessions' first audio.
-
-The core runs the planned steps while the acoustic batch computes, then plans again for the
-sentences that batch made ready (their first chunks).
+  chunks of the sentence that is playing, nor other sessions' first audio;
+* when a playing session is about to run dry, its step runs before the acoustic batch.
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ class Plan:
 
     acoustic: list[tuple[SessionState, UtteranceState]] = field(default_factory=list)
     decode: list[tuple[SessionState, UtteranceState]] = field(default_factory=list)
+    decode_first: bool = False  # a playing session is close to running dry: its step goes first
     wake_at: float | None = None  # nothing to run now: plan again at this time (or on new input/reads)
 
     @property
@@ -84,6 +83,7 @@ class Scheduler:
             if urgent or acoustic:
                 decode = urgent
             plan.decode = self._take(decode, max_rows, free_slots)
+            plan.decode_first = bool(decode) and decode[0][0][0] == 0
         if plan.empty and wake < math.inf:
             plan.wake_at = wake
         return plan

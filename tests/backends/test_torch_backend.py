@@ -160,34 +160,6 @@ def test_cuda_encoder_graphs_equal_the_eager_acoustic_stage() -> None:
             np.testing.assert_allclose(a[i, :, :n], c.numpy()[i, :, :n], atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.gpu
-def test_cuda_encoder_launches_queue_on_their_stream_and_each_gets_its_own_result() -> None:
-    """Launches of the same graph bucket queued back to back (static buffers rewritten before
-    the first result is read) each return what that input gives alone, while a decoder-sized
-    matmul runs on the default stream."""
-    backend = TorchBackend(Voice(builtin_voice_info()), device="cuda")
-    rng = np.random.default_rng(1)
-    inputs = []
-    for _ in range(3):
-        lengths = rng.integers(20, 60, 4).astype(np.int64)
-        ids = np.zeros((4, 60), dtype=np.int64)
-        for i, n in enumerate(lengths):
-            ids[i, :n] = rng.integers(1, 100, n)
-        inputs.append((ids, lengths, rng.standard_normal((4, 2, 60)).astype(np.float32)))
-    alone = [backend.encode(ids, lengths, noise, None) for ids, lengths, noise in inputs]
-    busy = torch.randn(4096, 4096, device="cuda")
-    pending = []
-    for ids, lengths, noise in inputs:
-        busy = busy @ busy / 64.0
-        pending.append(backend.encode_async(ids, lengths, noise, None))
-    for (_, lengths, _), want, handle in zip(inputs, alone, pending, strict=True):
-        got = handle.result()
-        for a, b in ((got.m_p, want.m_p), (got.logs_p, want.logs_p), (got.logw, want.logw)):
-            for i, n in enumerate(lengths):
-                np.testing.assert_array_equal(a[i, :, :n], b[i, :, :n])
-    torch.cuda.synchronize()
-
-
 def test_gemm_convolutions_equal_the_library_ones() -> None:
     """The acoustic stage's convolutions as matrix products (what the CUDA backend runs) give
     what torch's own convolutions give, padded, dilated and depthwise ones included."""

@@ -67,8 +67,10 @@ def test_about_to_run_dry_then_first_chunks_then_least_buffered(runtime: Synthes
     cfg = BatchConfig(urgent_slack_s=0.3)
     plan = Scheduler(cfg).plan([mid, low, new, dry], NOW, max_rows=8)
     assert [s for s, _ in plan.decode] == [dry, new, low, mid]
+    assert plan.decode_first  # the session running dry also goes before new sentences
     plan = Scheduler(cfg).plan([mid, low, new], NOW, max_rows=8)
     assert [s for s, _ in plan.decode] == [new, low, mid]
+    assert not plan.decode_first  # the head of the queue is a first chunk, not a playing session
 
 
 def test_row_cap_keeps_the_most_urgent(runtime: Synthesizer) -> None:
@@ -99,14 +101,15 @@ def test_backpressure_on_unread_audio(runtime: Synthesizer) -> None:
     assert [s for s, _ in plan.decode] == [reading]
 
 
-def test_acoustic_lookahead(runtime: Synthesizer) -> None:
+def test_acoustic_lookahead_and_running_dry_goes_first(runtime: Synthesizer) -> None:
     cfg = BatchConfig(acoustic_lookahead_s=2.0, urgent_slack_s=0.3)
     # ~4.6 s of its current sentence still to decode: its next sentence waits.
     long_queue = _session(runtime, 1, playing_for=1.0, slack=0.1, acoustic=3, frames=400)
     fresh = _session(runtime, 2, decoding=False, acoustic=1)
     plan = Scheduler(cfg).plan([long_queue, fresh], NOW, max_rows=8)
     assert [s for s, _ in plan.acoustic] == [fresh]
-    assert [s for s, _ in plan.decode] == [long_queue]  # planned with the batch: it runs while the batch computes
+    assert [s for s, _ in plan.decode] == [long_queue]
+    assert plan.decode_first  # 0.1 s left to play: its step runs before the acoustic batch
 
 
 def test_starts_wait_for_a_free_slot_and_never_crowd_out_slot_holders(runtime: Synthesizer) -> None:
