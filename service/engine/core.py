@@ -69,6 +69,7 @@ class EngineCore:
         self._stopping = False
         self._poked = False  # a client took audio since the last plan
         self._first_audio_wait_s = 0.0
+        self._acoustic_job_s = 0.0  # acoustic-stage seconds per sentence, recent average (the scheduler's estimate)
         # Throughput window: (start, busy seconds, audio seconds, steps, rows) at its start.
         self._window: tuple[float, float, float, int, int] | None = None
         self._specs: dict[int, WorkSpec] = {}  # for the frontend thread (guarded by _cv)
@@ -295,7 +296,7 @@ class EngineCore:
         runtime = sessions[0].spec.runtime if sessions else None
         max_rows = self.executor.max_rows(runtime)
         free = self.executor.free_slots if runtime is not None and self.executor.uses_slots(runtime) else None
-        plan = self.scheduler.plan(sessions, now, max_rows, free)
+        plan = self.scheduler.plan(sessions, now, max_rows, free, self._acoustic_job_s)
         if plan.empty:
             if self._shadow_run is not None and self._shadow_run():
                 return False, None
@@ -307,7 +308,8 @@ class EngineCore:
         else:
             self._acoustic(plan.acoustic)
             if plan.acoustic:  # sentences that just got their latent frames start now
-                plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free)
+                plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free,
+                                           self._acoustic_job_s)
             self._decode(plan.decode)
         for s in list(self._sessions.values()):
             self._finish_if_done(s)
@@ -342,6 +344,8 @@ class EngineCore:
         for s, why in failed:
             self._fail(s, why)
         now = time.monotonic()
+        per_job = (now - start) / len(jobs)
+        self._acoustic_job_s = per_job if not self._acoustic_job_s else 0.8 * self._acoustic_job_s + 0.2 * per_job
         self.telemetry.acoustic_step([(s.spec.session_id, u.index) for s, u in jobs], start, now)
         for s, u in jobs:
             s.ready_since = now

@@ -3,7 +3,8 @@
 Each engine iteration it decides which sessions' next sentences go through the acoustic
 stage and which sessions advance by one decoder step, most urgent first:
 
-* a playing session about to run dry (less than `urgent_slack_s` buffered) goes first: a gap
+* a playing session about to run dry (less than `urgent_slack_s` buffered, or less than the
+  planned acoustic batch is expected to take) goes first: a gap
   in audio that is playing is worse than a later start; then sessions waiting for their first
   audio; then the other playing sessions, the least buffered first (on one CPU core's worth of
   decoding, where a step serves one session, this keeps the first sessions of a burst playing
@@ -50,14 +51,18 @@ class Scheduler:
         self.config = config
 
     def plan(self, sessions: Iterable[SessionState], now: float, max_rows: int,
-             free_slots: Callable[[SessionState, UtteranceState], int] | None = None) -> Plan:
+             free_slots: Callable[[SessionState, UtteranceState], int] | None = None,
+             acoustic_job_s: float = 0.0) -> Plan:
         """`free_slots(s, u)`: decoder slots free for `u`'s voice and precision (None: no slots,
         e.g. the staged decoder). An utterance that needs a slot is planned only while one is
-        free, so waiting starts never crowd out the sessions that hold the slots."""
+        free, so waiting starts never crowd out the sessions that hold the slots.
+        `acoustic_job_s`: what the acoustic stage has been taking per sentence. A playing session
+        with less audio buffered than the planned acoustic batch will take to run is urgent too
+        (on a CPU a batch of new sessions' sentences can outlast the first session's first chunk)."""
         cfg = self.config
         plan = Plan()
         acoustic: list[tuple[tuple[float, float], SessionState, UtteranceState]] = []
-        decode: list[tuple[tuple[int, float, float], SessionState, UtteranceState]] = []
+        ready: list[tuple[SessionState, UtteranceState, float]] = []
         wake = math.inf
         for s in sessions:
             if not s.utterances:  # waiting for text: nothing to plan
@@ -65,8 +70,7 @@ class Scheduler:
             slack = s.slack(now)
             head = s.utterances[0]
             if head.status is UtteranceStatus.DECODING and s.unread_s() < cfg.max_ahead_s:
-                rank = 1 if head.chunk_index == 0 else 0 if slack < cfg.urgent_slack_s else 2
-                decode.append(((rank, slack, s.ready_since), s, head))
+                ready.append((s, head, slack))
             nxt = next((u for u in s.utterances if u.status is UtteranceStatus.ACOUSTIC), None)
             if nxt is not None:
                 if s.queued_audio_s() < cfg.acoustic_lookahead_s:
@@ -77,6 +81,9 @@ class Scheduler:
             acoustic.sort(key=lambda item: item[0])
             runtime = acoustic[0][1].spec.runtime
             plan.acoustic = [(s, u) for _, s, u in acoustic if s.spec.runtime is runtime][: cfg.acoustic_max_batch]
+        urgent_slack = max(cfg.urgent_slack_s, len(plan.acoustic) * acoustic_job_s)
+        decode = [((1 if u.chunk_index == 0 else 0 if slack < urgent_slack else 2, slack, s.ready_since), s, u)
+                  for s, u, slack in ready]
         if decode:
             decode.sort(key=lambda item: item[0])
             urgent = [item for item in decode if item[0][0] < 2 or item[0][1] < cfg.lead_s]

@@ -124,3 +124,16 @@ def test_starts_wait_for_a_free_slot_and_never_crowd_out_slot_holders(runtime: S
     one = Scheduler(BatchConfig()).plan(starts + holders, NOW, max_rows=4, free_slots=lambda s, u: 1)
     planned = [s for s, _ in one.decode]
     assert len(planned) == 4 and planned[0] in starts and {id(s) for s in planned[1:]} == {id(s) for s in holders}
+
+
+def test_a_slow_acoustic_batch_makes_a_playing_session_urgent(runtime: Synthesizer) -> None:
+    """On a CPU, seven new sessions' sentences take longer than the first session's first chunk
+    plays: that session's next step goes first. On a GPU (a fast stage) nothing changes."""
+    cfg = BatchConfig(urgent_slack_s=0.3)
+    playing = _session(runtime, 1, playing_for=0.05, slack=0.35)
+    starting = [_session(runtime, 2 + k, decoding=False, acoustic=1) for k in range(7)]
+    slow = Scheduler(cfg).plan([playing, *starting], NOW, max_rows=1, acoustic_job_s=0.06)  # 0.42 s > 0.35 s
+    assert slow.decode_first and [s for s, _ in slow.decode] == [playing]
+    assert len(slow.acoustic) == 7
+    fast = Scheduler(cfg).plan([playing, *starting], NOW, max_rows=1, acoustic_job_s=0.0005)
+    assert not fast.decode_first and len(fast.acoustic) == 7
