@@ -178,6 +178,30 @@ def test_protocol_errors(stub: pb_grpc.TextToSpeechStub) -> None:
     _assert_serves(stub)
 
 
+def test_a_bad_message_fails_the_stream_before_its_queued_audio(stub: pb_grpc.TextToSpeechStub) -> None:
+    """The request side's error ends the stream at once: the client does not first receive all
+    the audio the session had queued (which would take as long to play as it is long)."""
+    text = " ".join(f"Sentence number {k} is here to make a long stream of audio." for k in range(12))
+    whole = stream(stub, pb.SessionConfig(seed=5), [text], timeout=60)
+    assert whole.summary is not None
+    full = whole.summary.audio_seconds
+
+    def reqs() -> Iterator[pb.StreamingSynthesizeRequest]:
+        yield CFG(config=pb.SessionConfig(seed=5))
+        yield CFG(text=text)
+        yield CFG()  # empty: INVALID_ARGUMENT
+
+    samples = 0
+    with pytest.raises(grpc.RpcError) as info:
+        for msg in stub.StreamingSynthesize(reqs(), timeout=30):
+            if msg.WhichOneof("response") == "audio":
+                samples += msg.audio.num_samples
+                rate = msg.audio.sample_rate_hz
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert samples == 0 or samples / rate < 0.5 * full
+    _assert_serves(stub)
+
+
 def test_idle_stream_is_closed(stub: pb_grpc.TextToSpeechStub) -> None:
     def reqs() -> Iterator[pb.StreamingSynthesizeRequest]:
         yield CFG(config=pb.SessionConfig())

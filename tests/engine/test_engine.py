@@ -432,3 +432,18 @@ def test_capacity_is_capped_by_what_the_busy_engine_made(harness: EngineHarness)
         assert executor.capacity_streams() == pytest.approx(0.8 * 5.0 if before is None else min(before, 0.8 * 5.0))
     finally:
         executor.engine_rate = saved
+
+
+def test_engine_start_sets_the_gil_switch_interval() -> None:
+    """The engine thread's many short native calls each wait for the GIL up to the interval."""
+    import sys
+
+    before = sys.getswitchinterval()
+    h = EngineHarness(tiny_engine_config(batch=BatchConfig(gil_switch_interval_s=0.002)))
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        h.close()
+        sys.setswitchinterval(before)
+    with pytest.raises(ValueError, match="gil_switch_interval_s"):
+        BatchConfig(gil_switch_interval_s=0.0)
