@@ -147,7 +147,7 @@ class EngineCore:
 
             self._post("error", session_id, InvalidArgument("text", f"cannot phonemise {text[:40]!r}: {exc}"))
             return
-        self._post("text", session_id, (seq, sent, [s for s in future.result() if s.phoneme_ids]))
+        self._post("text", session_id, (seq, sent, time.monotonic(), [s for s in future.result() if s.phoneme_ids]))
 
     def first_audio_wait(self) -> float:
         """The longest any session waited for its first audio at the last iteration (seconds;
@@ -255,12 +255,12 @@ class EngineCore:
             assert isinstance(s, _Tracked)
             if kind == "text":
                 assert isinstance(payload, tuple)
-                seq, sent, sentences = payload
-                s.arrived[seq] = (sent, sentences)
+                seq, sent, done, sentences = payload
+                s.arrived[seq] = (sent, done, sentences)
                 while s.applied in s.arrived:
-                    sent, sentences = s.arrived.pop(s.applied)
+                    sent, done, sentences = s.arrived.pop(s.applied)
                     if s.marks.sent is None and sentences:
-                        s.marks.sent, s.marks.phonemized = sent, now
+                        s.marks.sent, s.marks.phonemized = sent, done
                     for sentence in sentences:
                         s.utterances.append(UtteranceState(s.next_index, sentence))
                         self.telemetry.utterance_queued(sid, s.next_index, now)
@@ -402,6 +402,7 @@ class _Tracked(SessionState):
     """A session plus the ordering of its phonemised texts (the frontend may finish them
     out of order; they are applied in the order they were sent)."""
 
-    arrived: dict[int, tuple[float, list[PhonemizedSentence]]] = field(default_factory=dict)  # seq -> (sent, ...)
+    # seq -> (handed to the frontend, phonemised, sentences)
+    arrived: dict[int, tuple[float, float, list[PhonemizedSentence]]] = field(default_factory=dict)
     applied: int = 0
     end_after: int | None = None

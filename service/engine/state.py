@@ -123,7 +123,7 @@ class FirstAudioMarks:
     seconds): where time to first audio goes, per session."""
 
     sent: float | None = None  # handed to the frontend
-    phonemized: float | None = None  # reached the engine thread
+    phonemized: float | None = None  # the frontend finished it (then it waits for the engine thread)
     acoustic_start: float | None = None
     acoustic_end: float | None = None
     step_start: float | None = None  # the decoder step that made the first chunk
