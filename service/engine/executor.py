@@ -214,7 +214,7 @@ class Executor:
                 log.exception("staged decode failed (session %d)", s.spec.session_id)
                 return [], [(s, exc)]
         groups: dict[tuple[int, str, bool], list[tuple[SessionState, UtteranceState]]] = {}
-        fresh: dict[int, tuple[_Slots, list[int]]] = {}  # slots taken now, cleared in one call per pool
+        fresh: dict[_Slots, list[int]] = {}  # slots taken now, cleared in one call per pool
         for s, u in rows:
             if u.slot is None:
                 pool = self.slots(s.spec.runtime, u.precision)
@@ -222,9 +222,9 @@ class Executor:
                 if slot is None:
                     continue  # every slot busy: this utterance starts when one frees
                 u.slot = slot
-                fresh.setdefault(id(pool), (pool, []))[1].append(slot)
+                fresh.setdefault(pool, []).append(slot)
             groups.setdefault((id(s.spec.runtime), u.precision, u.fed == 0), []).append((s, u))
-        for pool, taken in fresh.values():
+        for pool, taken in fresh.items():
             pool.decoder.reset(taken)
         batches = [(part, precision, first) for (_, precision, first), group in groups.items()
                    for part in _halves(group, self.PIPELINE_MIN_ROWS)]

@@ -249,11 +249,13 @@ class Frontend:
             if group:
                 local.char_start, local.char_end = group[0].start, group[-1].end
             sentence = sentences[len(result)]
+            result.append(local)
+            if not words:
+                continue
             texts = ["".join(sentence[a:b]) for a, b in spans]
-            for t0, t1, first, last in _map_words(group, texts, self._solo_words) if words else ():
+            for t0, t1, first, last in _map_words(group, texts, self._solo_words):
                 written = text[group[t0].start - base : group[t1 - 1].end - base]
                 local.words.append(_Word(_word_text(written), spans[first][0], spans[last - 1][1]))
-            result.append(local)
         return result
 
     def _finish(self, text: str, phonemes: list[str], builder: _Builder) -> PhonemizedSentence:
