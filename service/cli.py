@@ -337,7 +337,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             batch=_batch_config(args),
             cache_bytes=args.cache_mb << 20,
             preload=args.preload, cache_dir=_path(args.cache_dir),
-            shadow_fraction=args.shadow_fraction,
+            shadow_fraction=args.shadow_fraction, core=args.core,
         ),
         limits=Limits(
             max_sessions=args.max_sessions, max_text_chars=args.max_text_chars,
@@ -770,6 +770,11 @@ def build_parser() -> argparse.ArgumentParser:
                        default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "preload"),
                        help="load, export and warm up every voice (--voices) before health says SERVING; "
                             "without it only the default voice is, and others load on their first request")
+    serve.add_argument("--core", choices=("auto", "process", "thread"),
+                       default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "core"),
+                       help="where the synthesis core runs: process (its own, so its Python does not share a GIL "
+                            "with the gRPC event loop), thread (in the server's process); auto: a process on CUDA, "
+                            "a thread on the CPU")
     _add_cache_dir_arg(serve)
 
     def telemetry_option(name: str) -> ConfigDefault:

@@ -130,6 +130,18 @@ class EngineError(Exception):
         super().__init__(message)
         self.message = message
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Picklable whatever a subclass's constructor takes: errors cross from an engine core
+        in its own process to the server."""
+        return _rebuild_error, (type(self), self.message, dict(vars(self)))
+
+
+def _rebuild_error(cls: type[EngineError], message: str, state: dict[str, object]) -> EngineError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    exc.__dict__.update(state)
+    return exc
+
 
 class InvalidArgument(EngineError):
     """A request field has a bad value; `field` names it (e.g. "config.sample_rate")."""

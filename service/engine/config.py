@@ -73,6 +73,10 @@ class EngineConfig:
     backend: str = "auto"  # torch | onnxruntime | tensorrt | auto (by device)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # CPU inference threads
+    # Where the synthesis core runs: "process" (a process of its own, so its Python does not share
+    # the GIL with the server's event loop), "thread" (in the server's process), "auto": a
+    # process on CUDA, a thread on the CPU (where the cores are few and compute-bound).
+    core: str = "auto"
     batch: BatchConfig = field(default_factory=BatchConfig)
     schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
@@ -94,3 +98,7 @@ class EngineConfig:
     warmup_text: str = (
         "Hello there. This sentence warms up every stage of the decoder, so the first caller does not wait."
     )
+
+    def __post_init__(self) -> None:
+        if self.core not in ("auto", "process", "thread"):
+            raise ValueError(f"unknown core placement {self.core!r}; use auto, process or thread")

@@ -57,6 +57,7 @@ class EngineCore:
     ) -> None:
         self.batch = batch
         self.telemetry = telemetry or Telemetry()
+        self.shadow = shadow
         self._shadow_run = getattr(shadow, "run_pending", None)  # FP32 reruns, on this thread between steps
         self.frontend_config = frontend or FrontendPoolConfig()
         self.stats = EngineStats()
@@ -148,6 +149,10 @@ class EngineCore:
             self._post("error", session_id, InvalidArgument("text", f"cannot phonemise {text[:40]!r}: {exc}"))
             return
         self._post("text", session_id, (seq, sent, time.monotonic(), [s for s in future.result() if s.phoneme_ids]))
+
+    def reset_rate(self) -> None:
+        """Forget the decoder's measured speed so far (first runs are slower than serving)."""
+        self.stats.step_seconds = self.stats.audio_seconds = 0.0
 
     def first_audio_wait(self) -> float:
         """The longest any session waited for its first audio at the last iteration (seconds;

@@ -8,12 +8,10 @@ import itertools
 import logging
 import math
 import re
-import threading
 import time
 from importlib import metadata
 
 from service.audio.encoding import AudioEncoding
-from service.backends.registry import create_backend
 from service.engine.api import (
     MAX_SAMPLE_RATE,
     MAX_SPEAKING_RATE,
@@ -35,14 +33,13 @@ from service.engine.api import (
     check_text,
     echo,
 )
-from service.engine.cache import ResultCache
 from service.engine.config import EngineConfig
-from service.engine.core import EngineCore
+from service.engine.host import Host, LoadedVoice, LocalHost
 from service.engine.precision import Hardware, PrecisionDecision, PrecisionPolicy
+from service.engine.proc import ProcessHost
 from service.engine.session import EngineSession, SessionSetup
-from service.engine.shadow import ShadowVerifier
-from service.engine.state import WorkSpec
-from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, default_backend
+from service.engine.state import SessionRequest
+from service.synthesis import ChunkSchedule, SynthesisParams, default_backend
 from service.telemetry import Telemetry
 from service.voices import Voice, VoiceInfo, VoiceNotFoundError, list_voices
 
@@ -68,19 +65,18 @@ class TtsEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.backend_name = default_backend(self.device) if config.backend == "auto" else config.backend
-        self.cache = ResultCache(config.cache_bytes)
         self.telemetry = telemetry or Telemetry()
-        self.telemetry.observe(cache=lambda: (self.cache.hits, self.cache.misses),
-                               gpu_memory=self._gpu_memory if self.device.startswith("cuda") else None)
-        self.shadow = ShadowVerifier(config.shadow_fraction, on_psnr=self.telemetry.shadow_psnr) \
-            if config.shadow_fraction > 0 else None
-        self._loop = EngineCore(config.batch, self.cache, on_trip=self._on_trip, shadow=self.shadow,
-                                frontend=config.frontend, telemetry=self.telemetry)
+        self.core_mode = config.core if config.core != "auto" else \
+            ("process" if self.device.startswith("cuda") else "thread")
+        host = ProcessHost if self.core_mode == "process" else LocalHost
+        self.host: Host = host(config, self.device, self.backend_name, self.telemetry, self._on_trip)
+        self.telemetry.observe(
+            cache=lambda: (lambda snap: (snap.cache_hits, snap.cache_misses))(self.host.snapshot()),
+            gpu_memory=(lambda: self.host.snapshot().gpu_memory) if self.device.startswith("cuda") else None)
         self._policy: PrecisionPolicy | None = None
         self._voices: dict[str, VoiceInfo] = {}
         self._default: VoiceInfo | None = None
-        self._runtimes: dict[str, Synthesizer] = {}
-        self._load_lock = threading.Lock()
+        self._loaded: dict[str, LoadedVoice] = {}
         self._sessions: dict[int, EngineSession] = {}
         self._ids = itertools.count(1)
         self.ready = False
@@ -92,11 +88,6 @@ class TtsEngine:
         """Load the default voice, start the engine thread and warm it up through a real
         session (every step shape the decoder uses is prepared before the first caller)."""
         await asyncio.get_running_loop().run_in_executor(None, self._start_sync)
-        assert self._default is not None
-        voices = [str(v.config_path) for v in self._preloaded()]
-        self._loop.frontend_config = dataclasses.replace(
-            self.config.frontend, preload=(*self.config.frontend.preload, *voices))
-        self._loop.start()
         self.ready = True
         for precision in self._warm_precisions():
             session = await self._open_session(SessionConfig(seed=0, precision=precision), internal=True)
@@ -106,13 +97,12 @@ class TtsEngine:
                 config = SessionConfig(voice=info.name, seed=0, precision=precision)
                 await self._collect(await self._open_session(config, internal=True), self.config.warmup_text)
         # Once more, warm, for the decoder's measured speed (first runs are slower than serving).
-        stats = self._loop.stats
-        stats.step_seconds = stats.audio_seconds = 0.0
+        self.host.reset_rate()
         session = await self._open_session(SessionConfig(seed=1), internal=True)
         await self._collect(session, self.config.warmup_text)
-        executor = self._loop.executor
+        capacity = self.host.snapshot().capacity
         for precision in self._warm_precisions():
-            estimate = executor.capacity_streams(precision.value)
+            estimate = capacity.get(precision.value)
             if estimate:
                 log.info("capacity estimate at %s: %.0f real-time streams", precision.value, estimate)
 
@@ -140,25 +130,21 @@ class TtsEngine:
             raise VoiceNotFoundError(
                 f"unknown default voice {self.config.voice!r}; available: {', '.join(sorted(self._voices))} (--voice)"
             )
-        for info in self._preloaded():  # before the engine thread runs (graph captures need the GPU alone)
-            self._prepare(info)
-
-    def _prepare(self, info: VoiceInfo) -> None:
-        """Load a voice (exports included) and capture its encoder graphs where the backend has them."""
-        runtime = self._runtime(info)
-        capture = getattr(runtime.backend, "capture_encoder", None)
-        if capture is not None:
-            capture(self.config.batch.acoustic_max_batch)
+        preload = self._preloaded()
+        frontend = dataclasses.replace(self.config.frontend, preload=(
+            *self.config.frontend.preload, *(str(v.config_path) for v in preload)))
+        self._loaded = self.host.start(frontend, preload)
+        log.info("synthesis core: %s (%s on %s)", self.core_mode, self.backend_name, self.device)
 
     async def stop(self) -> None:
         for session in list(self._sessions.values()):
             session.cancel()
-        await asyncio.get_running_loop().run_in_executor(None, self._loop.stop)
+        await asyncio.get_running_loop().run_in_executor(None, self.host.stop)
 
     @property
     def dead(self) -> bool:
         """The engine thread died (an unexpected error): nothing more will be synthesised."""
-        return self._loop.dead.is_set()
+        return self.host.dead.is_set()
 
     def fail_all(self, exc: BaseException) -> None:
         """End every open session with `exc` (after the engine thread died)."""
@@ -168,14 +154,6 @@ class TtsEngine:
     def drain(self) -> None:
         """Refuse new sessions from now on; open ones continue."""
         self.draining = True
-
-    def _gpu_memory(self) -> dict[str, int]:
-        """Bytes the engine's CUDA device holds (the caching allocator's reservation), for the
-        telemetry's collection thread."""
-        import torch
-
-        device = torch.device(self.device)
-        return {str(device): int(torch.cuda.memory_reserved(device))}
 
     def _refused(self, reason: str, error: Exception) -> Exception:
         """Count a refused session (admission metrics) and return the error to raise."""
@@ -189,35 +167,24 @@ class TtsEngine:
     @property
     def engine_sessions(self) -> int:
         """Sessions the engine thread still holds state for."""
-        return self._loop.active_work
+        return self.host.snapshot().active_work
 
     def stats(self) -> dict[str, float]:
-        s = self._loop.stats
+        snap = self.host.snapshot()
+        s = snap.stats
         return {
-            "live_sessions": self.live_sessions, "cache_hits": self.cache.hits, "cache_misses": self.cache.misses,
-            "cache_bytes": self.cache.bytes, "steps": s.steps, "step_rows": s.rows, "max_step_rows": s.max_rows,
+            "live_sessions": self.live_sessions, "cache_hits": snap.cache_hits, "cache_misses": snap.cache_misses,
+            "cache_bytes": snap.cache_bytes, "steps": s.steps, "step_rows": s.rows, "max_step_rows": s.max_rows,
             "step_seconds": s.step_seconds, "step_audio_seconds": s.audio_seconds,
             "acoustic_jobs": s.acoustic_jobs, "acoustic_batches": s.acoustic_batches, "fp32_fallbacks": s.fallbacks,
-            "shadow_verified": self.shadow.verified if self.shadow else 0,
-            "shadow_min_psnr_db": (self.shadow.psnr.minimum if self.shadow and self.shadow.verified else math.inf),
+            "shadow_verified": snap.shadow_verified, "shadow_min_psnr_db": snap.shadow_min_psnr_db,
         }
 
     # --- voices ------------------------------------------------------------------------------
 
-    def _runtime(self, info: VoiceInfo) -> Synthesizer:
-        """The loaded voice + backend (loaded once; the engine thread is the only caller after)."""
-        with self._load_lock:
-            runtime = self._runtimes.get(info.name)
-            if runtime is None:
-                voice = Voice(info)
-                options: dict[str, object] = {"threads": self.config.threads} if self.config.threads else {}
-                if self.config.cache_dir is not None and self.backend_name != "torch":  # the exporting backends
-                    options["cache_dir"] = self.config.cache_dir
-                backend = create_backend(self.backend_name, voice, self.device, **options)
-                runtime = Synthesizer(voice, backend, self.config.schedule)
-                self._runtimes[info.name] = runtime
-                log.info("loaded voice %s on %s/%s", info.name, self.backend_name, self.device)
-            return runtime
+    def _load(self, info: VoiceInfo) -> None:
+        """Load a voice where the core runs (blocking: the first session of a voice waits)."""
+        self._loaded[info.name] = self.host.load(info)
 
     def voices(self) -> list[VoiceDescription]:
         out = []
@@ -225,7 +192,7 @@ class TtsEngine:
         for v in ordered:
             names = {i: n for n, i in v.speaker_id_map.items()}
             speakers = [SpeakerInfo(i, names.get(i, "")) for i in range(v.num_speakers)] if v.num_speakers > 1 else []
-            out.append(VoiceDescription(v.name, v.language, v.sample_rate, speakers, v.name in self._runtimes))
+            out.append(VoiceDescription(v.name, v.language, v.sample_rate, speakers, v.name in self._loaded))
         return out
 
     def server_info(self) -> ServerInfo:
@@ -235,10 +202,9 @@ class TtsEngine:
                 versions[pkg] = metadata.version(pkg)
             except metadata.PackageNotFoundError:
                 continue
-        backend = self._runtimes[self._default.name].backend if self._default and self._default.name in self._runtimes \
-            else None
-        precisions = [Precision(p) for p in backend.supported_precisions()] if backend else [Precision.FP32]
-        pins = list(getattr(backend, "fp32_pins", []) or [])
+        loaded = self._loaded.get(self._default.name) if self._default else None
+        precisions = [Precision(p) for p in loaded.precisions] if loaded else [Precision.FP32]
+        pins = list(loaded.fp32_pins) if loaded else []
         return ServerInfo(self.backend_name, self.device, precisions,
                           self._default.name if self._default else "", pins, versions,
                           capacity_streams=self.capacity_streams(), open_sessions=self.live_sessions,
@@ -250,7 +216,8 @@ class TtsEngine:
             return self.config.limits.capacity_streams
         auto = self._policy.resolve("auto", self._default.name, 0).precision if self._policy and self._default \
             else None
-        return self._loop.executor.capacity_streams(auto) or self._loop.executor.capacity_streams()
+        capacity = self.host.snapshot().capacity
+        return capacity.get(auto or "") or capacity.get("")
 
     async def _admit(self) -> float:
         """At capacity, or while the engine is behind (a session waits too long for its first
@@ -262,7 +229,7 @@ class TtsEngine:
 
         def full() -> bool:
             at_capacity = capacity is not None and self.live_sessions >= capacity
-            return at_capacity or self._loop.first_audio_wait() > limits.admission_first_audio_s
+            return at_capacity or self.host.snapshot().first_audio_wait_s > limits.admission_first_audio_s
 
         if not full():
             return 0.0
@@ -272,7 +239,7 @@ class TtsEngine:
             await asyncio.sleep(0.02)
             if not full():
                 return time.monotonic() - start
-        behind = self._loop.first_audio_wait()
+        behind = self.host.snapshot().first_audio_wait_s
         self.telemetry.admission(False, time.monotonic() - start, "capacity")
         raise ResourceExhausted(
             f"server at capacity: {self.live_sessions} sessions open (about {capacity or 0:.0f} real-time streams "
@@ -299,14 +266,13 @@ class TtsEngine:
         info = self._resolve_voice(config)
         sid = self._resolve_speaker(info, config.speaker)
         params, schedule = self._resolve_params(info, config)
-        if info.name not in self._runtimes:
-            await asyncio.get_running_loop().run_in_executor(None, self._runtime, info)
+        if info.name not in self._loaded:
+            await asyncio.get_running_loop().run_in_executor(None, self._load, info)
         decision = self._resolve_precision(config.precision, info.name)
         precision = Precision(decision.precision)
         if len(self._sessions) >= self.config.limits.max_sessions and not internal:  # others opened meanwhile
             raise self._refused("max_sessions", ResourceExhausted(
                 f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"))
-        runtime = self._runtimes[info.name]
         setup = SessionSetup(
             session_id=next(self._ids), config=config, in_rate=info.sample_rate,
             out_rate=config.sample_rate or info.sample_rate, precision=precision,
@@ -316,16 +282,15 @@ class TtsEngine:
             max_audio_bytes=max(1024, self.config.limits.max_message_bytes - 1024),
             max_ahead_s=self.config.batch.max_ahead_s,
         )
-        session = EngineSession(setup, self._loop, self._forget, telemetry=None if internal else self.telemetry,
+        session = EngineSession(setup, self.host, self._forget, telemetry=None if internal else self.telemetry,
                                 voice=info.name)
         if not internal:
             self.telemetry.admission(True, waited)
         self._sessions[session.id] = session
-        self._loop.submit_open(WorkSpec(
-            session_id=session.id, runtime=runtime, voice_name=info.name, sid=sid, params=params,
-            schedule=schedule, precision=precision.value, custom_dictionary=config.custom_dictionary,
-            sink=session, loop=asyncio.get_running_loop(), cursor=setup.cursor, word_timings=config.word_timings,
-        ))
+        request = SessionRequest(
+            session_id=session.id, voice_name=info.name, sid=sid, params=params, schedule=schedule,
+            precision=precision.value, custom_dictionary=config.custom_dictionary, word_timings=config.word_timings)
+        self.host.submit_open(request, info, session, asyncio.get_running_loop(), setup.cursor)
         return session
 
     def _forget(self, session: EngineSession) -> None:
@@ -406,8 +371,8 @@ class TtsEngine:
     def _resolve_precision(self, asked: Precision, voice: str) -> PrecisionDecision:
         """Explicit requests must be supported by the backend; AUTO asks the policy
         (hardware, load, the voice's guard-trip history) and keeps its reason."""
-        runtime = self._runtimes.get(voice) or (self._runtimes[self._default.name] if self._default else None)
-        supported = runtime.backend.supported_precisions() if runtime else ("fp32",)
+        loaded = self._loaded.get(voice) or (self._loaded.get(self._default.name) if self._default else None)
+        supported = loaded.precisions if loaded else ("fp32",)
         if asked is not Precision.AUTO and asked.value not in supported:
             raise InvalidArgument("config.precision", f"the {self.backend_name} backend on {self.device} runs "
                                   f"{', '.join(supported)} only; ask for AUTO or FP32")

@@ -3,17 +3,19 @@ result cache, retires finished utterances and sessions, and keeps the accounts."
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Hashable
 
 import numpy as np
 
 from service.engine.cache import CachedUtterance, ResultCache
-from service.engine.state import ChunkResult, SessionState, SessionStatus, UtteranceState, UtteranceStatus
+from service.engine.state import ChunkResult, Loop, SessionState, SessionStatus, Sink, UtteranceState, UtteranceStatus
 from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
+
+# One result for a session: its sink, the sink's method (on_chunk, on_done, on_error), the arguments.
+Delivery = tuple[Sink, str, tuple[object, ...]]
 
 
 class OutputStage:
@@ -22,7 +24,7 @@ class OutputStage:
         self.cache = cache
         self._release = release  # gives an utterance's decoder slot back
         self.telemetry = telemetry or Telemetry()
-        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[Callable[..., None], tuple[object, ...]]]] = {}
+        self._pending: dict[Loop, list[Delivery]] = {}
 
     def cache_key(self, s: SessionState, u: UtteranceState) -> Hashable | None:
         """Only seeded sessions are cacheable (unseeded audio is meant to differ)."""
@@ -101,22 +103,22 @@ class OutputStage:
     def _deliver(self, s: SessionState, method: str, *args: object) -> None:
         """Queued until `flush`, in order: one wake-up of each event loop per flush, not one
         per chunk (each costs the loop a callback and the engine thread a syscall)."""
-        self._pending.setdefault(s.spec.loop, []).append((getattr(s.spec.sink, method), args))
+        self._pending.setdefault(s.spec.loop, []).append((s.spec.sink, method, args))
 
     def flush(self) -> None:
         """Hand everything delivered since the last flush to the sessions' event loops."""
         pending, self._pending = self._pending, {}
         for loop, calls in pending.items():
             try:
-                loop.call_soon_threadsafe(_run_all, calls)
+                loop.call_soon_threadsafe(run_all, calls)
             except RuntimeError:  # the event loop is closed: nobody is listening
                 log.debug("event loop closed: %d session callbacks dropped", len(calls))
 
 
-def _run_all(calls: list[tuple[Callable[..., None], tuple[object, ...]]]) -> None:
+def run_all(calls: list[Delivery]) -> None:
     """On the event loop: one flush's callbacks, in order; one failing sink does not stop the rest."""
-    for fn, args in calls:
+    for sink, method, args in calls:
         try:
-            fn(*args)
+            getattr(sink, method)(*args)
         except Exception:
-            log.exception("session callback %s failed", getattr(fn, "__qualname__", fn))
+            log.exception("session callback %s failed", method)

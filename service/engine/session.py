@@ -22,7 +22,7 @@ from service.engine.api import (
     WordTiming,
     check_text,
 )
-from service.engine.core import EngineCore
+from service.engine.host import Host
 from service.engine.state import ChunkResult, ReadCursor
 from service.telemetry import SessionInfo, Telemetry
 from service.text.segment import IncrementalSegmenter, SegmenterConfig
@@ -52,7 +52,7 @@ class EngineSession:
     """One stream. Implements `service.engine.api.Session`. With `telemetry` it has a span and
     its figures are recorded (the server's own warm-up sessions have none)."""
 
-    def __init__(self, setup: SessionSetup, loop: EngineCore, on_close: Callable[[EngineSession], None],
+    def __init__(self, setup: SessionSetup, loop: Host, on_close: Callable[[EngineSession], None],
                  telemetry: Telemetry | None = None, voice: str = "") -> None:
         self.setup = setup
         self.id = setup.session_id
@@ -156,8 +156,8 @@ class EngineSession:
         cursor, limit = self.setup.cursor, self.setup.max_ahead_s
         before = cursor.delivered_s - cursor.read_s
         cursor.read_s += event.num_samples / event.sample_rate
-        if before >= limit / 2 and cursor.delivered_s - cursor.read_s < limit:  # may have been held back
-            self._engine_loop.poke()
+        held = before >= limit / 2 and cursor.delivered_s - cursor.read_s < limit  # may have been held back
+        self._engine_loop.taken(self.id, cursor.read_s, held)
 
     # --- helpers -----------------------------------------------------------------------------
 

@@ -5,12 +5,11 @@ session through its `Sink` (results posted with call_soon_threadsafe)."""
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import itertools
 import math
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,6 +34,13 @@ class ChunkResult:
     cached: bool
 
 
+class Loop(Protocol):
+    """Where the output stage hands a session's results: its asyncio event loop, or (for a
+    core in its own process) the outbox to the server."""
+
+    def call_soon_threadsafe(self, callback: Callable[..., object], *args: object) -> object: ...
+
+
 class Sink(Protocol):
     """Loop-side receiver of one session's results (called on its event loop)."""
 
@@ -55,6 +61,21 @@ class ReadCursor:
 
 
 @dataclass(frozen=True)
+class SessionRequest:
+    """A session as the server resolved it: the part of its spec that can cross to an engine
+    core in another process (plain values, no loaded model, no event loop)."""
+
+    session_id: int
+    voice_name: str
+    sid: int | None
+    params: SynthesisParams  # length_scale, noise scales, seed resolved by the engine
+    schedule: ChunkSchedule
+    precision: str  # "fp16" | "fp32"
+    custom_dictionary: Mapping[str, str] | None
+    word_timings: bool = True  # the client asked for word timings (without: the frontend skips word alignment)
+
+
+@dataclass(frozen=True)
 class WorkSpec:
     """Everything the engine thread needs to synthesise for one session."""
 
@@ -62,14 +83,19 @@ class WorkSpec:
     runtime: Synthesizer
     voice_name: str
     sid: int | None
-    params: SynthesisParams  # length_scale, noise scales, seed resolved by the engine
+    params: SynthesisParams
     schedule: ChunkSchedule
-    precision: str  # "fp16" | "fp32"
+    precision: str
     custom_dictionary: Mapping[str, str] | None
     sink: Sink
-    loop: asyncio.AbstractEventLoop
+    loop: Loop
     cursor: ReadCursor = field(default_factory=ReadCursor)
-    word_timings: bool = True  # the client asked for word timings (without: the frontend skips word alignment)
+    word_timings: bool = True
+
+    @staticmethod
+    def of(request: SessionRequest, runtime: Synthesizer, sink: Sink, loop: Loop,
+           cursor: ReadCursor) -> WorkSpec:
+        return WorkSpec(runtime=runtime, sink=sink, loop=loop, cursor=cursor, **vars(request))
 
 
 class SessionStatus(enum.Enum):

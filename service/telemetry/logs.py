@@ -20,6 +20,7 @@ WITHHELD = "[withheld: it quotes the caller's text; run the server with --log-te
 # Logging is configured once per process, and so is this: whether a log line may quote the
 # caller's text (off unless `setup_logging` is given LogConfig(text=True)).
 _log_text = False
+_active: LogConfig | None = None  # what setup_logging was last given (a child process repeats it)
 
 
 def allow_text(allowed: bool) -> None:
@@ -59,6 +60,8 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(config: LogConfig, stream: TextIO | None = None) -> logging.Handler:
     """Configure the root logger for the server (replacing its handlers); returns the handler."""
+    global _active
+    _active = config
     allow_text(config.text)
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if config.format == "json" else logging.Formatter(TEXT_FORMAT))
@@ -70,4 +73,9 @@ def setup_logging(config: LogConfig, stream: TextIO | None = None) -> logging.Ha
     return handler
 
 
-__all__ = ["JsonFormatter", "setup_logging"]
+def active_config() -> LogConfig | None:
+    """The logging this process was set up with (None: not by `setup_logging`)."""
+    return _active
+
+
+__all__ = ["JsonFormatter", "active_config", "setup_logging"]

@@ -26,7 +26,7 @@ def test_engine_thread_death_fails_sessions_and_health() -> None:
     channel = grpc.insecure_channel(server.addr)
     stub = pb_grpc.TextToSpeechStub(channel)
     health = health_pb2_grpc.HealthStub(channel)
-    core = server.server.engine._loop
+    core = server.server.engine.host.core
     started = time.monotonic()
     try:
         def requests():  # type: ignore[no-untyped-def]

@@ -189,11 +189,11 @@ def test_cache_hits_for_seeded_repeats_only() -> None:
         # other rate/encoding reuses the model-rate entry
         _, _, s3 = h.run(h.engine.synthesize_all(SessionConfig(seed=5, sample_rate=8000), TEXT))
         assert s3.cache_hits == 2
-        hits = h.engine.cache.hits
+        hits = h.engine.host.cache.hits
         u1, _, _ = h.run(h.engine.synthesize_all(SessionConfig(encoding=FLOAT), TEXT))
         u2, _, _ = h.run(h.engine.synthesize_all(SessionConfig(encoding=FLOAT), TEXT))
-        assert h.engine.cache.hits == hits and u1 != u2
-        assert 0 < h.engine.cache.bytes <= 8 << 20
+        assert h.engine.host.cache.hits == hits and u1 != u2
+        assert 0 < h.engine.host.cache.bytes <= 8 << 20
     finally:
         h.close()
 
@@ -221,7 +221,7 @@ def test_guard_trip_recomputes_in_fp32(layer: str, value: float) -> None:
 
     h = EngineHarness(tiny_engine_config())
     try:
-        backend = h.engine._runtimes["tiny-multi"].backend
+        backend = h.engine.host.runtimes.loaded["tiny-multi"].backend
         assert isinstance(backend, TorchBackend)
         fault = inject_nonfinite(backend.model_for("fp16"), layer, value=value)
         text = "Hello there, this sentence is long enough for several chunks of audio."
@@ -368,7 +368,7 @@ def test_admission_waits_while_the_engine_is_behind(monkeypatch: pytest.MonkeyPa
                                                        admission_first_audio_s=0.5)))
     try:
         async def run() -> None:
-            core = h.engine._loop
+            core = h.engine.host.core
             monkeypatch.setattr(core, "first_audio_wait", lambda: 2.0)  # what the engine reports when behind
             with pytest.raises(ResourceExhausted, match=r"waited 2.0 s for its first audio"):
                 await h.engine.open_session(SessionConfig())
@@ -405,7 +405,7 @@ def test_a_client_that_stops_reading_is_ended_after_the_stall_limit() -> None:
 def test_capacity_is_capped_by_what_the_busy_engine_made(harness: EngineHarness) -> None:
     """A window in which the engine thread worked most of the time with large steps caps the
     estimate at the audio it made per working second; an idle or small-batch window does not."""
-    core = harness.engine._loop
+    core = harness.engine.host.core
     executor, stats = core.executor, core.stats
     saved = executor.engine_rate
     try:

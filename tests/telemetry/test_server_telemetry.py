@@ -113,7 +113,7 @@ def test_active_sessions_and_refusals(stub: pb_grpc.TextToSpeechStub, seen: Obse
 
 def test_injected_nan_counts_each_tripped_chunk(server: ObservedServer, stub: pb_grpc.TextToSpeechStub,
                                                 seen: Observed) -> None:
-    backend = server.server.engine._runtimes["tiny-multi"].backend
+    backend = server.server.engine.host.runtimes.loaded["tiny-multi"].backend
     fallbacks_before = seen.total("cadenza.guard.fp32_fallbacks", **{"cadenza.voice": "tiny-multi"})
     trips_before = seen.total("cadenza.guard.trips", **{"cadenza.precision": "fp16"})
     seen.spans.clear()
@@ -226,9 +226,9 @@ def test_shadow_psnr_exported_and_computed_on_the_engine_thread() -> None:
     channel, stub = connect(server.addr)
     try:
         engine = server.server.engine
-        shadow = engine.shadow
+        shadow = engine.host.shadow
         assert isinstance(shadow, ShadowVerifier)
-        backend = engine._runtimes["tiny-multi"].backend
+        backend = engine.host.runtimes.loaded["tiny-multi"].backend
         threads: list[str] = []
         flow = backend.flow
 

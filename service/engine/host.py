@@ -1,0 +1,188 @@
+"""Where the synthesis core runs. `LocalHost` runs it on a thread of this process;
+`service.engine.proc.ProcessHost` runs the same core in a process of its own, so its Python
+does not share a GIL with the server's event loop (as vLLM's V1 engine core does). `TtsEngine`
+talks to either through the same small surface: start, load a voice, the `submit_*` messages,
+and a snapshot of the core's figures."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from service.backends.registry import create_backend
+from service.engine.cache import ResultCache
+from service.engine.config import EngineConfig
+from service.engine.core import EngineCore
+from service.engine.shadow import ShadowVerifier
+from service.engine.state import EngineStats, ReadCursor, SessionRequest, Sink, WorkSpec
+from service.synthesis import Synthesizer
+from service.telemetry import Telemetry
+from service.text.frontend_pool import FrontendPoolConfig
+from service.voices import Voice, VoiceInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedVoice:
+    """What the server needs to know about a loaded voice (its backend stays with the core)."""
+
+    name: str
+    precisions: tuple[str, ...]  # what its backend runs
+    fp32_pins: tuple[str, ...] = ()
+
+
+@dataclass
+class CoreSnapshot:
+    """The core's figures, as the server reads them (metrics, admission, GetServerInfo)."""
+
+    stats: EngineStats = field(default_factory=EngineStats)
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_bytes: int = 0
+    first_audio_wait_s: float = 0.0  # the longest any session has waited for its first audio
+    active_work: int = 0  # sessions the core still holds state for
+    capacity: dict[str, float] = field(default_factory=dict)  # precision ("" = any) -> real-time streams
+    shadow_verified: int = 0
+    shadow_min_psnr_db: float = math.inf
+    gpu_memory: dict[str, int] = field(default_factory=dict)  # device -> bytes reserved
+
+
+class Host(Protocol):
+    """What `TtsEngine` and the sessions need from wherever the core runs."""
+
+    dead: threading.Event  # the core died: nothing more will be synthesised
+
+    def start(self, frontend: FrontendPoolConfig, preload: list[VoiceInfo]) -> dict[str, LoadedVoice]: ...
+
+    def load(self, info: VoiceInfo) -> LoadedVoice: ...
+
+    def submit_open(self, request: SessionRequest, voice: VoiceInfo, sink: Sink, loop: asyncio.AbstractEventLoop,
+                    cursor: ReadCursor) -> None: ...
+
+    def submit_text(self, session_id: int, text: str) -> None: ...
+
+    def submit_end(self, session_id: int) -> None: ...
+
+    def submit_cancel(self, session_id: int) -> None: ...
+
+    def taken(self, session_id: int, read_s: float, wake: bool) -> None: ...
+
+    def snapshot(self) -> CoreSnapshot: ...
+
+    def reset_rate(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Runtimes:
+    """Loads each voice once (weights, backend, exports) on the side that runs the core."""
+
+    def __init__(self, config: EngineConfig, device: str, backend_name: str) -> None:
+        self.config = config
+        self.device = device
+        self.backend_name = backend_name
+        self.loaded: dict[str, Synthesizer] = {}
+        self._lock = threading.Lock()
+
+    def get(self, info: VoiceInfo) -> Synthesizer:
+        with self._lock:
+            runtime = self.loaded.get(info.name)
+            if runtime is None:
+                voice = Voice(info)
+                options: dict[str, object] = {"threads": self.config.threads} if self.config.threads else {}
+                if self.config.cache_dir is not None and self.backend_name != "torch":  # the exporting backends
+                    options["cache_dir"] = self.config.cache_dir
+                backend = create_backend(self.backend_name, voice, self.device, **options)
+                runtime = Synthesizer(voice, backend, self.config.schedule)
+                self.loaded[info.name] = runtime
+                log.info("loaded voice %s on %s/%s", info.name, self.backend_name, self.device)
+            return runtime
+
+    def prepare(self, info: VoiceInfo) -> LoadedVoice:
+        """Load a voice and capture its encoder graphs where the backend has them (before the
+        core's thread runs: graph captures need the GPU alone)."""
+        runtime = self.get(info)
+        capture = getattr(runtime.backend, "capture_encoder", None)
+        if capture is not None:
+            capture(self.config.batch.acoustic_max_batch)
+        return self.describe(info)
+
+    def describe(self, info: VoiceInfo) -> LoadedVoice:
+        backend = self.get(info).backend
+        return LoadedVoice(info.name, tuple(backend.supported_precisions()),
+                           tuple(getattr(backend, "fp32_pins", ()) or ()))
+
+
+def build_core(config: EngineConfig, telemetry: Telemetry, on_trip: Callable[[str], None]) -> EngineCore:
+    """The core with its cache and (if asked) its shadow verifier, wherever it runs."""
+    shadow = ShadowVerifier(config.shadow_fraction, on_psnr=telemetry.shadow_psnr) \
+        if config.shadow_fraction > 0 else None
+    return EngineCore(config.batch, ResultCache(config.cache_bytes), on_trip=on_trip, shadow=shadow,
+                      frontend=config.frontend, telemetry=telemetry)
+
+
+def snapshot(core: EngineCore, device: str) -> CoreSnapshot:
+    """The core's figures now (read from another thread: plain numbers, no lock needed)."""
+    cache, executor = core.output.cache, core.executor
+    shadow = core.shadow if isinstance(core.shadow, ShadowVerifier) else None
+    capacity = {p: c for p in ("", "fp16", "fp32") if (c := executor.capacity_streams(p or None))}
+    gpu: dict[str, int] = {}
+    if device.startswith("cuda"):
+        import torch
+
+        gpu[str(torch.device(device))] = int(torch.cuda.memory_reserved(torch.device(device)))
+    return CoreSnapshot(
+        stats=EngineStats(**vars(core.stats)), cache_hits=cache.hits, cache_misses=cache.misses,
+        cache_bytes=cache.bytes, first_audio_wait_s=core.first_audio_wait(), active_work=core.active_work,
+        capacity=capacity, shadow_verified=shadow.verified if shadow else 0,
+        shadow_min_psnr_db=shadow.psnr.minimum if shadow and shadow.verified else math.inf, gpu_memory=gpu)
+
+
+class LocalHost:
+    """The core on a thread of this process (the CPU default, `say` and the benchmarks)."""
+
+    def __init__(self, config: EngineConfig, device: str, backend_name: str, telemetry: Telemetry,
+                 on_trip: Callable[[str], None]) -> None:
+        self.device = device
+        self.runtimes = Runtimes(config, device, backend_name)
+        self.core = build_core(config, telemetry, on_trip)
+        self.cache = self.core.output.cache
+        self.shadow = self.core.shadow
+        self.dead = self.core.dead
+        self.submit_text = self.core.submit_text
+        self.submit_end = self.core.submit_end
+        self.submit_cancel = self.core.submit_cancel
+
+    def start(self, frontend: FrontendPoolConfig, preload: list[VoiceInfo]) -> dict[str, LoadedVoice]:
+        """Load and prepare `preload` (the default voice first), then start the core's thread."""
+        loaded = {info.name: self.runtimes.prepare(info) for info in preload}
+        self.core.frontend_config = frontend
+        self.core.start()
+        return loaded
+
+    def load(self, info: VoiceInfo) -> LoadedVoice:
+        return self.runtimes.describe(info)
+
+    def submit_open(self, request: SessionRequest, voice: VoiceInfo, sink: Sink, loop: asyncio.AbstractEventLoop,
+                    cursor: ReadCursor) -> None:
+        self.core.submit_open(WorkSpec.of(request, self.runtimes.get(voice), sink, loop, cursor))
+
+    def taken(self, session_id: int, read_s: float, wake: bool) -> None:
+        """A client took audio (its read cursor is shared with the core; only the wake-up is news)."""
+        if wake:
+            self.core.poke()
+
+    def snapshot(self) -> CoreSnapshot:
+        return snapshot(self.core, self.device)
+
+    def reset_rate(self) -> None:
+        self.core.reset_rate()
+
+    def stop(self) -> None:
+        self.core.stop()

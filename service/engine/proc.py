@@ -1,0 +1,419 @@
+"""The engine core in a process of its own, the layout of vLLM's V1 engine.
+
+In one process the core's thread shares the GIL with the server's event loop (hundreds of
+gRPC streams) and with the frontend's result threads; each of the core's many short native
+calls gives the GIL up and may wait to get it back. Here the core, the loaded voices, the
+result cache and the frontend pool live in a child process; the server keeps only the
+sessions' event-loop halves. Both sides exchange pickled messages over one pipe:
+
+server -> core: ("open", SessionRequest), ("text", id, text), ("end", id), ("cancel", id),
+  ("read", {id: seconds read}, wake), ("load", call, voice name), ("reset_rate",), ("stop",)
+core -> server: ("ready", {name: LoadedVoice}) or ("failed", exception) once at start; then
+  ("out", [(id, sink method, args)], [(telemetry method, args)]), ("snapshot", CoreSnapshot),
+  ("reply", call, LoadedVoice or error text), ("trip", voice), ("died", why), ("stopped",)
+
+The core counts what it delivered to each session and the server reports what each client
+took (coalesced per event-loop turn), so backpressure works as in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import pickle
+import queue
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from service.engine.config import EngineConfig
+from service.engine.host import CoreSnapshot, LoadedVoice, Runtimes, build_core, snapshot
+from service.engine.output import run_all
+from service.engine.state import ReadCursor, SessionRequest, Sink, WorkSpec
+from service.telemetry import Telemetry
+from service.telemetry.config import LogConfig
+from service.text.frontend_pool import FrontendPoolConfig
+from service.voices import VoiceInfo, list_voices
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_S = 0.05  # how often the core sends its figures (admission control reads them)
+
+
+def _send(conn: Connection, lock: threading.Lock, message: tuple[object, ...]) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    with lock:
+        conn.send_bytes(data)
+
+
+# --- server side ---------------------------------------------------------------------------------
+
+
+class ProcessHost:
+    """Starts the core's process and relays sessions to and from it (see the module doc)."""
+
+    def __init__(self, config: EngineConfig, device: str, backend_name: str, telemetry: Telemetry,
+                 on_trip: Callable[[str], None]) -> None:
+        self.config = config
+        self.device = device
+        self.backend_name = backend_name
+        self.telemetry = telemetry
+        self.on_trip = on_trip
+        self.dead = threading.Event()  # the core's process died or its thread did
+        self._snapshot = CoreSnapshot()
+        self._sinks: dict[int, tuple[Sink, asyncio.AbstractEventLoop]] = {}
+        self._calls: dict[int, Future[LoadedVoice]] = {}
+        self._call_ids = itertools.count()
+        self._reads: dict[int, float] = {}
+        self._wake = False
+        self._reads_due = False
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._conn: Connection | None = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._receiver: threading.Thread | None = None
+
+    def start(self, frontend: FrontendPoolConfig, preload: list[VoiceInfo]) -> dict[str, LoadedVoice]:
+        """Start the core's process and wait until it loaded `preload` (blocking: call it off
+        the event loop)."""
+        from service.telemetry.logs import active_config
+
+        sys.setswitchinterval(self.config.batch.gil_switch_interval_s)  # the relay thread must not wait long
+        ctx = multiprocessing.get_context("spawn")  # CUDA and the frontend's own processes need a fresh one
+        conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=serve_core, name="cadenza-engine-core",
+            args=(child, self.config, self.device, self.backend_name, frontend, [v.name for v in preload],
+                  active_config()),
+        )
+        self._proc.start()
+        child.close()
+        self._conn = conn
+        try:
+            reply = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            self._proc.join(5)
+            reply = ("failed", RuntimeError(
+                f"the engine process exited with code {self._proc.exitcode} while starting; see its log above"))
+        if reply[0] != "ready":
+            self._proc.join(5)
+            raise reply[1]
+        self._receiver = threading.Thread(target=self._receive, name="cadenza-engine-relay", daemon=True)
+        self._receiver.start()
+        return dict(reply[1])
+
+    def _post(self, *message: object) -> None:
+        if self._conn is None or self.dead.is_set():
+            return
+        try:
+            _send(self._conn, self._lock, message)
+        except (OSError, EOFError):  # the core's process is gone; the relay thread reports it
+            log.debug("engine process gone: %s dropped", message[0])
+
+    # --- what TtsEngine and the sessions call ------------------------------------------------------
+
+    def load(self, info: VoiceInfo) -> LoadedVoice:
+        """Load a voice in the core's process (blocking: call it off the event loop)."""
+        call = next(self._call_ids)
+        future: Future[LoadedVoice] = Future()
+        self._calls[call] = future
+        self._post("load", call, info.name)
+        if self.dead.is_set():
+            raise RuntimeError("the engine process is not running")
+        return future.result()
+
+    def submit_open(self, request: SessionRequest, voice: VoiceInfo, sink: Sink,
+                    loop: asyncio.AbstractEventLoop, cursor: ReadCursor) -> None:
+        self._sinks[request.session_id] = (sink, loop)
+        self._post("open", request)
+
+    def submit_text(self, session_id: int, text: str) -> None:
+        self._post("text", session_id, text)
+
+    def submit_end(self, session_id: int) -> None:
+        self._post("end", session_id)
+
+    def submit_cancel(self, session_id: int) -> None:
+        self._sinks.pop(session_id, None)
+        self._reads.pop(session_id, None)
+        self._post("cancel", session_id)
+
+    def taken(self, session_id: int, read_s: float, wake: bool) -> None:
+        """A client took audio: reported once per event-loop turn for all sessions."""
+        self._reads[session_id] = read_s
+        self._wake = self._wake or wake
+        if not self._reads_due:
+            self._reads_due = True
+            asyncio.get_running_loop().call_soon(self._send_reads)
+
+    def _send_reads(self) -> None:
+        reads, wake = self._reads, self._wake
+        self._reads, self._wake, self._reads_due = {}, False, False
+        if reads:
+            self._post("read", reads, wake)
+
+    def snapshot(self) -> CoreSnapshot:
+        return self._snapshot
+
+    def reset_rate(self) -> None:
+        self._post("reset_rate")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._post("stop")
+        if self._proc is not None:
+            self._proc.join(10)
+            if self._proc.is_alive():
+                log.warning("the engine process did not stop; terminating it")
+                self._proc.terminate()
+                self._proc.join(5)
+        if self._receiver is not None:
+            self._receiver.join(5)
+
+    # --- the relay thread --------------------------------------------------------------------------
+
+    def _receive(self) -> None:
+        assert self._conn is not None
+        why = "the engine process exited"
+        while True:
+            try:
+                message = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "out":
+                self._deliver(message[1])
+                for name, args in message[2]:
+                    try:
+                        getattr(self.telemetry, name)(*args)
+                    except Exception:  # figures must never stop audio
+                        log.exception("telemetry %s failed", name)
+            elif kind == "snapshot":
+                self._snapshot = message[1]
+            elif kind == "reply":
+                future = self._calls.pop(message[1], None)
+                if future is not None:
+                    result = message[2]
+                    if isinstance(result, LoadedVoice):
+                        future.set_result(result)
+                    else:
+                        future.set_exception(RuntimeError(result))
+            elif kind == "trip":
+                self.on_trip(message[1])
+            elif kind == "died":
+                why = message[1]
+                break
+            elif kind == "stopped":
+                return
+        if not self._stopping:
+            log.critical("the engine core died: %s", why)
+        self.dead.set()
+        for future in self._calls.values():
+            future.set_exception(RuntimeError(why))
+
+    def _deliver(self, items: Sequence[tuple[int, str, tuple[object, ...]]]) -> None:
+        """Hand one flush of the core's results to the sessions' event loops, one wake-up each."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[Sink, str, tuple[object, ...]]]] = {}
+        for session_id, method, args in items:
+            entry = self._sinks.get(session_id)
+            if entry is None:  # cancelled meanwhile
+                continue
+            if method != "on_chunk":
+                self._sinks.pop(session_id, None)
+            batches.setdefault(entry[1], []).append((entry[0], method, args))
+        for loop, calls in batches.items():
+            try:
+                loop.call_soon_threadsafe(run_all, calls)
+            except RuntimeError:  # the event loop is closed: nobody is listening
+                log.debug("event loop closed: %d session callbacks dropped", len(calls))
+
+
+# --- core side -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _RemoteSink:
+    """Stands for a session of the server inside the core's process."""
+
+    session_id: int
+    cursor: ReadCursor
+    sample_rate: int
+
+
+class _Outbox:
+    """The core's way back to the server: the output stage hands it each flush as if it were
+    an event loop; a sender thread pickles and writes, so the core's thread never waits on
+    the pipe."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[object, ...] | None] = queue.SimpleQueue()
+        self._telemetry: list[tuple[str, tuple[object, ...]]] = []
+        self._tlock = threading.Lock()
+        self.cursors: dict[int, ReadCursor] = {}
+        self._sender = threading.Thread(target=self._send_all, name="cadenza-engine-outbox", daemon=True)
+        self._sender.start()
+
+    def send(self, *message: object) -> None:
+        self._queue.put(message)
+
+    def call_soon_threadsafe(self, callback: Callable[..., object], *args: object) -> None:
+        """Called by `OutputStage.flush` with `run_all` and one flush's deliveries."""
+        calls: list[tuple[_RemoteSink, str, tuple[object, ...]]] = args[0]  # type: ignore[assignment]
+        out = []
+        for sink, method, call_args in calls:
+            if method == "on_chunk":
+                sink.cursor.delivered_s += len(call_args[0].samples) / sink.sample_rate  # type: ignore[attr-defined]
+            else:
+                self.cursors.pop(sink.session_id, None)
+                if method == "on_error":
+                    call_args = (_portable(call_args[0]),)  # type: ignore[arg-type]
+            out.append((sink.session_id, method, call_args))
+        self.send("out", out, self.take_telemetry())
+
+    def record(self, name: str, args: tuple[object, ...]) -> None:
+        with self._tlock:
+            self._telemetry.append((name, args))
+
+    def take_telemetry(self) -> list[tuple[str, tuple[object, ...]]]:
+        with self._tlock:
+            taken, self._telemetry = self._telemetry, []
+        return taken
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._sender.join(5)
+
+    def _send_all(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                _send(self._conn, self._lock, message)
+            except (OSError, EOFError):  # the server is gone
+                return
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives pickling, else a RuntimeError that says what it was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class _ForwardedTelemetry(Telemetry):
+    """The core's telemetry calls, recorded and replayed by the server on its own Telemetry
+    (spans and metrics stay in one place, with the sessions' traces)."""
+
+    def __init__(self, outbox: _Outbox) -> None:
+        super().__init__()
+        self._outbox = outbox
+
+    def utterance_queued(self, *args: object) -> None:
+        self._outbox.record("utterance_queued", args)
+
+    def first_audio_stages(self, *args: object) -> None:
+        self._outbox.record("first_audio_stages", args)
+
+    def acoustic_step(self, *args: object) -> None:
+        self._outbox.record("acoustic_step", args)
+
+    def decoder_step(self, *args: object) -> None:
+        self._outbox.record("decoder_step", args)
+
+    def utterance_done(self, *args: object) -> None:
+        self._outbox.record("utterance_done", args)
+
+    def utterance_dropped(self, *args: object) -> None:
+        self._outbox.record("utterance_dropped", args)
+
+    def shadow_psnr(self, *args: object) -> None:
+        self._outbox.record("shadow_psnr", args)
+
+
+def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name: str,
+               frontend: FrontendPoolConfig, preload: list[str], log_config: LogConfig | None) -> None:
+    """The core process's main: load, start the core, then apply the server's messages."""
+    if log_config is not None:
+        from service.telemetry.logs import setup_logging
+
+        setup_logging(log_config)
+    outbox = _Outbox(conn)
+    try:
+        voices: Mapping[str, VoiceInfo] = {v.name: v for v in list_voices(config.voices_dir)}
+        runtimes = Runtimes(config, device, backend_name)
+        loaded = {name: runtimes.prepare(voices[name]) for name in preload}
+        core = build_core(config, _ForwardedTelemetry(outbox), on_trip=lambda voice: outbox.send("trip", voice))
+        core.frontend_config = frontend
+        core.start()
+    except Exception as exc:  # raised again by the server (a bad option reads as it does without a process)
+        log.debug("the engine process could not start", exc_info=True)
+        outbox.send("failed", _portable(exc))
+        outbox.close()
+        return
+    outbox.send("ready", loaded)
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(SNAPSHOT_S):
+            if core.dead.is_set():
+                outbox.send("died", f"the engine thread died: {core.death!r}")
+                return
+            outbox.send("snapshot", snapshot(core, device))
+            if pending := outbox.take_telemetry():
+                outbox.send("out", [], pending)
+
+    threading.Thread(target=tick, name="cadenza-engine-ticker", daemon=True).start()
+
+    def load(call: int, name: str) -> None:
+        try:
+            outbox.send("reply", call, runtimes.describe(voices[name]))
+        except Exception as exc:
+            log.exception("could not load voice %s", name)
+            outbox.send("reply", call, f"cannot load voice {name}: {type(exc).__name__}: {exc}")
+
+    try:
+        while True:
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):  # the server is gone
+                break
+            kind = message[0]
+            if kind == "text":
+                core.submit_text(message[1], message[2])
+            elif kind == "read":
+                for session_id, read_s in message[1].items():
+                    cursor = outbox.cursors.get(session_id)
+                    if cursor is not None:
+                        cursor.read_s = read_s
+                if message[2]:
+                    core.poke()
+            elif kind == "open":
+                request: SessionRequest = message[1]
+                runtime = runtimes.get(voices[request.voice_name])
+                cursor = outbox.cursors[request.session_id] = ReadCursor()
+                sink = _RemoteSink(request.session_id, cursor, runtime.sample_rate)
+                core.submit_open(WorkSpec.of(request, runtime, sink, outbox, cursor))  # type: ignore[arg-type]
+            elif kind == "end":
+                core.submit_end(message[1])
+            elif kind == "cancel":
+                outbox.cursors.pop(message[1], None)
+                core.submit_cancel(message[1])
+            elif kind == "load":
+                threading.Thread(target=load, args=message[1:], name="cadenza-voice-load", daemon=True).start()
+            elif kind == "reset_rate":
+                core.reset_rate()
+            elif kind == "stop":
+                break
+    finally:
+        stop.set()
+        core.stop()
+        if pending := outbox.take_telemetry():
+            outbox.send("out", [], pending)
+        outbox.send("stopped")
+        outbox.close()

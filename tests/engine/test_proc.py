@@ -1,0 +1,168 @@
+"""The synthesis core in its own process (`EngineConfig.core="process"`): the same audio and
+word timings as the core on a thread, its figures and telemetry reach the server, errors
+keep their type across the pipe, backpressure still holds a client that does not read, and a
+dead core process fails the server's sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from service.api.client import connect, stream
+from service.api.gen.cadenza.v1 import tts_pb2 as pb
+from service.audio.encoding import AudioEncoding
+from service.engine.api import AudioOut, ClientStalled, InvalidArgument, SessionConfig, SessionSummary
+from service.engine.config import BatchConfig
+from service.engine.proc import ProcessHost
+from tests.engine.conftest import EngineHarness, tiny_engine_config
+from tests.telemetry.conftest import ObservedServer, eventually, observed, tiny_server_config
+
+TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day, and everyone was happy!"
+LONG = " ".join(["This sentence is long enough to keep the decoder busy for a while."] * 12)
+FLOAT = AudioEncoding.FLOAT32
+
+
+@pytest.fixture(scope="module")
+def proc_harness() -> Iterator[EngineHarness]:
+    h = EngineHarness(tiny_engine_config(core="process", batch=BatchConfig(max_ahead_s=0.5, stall_timeout_s=2.0)))
+    yield h
+    h.close()
+
+
+async def _collect(harness: EngineHarness, config: SessionConfig, text: str) -> tuple[bytes, list[AudioOut],
+                                                                                       SessionSummary]:
+    session = await harness.engine.open_session(config)
+    session.push_text(text)
+    session.end_input()
+    events: list[AudioOut] = []
+    async for e in session.events():
+        if isinstance(e, SessionSummary):
+            return b"".join(a.audio for a in events), events, e
+        events.append(e)
+    raise AssertionError("no summary")
+
+
+def test_same_audio_and_words_as_the_core_on_a_thread(harness: EngineHarness, proc_harness: EngineHarness) -> None:
+    assert proc_harness.engine.core_mode == "process" and harness.engine.core_mode == "thread"
+    configs = [SessionConfig(seed=5, encoding=FLOAT, word_timings=True),
+               SessionConfig(seed=6, speaker="bob", speaking_rate=1.3, sample_rate=8000, encoding=FLOAT),
+               SessionConfig(seed=7, speaker=2, encoding=AudioEncoding.LINEAR16, word_timings=True)]
+    for config in configs:
+        here, ev_here, sum_here = harness.run(_collect(harness, config, TEXT))
+        there, ev_there, sum_there = proc_harness.run(_collect(proc_harness, config, TEXT))
+        assert len(here) > 0 and here == there
+        assert [w for e in ev_here for w in e.words] == [w for e in ev_there for w in e.words]
+        assert sum_here.utterances == sum_there.utterances == 2 and sum_there.ttfa_seconds is not None
+
+
+def test_figures_come_back_from_the_core(proc_harness: EngineHarness) -> None:
+    engine = proc_harness.engine
+    before = engine.stats()["steps"]
+    proc_harness.run(_collect(proc_harness, SessionConfig(seed=8, encoding=FLOAT), "Counting the steps."))
+    deadline = time.monotonic() + 5
+    while engine.stats()["steps"] == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats()["steps"] > before and engine.stats()["step_rows"] >= engine.stats()["steps"]
+    deadline = time.monotonic() + 5
+    while engine.engine_sessions and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.engine_sessions == 0  # the core let the finished session go
+    assert engine.server_info().precisions and engine.voices()[0].loaded
+
+
+def test_a_client_that_does_not_read_is_held_back_then_resumes(proc_harness: EngineHarness) -> None:
+    """What the client took crosses to the core: unread audio stays near max_ahead_s, and reading
+    lets the session finish (it would otherwise end with ClientStalled)."""
+    async def run() -> tuple[float, float, SessionSummary]:
+        session = await proc_harness.engine.open_session(SessionConfig(seed=9, encoding=FLOAT))
+        session.push_text(LONG)
+        session.end_input()
+        await asyncio.sleep(1.0)  # not reading
+        held = session.setup.cursor.delivered_s
+        summary = None
+        async for e in session.events():
+            if isinstance(e, SessionSummary):
+                summary = e
+        assert summary is not None
+        return held, session.setup.cursor.delivered_s, summary
+
+    held, total, summary = proc_harness.run(run())
+    assert total > 5.0 and summary.audio_seconds == pytest.approx(total, rel=1e-3)
+    assert held < 0.5 + 1.0  # max_ahead_s plus at most a step's audio and the first chunk
+
+
+def test_errors_keep_their_type_across_the_pipe(proc_harness: EngineHarness) -> None:
+    err = pickle.loads(pickle.dumps(InvalidArgument("config.seed", "too large")))
+    assert isinstance(err, InvalidArgument) and err.field == "config.seed" and str(err) == "config.seed: too large"
+
+    async def stalled() -> BaseException:
+        session = await proc_harness.engine.open_session(SessionConfig(seed=10, encoding=FLOAT))
+        session.push_text(LONG)
+        session.end_input()
+        await asyncio.sleep(3.5)  # never reads: held back, then ended after stall_timeout_s
+        with pytest.raises(ClientStalled) as info:
+            async for _ in session.events():
+                pass
+        return info.value
+
+    assert "took no audio" in str(proc_harness.run(stalled()))
+
+
+def test_a_dead_core_process_fails_sessions_and_the_server_stops() -> None:
+    server = ObservedServer(tiny_server_config(core="process"), observed())
+    host = server.server.engine.host
+    assert isinstance(host, ProcessHost)
+    channel, stub = connect(server.addr)
+    try:
+        assert stream(stub, pb.SessionConfig(seed=1), ["Alive."], timeout=30).summary is not None
+
+        def requests() -> Iterator[pb.StreamingSynthesizeRequest]:
+            yield pb.StreamingSynthesizeRequest(config=pb.SessionConfig(seed=1))
+            yield pb.StreamingSynthesizeRequest(text=LONG)
+            time.sleep(0.5)
+            assert host._proc is not None
+            host._proc.kill()
+            time.sleep(30)  # the stream stays open: the server must end it
+
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stub.StreamingSynthesize(requests(), timeout=60):
+                pass
+        assert info.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+        assert "Traceback" not in (info.value.details() or "")
+        eventually(lambda: server.server.engine_failed, timeout=20)
+        assert time.monotonic() - started < 20
+    finally:
+        channel.close()
+        server.close()
+
+
+def test_telemetry_of_the_core_reaches_the_server() -> None:
+    seen = observed()
+    server = ObservedServer(tiny_server_config(core="process"), seen)
+    channel, stub = connect(server.addr)
+    name = "cadenza.session.first_audio.stage"
+    try:
+        eventually(lambda: seen.total(name, stage="acoustic") > 0)  # the warm-up sessions'
+        before = seen.total(name, stage="acoustic")
+        result = stream(stub, pb.SessionConfig(seed=3), ["Where does the time go? ", "Second sentence."], timeout=30)
+        assert result.summary is not None
+        eventually(lambda: seen.total(name, stage="acoustic") == before + 1)
+        steps = seen.points("cadenza.engine.step.duration")
+        assert {p.attributes["stage"] for p in steps} == {"acoustic", "decoder"}
+        eventually(lambda: {"cadenza.engine.acoustic", "cadenza.engine.step"} <= {s.name for s in seen.finished()})
+    finally:
+        channel.close()
+        server.close()
+
+
+def test_samples_are_float32_and_finite(proc_harness: EngineHarness) -> None:
+    audio, _, _ = proc_harness.run(_collect(proc_harness, SessionConfig(seed=12, encoding=FLOAT), "Finite."))
+    samples = np.frombuffer(audio, dtype=np.float32)
+    assert samples.size > 0 and np.isfinite(samples).all()
