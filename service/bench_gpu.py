@@ -27,7 +27,6 @@ def run_gpu_bench(device: str, batches: list[int], chunk_frames: int, iters: int
     if not torch.cuda.is_available():
         print("cadenza: error: no CUDA GPU visible to torch (bench gpu needs one)")
         return 2
-    torch.backends.cudnn.benchmark = True
     voice = Voice(builtin_voice_info())
     backend = TorchBackend(voice, device=device)
     syn = Synthesizer(voice, backend, ChunkSchedule())

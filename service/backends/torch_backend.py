@@ -78,6 +78,10 @@ class TorchBackend:
             # better than FP16, and the FP32 path is the numerical safety net.
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
+            # The decoder runs a few fixed shapes (its step graphs' buckets), so letting cuDNN
+            # time its algorithms once per shape pays for itself; its heuristic choice is slower
+            # for the vocoder's FP16 convolutions. (The encoder runs with cuDNN off: see encode.)
+            torch.backends.cudnn.benchmark = True
 
     def supported_precisions(self) -> tuple[str, ...]:
         return ("fp32", "fp16")
