@@ -36,7 +36,7 @@ class BatchConfig:
     # decoder state in a device slot (the torch backend). "staged": each utterance decoded
     # alone by the staged decoder (ONNX Runtime on CPU). "auto": slots where the backend has them.
     decoder: str = "auto"
-    step_frames: int = 32  # latent frames a session advances per step after its first chunk
+    step_frames: int = 64  # latent frames a session advances per step after its first chunk
     max_step_rows: int = 256  # sessions advanced by one step at most (the most urgent first)
     slots: int = 1024  # utterances decoding at once per voice and precision (state kept on the device)
     cuda_graphs: bool = True  # capture each (batch bucket, step size) as a CUDA graph
