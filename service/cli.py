@@ -229,6 +229,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
         voice=voice and info.name, voices_dir=Path(voices_dir) if voices_dir else None, backend=args.backend,
         device=args.device, threads=args.threads, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         cache_bytes=0, frontend=FrontendPoolConfig(workers=0),  # one text: no frontend processes needed
+        core="thread",  # ... nor a process for the core (no event loop to share a GIL with)
     )
     session = SessionConfig(
         speaker=args.speaker, seed=args.seed, noise_scale=args.noise_scale, noise_w=args.noise_w,
@@ -770,11 +771,10 @@ def build_parser() -> argparse.ArgumentParser:
                        default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "preload"),
                        help="load, export and warm up every voice (--voices) before health says SERVING; "
                             "without it only the default voice is, and others load on their first request")
-    serve.add_argument("--core", choices=("auto", "process", "thread"),
+    serve.add_argument("--core", choices=("process", "thread"),
                        default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "core"),
                        help="where the synthesis core runs: process (its own, so its Python does not share a GIL "
-                            "with the gRPC event loop), thread (in the server's process); auto: a process on CUDA, "
-                            "a thread on the CPU")
+                            "with the gRPC event loop) or thread (in the server's process)")
     _add_cache_dir_arg(serve)
 
     def telemetry_option(name: str) -> ConfigDefault:

@@ -74,9 +74,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # CPU inference threads
     # Where the synthesis core runs: "process" (a process of its own, so its Python does not share
-    # the GIL with the server's event loop), "thread" (in the server's process), "auto": a
-    # process on CUDA, a thread on the CPU (where the cores are few and compute-bound).
-    core: str = "auto"
+    # the GIL with the server's event loop and its streams), "thread" (in the caller's process:
+    # one-text commands, and tests that reach into the core).
+    core: str = "process"
     batch: BatchConfig = field(default_factory=BatchConfig)
     schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
@@ -100,5 +100,5 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.core not in ("auto", "process", "thread"):
-            raise ValueError(f"unknown core placement {self.core!r}; use auto, process or thread")
+        if self.core not in ("process", "thread"):
+            raise ValueError(f"unknown core placement {self.core!r}; use process or thread")

@@ -66,8 +66,7 @@ class TtsEngine:
         self.device = resolve_device(config.device)
         self.backend_name = default_backend(self.device) if config.backend == "auto" else config.backend
         self.telemetry = telemetry or Telemetry()
-        self.core_mode = config.core if config.core != "auto" else \
-            ("process" if self.device.startswith("cuda") else "thread")
+        self.core_mode = config.core
         host = ProcessHost if self.core_mode == "process" else LocalHost
         self.host: Host = host(config, self.device, self.backend_name, self.telemetry, self._on_trip)
         self.telemetry.observe(

@@ -306,6 +306,11 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+# The Telemetry methods the core calls (the rest belong to the server's sessions and RPCs).
+FORWARDED = ("utterance_queued", "first_audio_stages", "acoustic_step", "decoder_step", "utterance_done",
+             "utterance_dropped", "shadow_psnr")
+
+
 class _ForwardedTelemetry(Telemetry):
     """The core's telemetry calls, recorded and replayed by the server on its own Telemetry
     (spans and metrics stay in one place, with the sessions' traces)."""
@@ -314,26 +319,17 @@ class _ForwardedTelemetry(Telemetry):
         super().__init__()
         self._outbox = outbox
 
-    def utterance_queued(self, *args: object) -> None:
-        self._outbox.record("utterance_queued", args)
 
-    def first_audio_stages(self, *args: object) -> None:
-        self._outbox.record("first_audio_stages", args)
+def _forward(name: str) -> Callable[..., None]:
+    def record(self: _ForwardedTelemetry, *args: object) -> None:
+        self._outbox.record(name, args)
 
-    def acoustic_step(self, *args: object) -> None:
-        self._outbox.record("acoustic_step", args)
+    record.__name__ = name
+    return record
 
-    def decoder_step(self, *args: object) -> None:
-        self._outbox.record("decoder_step", args)
 
-    def utterance_done(self, *args: object) -> None:
-        self._outbox.record("utterance_done", args)
-
-    def utterance_dropped(self, *args: object) -> None:
-        self._outbox.record("utterance_dropped", args)
-
-    def shadow_psnr(self, *args: object) -> None:
-        self._outbox.record("shadow_psnr", args)
+for _name in FORWARDED:
+    setattr(_ForwardedTelemetry, _name, _forward(_name))
 
 
 def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name: str,

@@ -21,7 +21,7 @@ def test_engine_thread_death_fails_sessions_and_health() -> None:
     server = ServerThread(ServerConfig(
         host="127.0.0.1", port=0, limits=Limits(), drain_grace_s=2.0,
         engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
-                            batch=BatchConfig(), cache_bytes=0),
+                            batch=BatchConfig(), cache_bytes=0, core="thread"),  # breaks the core in place
     ))
     channel = grpc.insecure_channel(server.addr)
     stub = pb_grpc.TextToSpeechStub(channel)

@@ -38,7 +38,7 @@ def test_slow_reader_of_long_audio_is_not_idle(addr: str) -> None:
     def requests() -> Iterator[pb.StreamingSynthesizeRequest]:
         yield pb.StreamingSynthesizeRequest(config=pb.SessionConfig(seed=1, encoding=pb.FLOAT32,
                                                                     sample_rate_hz=48000))
-        yield pb.StreamingSynthesizeRequest(text=SENTENCE * 3)
+        yield pb.StreamingSynthesizeRequest(text=SENTENCE * 6)
         time.sleep(quiet_s)  # no client message for 3x the idle limit
         yield pb.StreamingSynthesizeRequest(end_input=True)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from service.engine.api import AudioOut, SessionSummary
 from service.engine.config import BatchConfig, EngineConfig
 from service.engine.engine import TtsEngine
 
@@ -15,10 +17,24 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 def tiny_engine_config(**overrides: object) -> EngineConfig:
+    # The core on a thread: these tests reach into it (its executor, backends, cache).
     base: dict[str, object] = dict(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
-                                   batch=BatchConfig(), cache_bytes=0)
+                                   batch=BatchConfig(), cache_bytes=0, core="thread")
     base.update(overrides)
     return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+async def drive(session: Any, deltas: list[str]) -> tuple[bytes, list[AudioOut], SessionSummary]:
+    """Send `deltas`, end the input and collect the session's audio, events and summary."""
+    for d in deltas:
+        session.push_text(d)
+    session.end_input()
+    events: list[AudioOut] = []
+    async for e in session.events():
+        if isinstance(e, SessionSummary):
+            return b"".join(a.audio for a in events), events, e
+        events.append(e)
+    raise AssertionError("no summary")
 
 
 class EngineHarness:

@@ -20,7 +20,7 @@ from service.engine.api import (
     SessionSummary,
 )
 from service.engine.config import BatchConfig, Limits
-from tests.engine.conftest import EngineHarness, tiny_engine_config
+from tests.engine.conftest import EngineHarness, drive, tiny_engine_config
 
 TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day, and everyone was happy!"
 FLOAT = AudioEncoding.FLOAT32
@@ -30,23 +30,11 @@ def _samples(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.float32)
 
 
-async def _drive(session, deltas: list[str]) -> tuple[bytes, list[AudioOut], SessionSummary]:  # type: ignore[no-untyped-def]
-    for d in deltas:
-        session.push_text(d)
-    session.end_input()
-    events: list[AudioOut] = []
-    async for e in session.events():
-        if isinstance(e, SessionSummary):
-            return b"".join(a.audio for a in events), events, e
-        events.append(e)
-    raise AssertionError("no summary")
-
-
 def test_word_timings_only_when_asked_and_never_lost_to_the_cache(harness: EngineHarness) -> None:
     """Without word timings the frontend skips word alignment; a cached utterance made that way
     must not serve a later session that asks for them (same seed, same text)."""
     async def run(words: bool) -> tuple[bytes, list[AudioOut], SessionSummary]:
-        return await _drive(await harness.engine.open_session(SessionConfig(seed=41, encoding=FLOAT,
+        return await drive(await harness.engine.open_session(SessionConfig(seed=41, encoding=FLOAT,
                                                                             word_timings=words)), [TEXT])
 
     bare, ev_bare, _ = harness.run(run(False))
@@ -62,7 +50,7 @@ def test_tiny_deltas_equal_text_at_once(harness: EngineHarness) -> None:
     cfg = SessionConfig(seed=7, encoding=FLOAT, word_timings=True)
 
     async def run(deltas: list[str]) -> tuple[bytes, list[AudioOut], SessionSummary]:
-        return await _drive(await harness.engine.open_session(cfg), deltas)
+        return await drive(await harness.engine.open_session(cfg), deltas)
 
     whole, ev1, s1 = harness.run(run([TEXT]))
     tiny, ev2, s2 = harness.run(run([TEXT[i : i + 2] for i in range(0, len(TEXT), 2)]))
@@ -123,7 +111,7 @@ def test_cpu_chunks_are_cut_while_other_sessions_wait(staged_harness: EngineHarn
     text = TEXT * 3
 
     async def events(cfg: SessionConfig) -> list[AudioOut]:
-        return (await _drive(await harness.engine.open_session(cfg), [text]))[1]
+        return (await drive(await harness.engine.open_session(cfg), [text]))[1]
 
     async def together() -> list[list[AudioOut]]:
         return await asyncio.gather(*[events(_cfg(i)) for i in range(3)])
@@ -333,10 +321,12 @@ def test_capacity_is_measured_from_the_decoder() -> None:
         h.close()
 
 
-def test_backpressure_holds_a_session_whose_client_stops_reading() -> None:
+@pytest.mark.parametrize("core", ["thread", "process"])
+def test_backpressure_holds_a_session_whose_client_stops_reading(core: str) -> None:
     """A client that stops taking audio gets at most `max_ahead_s` (plus one step) delivered
-    and queued; when it reads again, the rest comes and the session completes."""
-    h = EngineHarness(tiny_engine_config(batch=BatchConfig(max_ahead_s=1.0, step_frames=16)))
+    and queued; when it reads again, the rest comes and the session completes (with the core in
+    its own process, what the client took crosses the pipe)."""
+    h = EngineHarness(tiny_engine_config(core=core, batch=BatchConfig(max_ahead_s=1.0, step_frames=16)))
     try:
         async def run() -> tuple[float, float, SessionSummary]:
             session = await h.engine.open_session(SessionConfig(seed=5, encoding=FLOAT))

@@ -1,7 +1,7 @@
 """The synthesis core in its own process (`EngineConfig.core="process"`): the same audio and
-word timings as the core on a thread, its figures and telemetry reach the server, errors
-keep their type across the pipe, backpressure still holds a client that does not read, and a
-dead core process fails the server's sessions."""
+word timings as the core on a thread, its figures and telemetry reach the server, errors keep
+their type across the pipe, and a dead core process fails the server's sessions. (Backpressure
+across the pipe is tested in test_engine.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from service.audio.encoding import AudioEncoding
 from service.engine.api import AudioOut, ClientStalled, InvalidArgument, SessionConfig, SessionSummary
 from service.engine.config import BatchConfig
 from service.engine.proc import ProcessHost
-from tests.engine.conftest import EngineHarness, tiny_engine_config
+from tests.engine.conftest import EngineHarness, drive, tiny_engine_config
 from tests.telemetry.conftest import ObservedServer, eventually, observed, tiny_server_config
 
 TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day, and everyone was happy!"
@@ -37,15 +37,7 @@ def proc_harness() -> Iterator[EngineHarness]:
 
 async def _collect(harness: EngineHarness, config: SessionConfig, text: str) -> tuple[bytes, list[AudioOut],
                                                                                        SessionSummary]:
-    session = await harness.engine.open_session(config)
-    session.push_text(text)
-    session.end_input()
-    events: list[AudioOut] = []
-    async for e in session.events():
-        if isinstance(e, SessionSummary):
-            return b"".join(a.audio for a in events), events, e
-        events.append(e)
-    raise AssertionError("no summary")
+    return await drive(await harness.engine.open_session(config), [text])
 
 
 def test_same_audio_and_words_as_the_core_on_a_thread(harness: EngineHarness, proc_harness: EngineHarness) -> None:
@@ -74,27 +66,6 @@ def test_figures_come_back_from_the_core(proc_harness: EngineHarness) -> None:
         time.sleep(0.02)
     assert engine.engine_sessions == 0  # the core let the finished session go
     assert engine.server_info().precisions and engine.voices()[0].loaded
-
-
-def test_a_client_that_does_not_read_is_held_back_then_resumes(proc_harness: EngineHarness) -> None:
-    """What the client took crosses to the core: unread audio stays near max_ahead_s, and reading
-    lets the session finish (it would otherwise end with ClientStalled)."""
-    async def run() -> tuple[float, float, SessionSummary]:
-        session = await proc_harness.engine.open_session(SessionConfig(seed=9, encoding=FLOAT))
-        session.push_text(LONG)
-        session.end_input()
-        await asyncio.sleep(1.0)  # not reading
-        held = session.setup.cursor.delivered_s
-        summary = None
-        async for e in session.events():
-            if isinstance(e, SessionSummary):
-                summary = e
-        assert summary is not None
-        return held, session.setup.cursor.delivered_s, summary
-
-    held, total, summary = proc_harness.run(run())
-    assert total > 5.0 and summary.audio_seconds == pytest.approx(total, rel=1e-3)
-    assert held < 0.5 + 1.0  # max_ahead_s plus at most a step's audio and the first chunk
 
 
 def test_errors_keep_their_type_across_the_pipe(proc_harness: EngineHarness) -> None:
