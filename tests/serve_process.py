@@ -12,12 +12,15 @@ from typing import IO
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_serve(*args: str, stderr: int | IO[str] = subprocess.STDOUT) -> tuple[subprocess.Popen[str], int]:
+def start_serve(*args: str, stderr: int | IO[str] = subprocess.STDOUT,
+                new_group: bool = False) -> tuple[subprocess.Popen[str], int]:
     """`cadenza serve --host 127.0.0.1 --port 0 ARGS` from the repository root: the process and
-    the port it printed once serving (killed, and the test failed with its output, if it never did)."""
+    the port it printed once serving (killed, and the test failed with its output, if it never did).
+    `new_group`: in a process group of its own, as a terminal's foreground job is."""
     server = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        start_new_session=new_group)
     assert server.stdout is not None
     lines = []
     for line in server.stdout:

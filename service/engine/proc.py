@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import pickle
 import queue
+import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -335,6 +336,8 @@ for _name in FORWARDED:
 def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name: str,
                frontend: FrontendPoolConfig, preload: list[str], log_config: LogConfig | None) -> None:
     """The core process's main: load, start the core, then apply the server's messages."""
+    # Ctrl-C reaches the whole process group: the server drains its sessions, then stops the core.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_config is not None:
         from service.telemetry.logs import setup_logging
 

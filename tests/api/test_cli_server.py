@@ -1,4 +1,5 @@
-"""README quickstart: `cadenza serve` + `cadenza client` with the built-in voice, then SIGTERM drain."""
+"""README quickstart: `cadenza serve` + `cadenza client` with the built-in voice, then SIGTERM drain;
+Ctrl-C (SIGINT to the whole process group) stops the server and its core process quietly."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import wave
 from pathlib import Path
 
@@ -45,4 +47,33 @@ def test_serve_client_quickstart_and_drain(tmp_path: Path) -> None:
     finally:
         if server.poll() is None:
             server.kill()
+            server.wait()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_server_and_its_core_process_quietly() -> None:
+    """A terminal's Ctrl-C reaches every process of the group (the server, its core process, the
+    frontend workers): the server drains and exits 0, no process is left, no traceback is shown."""
+    server, port = start_serve("--device", "cpu", "--threads", "1", new_group=True)
+    try:
+        done = subprocess.run([*CLI, "client", "Hello.", "-o", os.devnull, "--addr", f"127.0.0.1:{port}"],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        os.killpg(server.pid, signal.SIGINT)
+        assert server.wait(timeout=30) == 0
+        assert server.stdout is not None
+        output = server.stdout.read()
+        assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+        deadline = time.monotonic() + 10
+        while True:  # the group is gone once its last process (core, frontend workers) exited
+            try:
+                os.killpg(server.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "processes of the server's group are still running"
+            time.sleep(0.1)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
             server.wait()
