@@ -1,6 +1,7 @@
 """The engine core: one thread that loops plan -> execute -> deliver.
 
-Sessions post text, end and cancel messages from their event loops (`submit_*`); text is
+Sessions post text, end and cancel messages from their event loops (`submit_*`; with the core
+in its own process, the thread that reads the server's pipe posts them, see proc.py); text is
 phonemised off this thread first (espeak is process-global and slow next to the GPU). The
 thread applies the messages, asks the scheduler for a plan, has the executor run it and the
 output stage deliver it. It is the only code that calls the backends; nothing mutable is

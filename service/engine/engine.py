@@ -69,9 +69,8 @@ class TtsEngine:
         self.core_mode = config.core
         host = ProcessHost if self.core_mode == "process" else LocalHost
         self.host: Host = host(config, self.device, self.backend_name, self.telemetry, self._on_trip)
-        self.telemetry.observe(
-            cache=lambda: (lambda snap: (snap.cache_hits, snap.cache_misses))(self.host.snapshot()),
-            gpu_memory=(lambda: self.host.snapshot().gpu_memory) if self.device.startswith("cuda") else None)
+        self.telemetry.observe(cache=self._cache_lookups,
+                               gpu_memory=self._gpu_memory if self.device.startswith("cuda") else None)
         self._policy: PrecisionPolicy | None = None
         self._voices: dict[str, VoiceInfo] = {}
         self._default: VoiceInfo | None = None
@@ -153,6 +152,15 @@ class TtsEngine:
     def drain(self) -> None:
         """Refuse new sessions from now on; open ones continue."""
         self.draining = True
+
+    def _cache_lookups(self) -> tuple[int, int]:
+        """(hits, misses) of the core's result cache, for the telemetry's collection thread."""
+        snap = self.host.snapshot()
+        return snap.cache_hits, snap.cache_misses
+
+    def _gpu_memory(self) -> dict[str, int]:
+        """Bytes the core's CUDA device holds (the caching allocator's reservation)."""
+        return self.host.snapshot().gpu_memory
 
     def _refused(self, reason: str, error: Exception) -> Exception:
         """Count a refused session (admission metrics) and return the error to raise."""
