@@ -12,9 +12,7 @@ stage and which sessions advance by one decoder step, most urgent first:
 * deadlines first: a session with at least `lead_s` of audio ahead of its playback is stepped
   only when no session is waiting for its first audio or below its lead and no sentence
   waits for the acoustic stage (the GPU then has time to spare: unary requests and clients
-  that buffer still get their audio as fast as it can be made); while new sessions' first
-  sentences wait for the acoustic stage, a session below its lead but not urgent waits too
-  (in a burst of starts, the rounds the new sessions wait for stay short);
+  that buffer still get their audio as fast as it can be made);
 * a session whose client has not yet taken `max_ahead_s` of the audio delivered to it is
   not stepped (backpressure: bounded memory per session, GPU time for those who need it;
   the session wakes the engine when its client catches up);
@@ -86,12 +84,9 @@ class Scheduler:
         urgent_slack = max(cfg.urgent_slack_s, len(plan.acoustic) * acoustic_job_s)
         decode = [((1 if u.chunk_index == 0 else 0 if slack < urgent_slack else 2, slack, s.ready_since), s, u)
                   for s, u, slack in ready]
-        # New sessions' first sentences wait for the acoustic stage: sessions that merely lack
-        # their lead step only once they are urgent, so the round the starts wait for is short.
-        starting = any(s.first_audio_at is None for s, _ in plan.acoustic)
         if decode:
             decode.sort(key=lambda item: item[0])
-            urgent = [item for item in decode if item[0][0] < 2 or (item[0][1] < cfg.lead_s and not starting)]
+            urgent = [item for item in decode if item[0][0] < 2 or item[0][1] < cfg.lead_s]
             if urgent or acoustic:
                 decode = urgent
             plan.decode = self._take(decode, max_rows, free_slots)

@@ -137,22 +137,3 @@ def test_a_slow_acoustic_batch_makes_a_playing_session_urgent(runtime: Synthesiz
     assert len(slow.acoustic) == 7
     fast = Scheduler(cfg).plan([playing, *starting], NOW, max_rows=1, acoustic_job_s=0.0005)
     assert not fast.decode_first and len(fast.acoustic) == 7
-
-
-def test_while_sessions_start_only_urgent_playing_sessions_step(runtime: Synthesizer) -> None:
-    """A burst of starts: new sessions' first sentences wait for the acoustic stage, so a playing
-    session below its lead but not about to run dry waits a round; one about to run dry and a
-    first chunk still step. Without starts, the session below its lead steps as before."""
-    cfg = BatchConfig(lead_s=1.0, urgent_slack_s=0.3)
-    below_lead = _session(runtime, 1, playing_for=1.0, slack=0.6)
-    dry = _session(runtime, 2, playing_for=1.0, slack=0.2)
-    first_chunk = _session(runtime, 3)
-    starting = [_session(runtime, 10 + k, decoding=False, acoustic=1) for k in range(3)]
-    plan = Scheduler(cfg).plan([below_lead, dry, first_chunk, *starting], NOW, max_rows=8)
-    assert [s for s, _ in plan.decode] == [dry, first_chunk] and len(plan.acoustic) == 3
-    plan = Scheduler(cfg).plan([below_lead, dry, first_chunk], NOW, max_rows=8)
-    assert [s for s, _ in plan.decode] == [dry, first_chunk, below_lead]
-    # A playing session's own next sentence in the acoustic queue is not a start.
-    later = _session(runtime, 4, playing_for=1.0, slack=0.6, acoustic=1, frames=40)
-    plan = Scheduler(cfg).plan([below_lead, later], NOW, max_rows=8)
-    assert {id(s) for s, _ in plan.decode} == {id(below_lead), id(later)} and [s for s, _ in plan.acoustic] == [later]
