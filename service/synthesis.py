@@ -133,6 +133,16 @@ class PriorSample:
         src = self._src[lo:hi]
         return self._mean[:, src], self._sigma[:, src]
 
+    def parts_into(self, lo: int, out: np.ndarray) -> None:
+        """Write mean and sigma of frames [lo, lo + F) into `out[0]` and `out[1]` ([C, F] each),
+        zeros past the end: what `parts` gives, without temporaries (a decoder step does this
+        for every row)."""
+        src = self._src[lo : lo + out.shape[-1]]
+        n = len(src)
+        np.take(self._mean, src, axis=1, out=out[0, :, :n], mode="clip")  # src is in range: no check
+        np.take(self._sigma, src, axis=1, out=out[1, :, :n], mode="clip")
+        out[:, :, n:] = 0.0
+
     def full(self) -> np.ndarray:
         """The whole sample on the host (computed once)."""
         if self._buf is None:
@@ -149,11 +159,9 @@ class PriorSample:
 def prior_rows(priors: Sequence[PriorSample], starts: Sequence[int], frames: int) -> PriorRows:
     """Frames [start, start + frames) of each prior, zero past its end, as one decoder step
     draws them."""
-    packed = np.zeros((2, len(priors), priors[0].channels, frames), dtype=np.float32)
+    packed = np.empty((2, len(priors), priors[0].channels, frames), dtype=np.float32)
     for i, (prior, lo) in enumerate(zip(priors, starts, strict=True)):
-        m, sd = prior.parts(lo, lo + frames)
-        packed[0, i, :, : m.shape[1]] = m
-        packed[1, i, :, : sd.shape[1]] = sd
+        prior.parts_into(lo, packed[:, i])
     return PriorRows(packed, [p.key for p in priors], list(starts))
 
 

@@ -208,3 +208,21 @@ def test_counter_noise_is_standard_normal_and_independent() -> None:
     assert abs(np.corrcoef(x[0, :, :-1].ravel(), x[0, :, 1:].ravel())[0, 1]) < 0.02  # neighbouring frames
     shifted = counter_normal(torch.tensor([3]), torch.tensor([0]), 192, 407).numpy()
     assert np.array_equal(shifted[0, :, 7:], x[2])  # a frame's noise depends on its index only
+
+
+def test_parts_into_writes_what_parts_gives_and_zeros_past_the_end() -> None:
+    from service.synthesis import PriorSample
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        phones, frames = int(rng.integers(1, 40)), int(rng.integers(1, 200))
+        prior = PriorSample(rng.standard_normal((6, phones)).astype(np.float32),
+                            rng.random((6, phones)).astype(np.float32),
+                            np.sort(rng.integers(0, phones, frames)), 0)
+        lo, width = int(rng.integers(0, frames + 10)), int(rng.integers(1, 70))
+        out = np.full((2, 6, width), np.nan, dtype=np.float32)  # stale contents must not survive
+        prior.parts_into(lo, out)
+        mean, sigma = prior.parts(lo, lo + width)
+        n = mean.shape[1]
+        assert np.array_equal(out[0, :, :n], mean) and np.array_equal(out[1, :, :n], sigma)
+        assert not out[:, :, n:].any()
