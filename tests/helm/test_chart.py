@@ -351,8 +351,8 @@ def test_values_defaults_are_the_servers_own() -> None:
     assert (server["maxAheadSeconds"], server["admissionWaitSeconds"]) == (batch.max_ahead_s, limits.admission_wait_s)
     assert (server["maxSessions"], server["maxTextChars"], server["maxMessageBytes"], server["idleTimeoutSeconds"]) \
         == (limits.max_sessions, limits.max_text_chars, limits.max_message_bytes, limits.idle_timeout_s)
-    assert (server["device"], server["backend"], server["cacheMb"] << 20) == (
-        engine.device, engine.backend, engine.cache_bytes)
+    assert (server["device"], server["backend"], server["cacheMb"] << 20, server["core"]) == (
+        engine.device, engine.backend, engine.cache_bytes, engine.core)
     assert (server["threads"] or None, server["capacity"] or None, server["voice"] or None) == (
         engine.threads, limits.capacity_streams, engine.voice)
     assert server["drainGraceSeconds"] == config.drain_grace_s
