@@ -4,7 +4,7 @@ result cache, retires finished utterances and sessions, and keeps the accounts."
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 import numpy as np
 
@@ -108,11 +108,16 @@ class OutputStage:
     def flush(self) -> None:
         """Hand everything delivered since the last flush to the sessions' event loops."""
         pending, self._pending = self._pending, {}
-        for loop, calls in pending.items():
-            try:
-                loop.call_soon_threadsafe(run_all, calls)
-            except RuntimeError:  # the event loop is closed: nobody is listening
-                log.debug("event loop closed: %d session callbacks dropped", len(calls))
+        hand_over(pending)
+
+
+def hand_over(batches: Mapping[Loop, list[Delivery]]) -> None:
+    """Give each loop its deliveries, in order, in one wake-up."""
+    for loop, calls in batches.items():
+        try:
+            loop.call_soon_threadsafe(run_all, calls)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            log.debug("event loop closed: %d session callbacks dropped", len(calls))
 
 
 def run_all(calls: list[Delivery]) -> None:

@@ -33,8 +33,8 @@ from multiprocessing.connection import Connection
 
 from service.engine.config import EngineConfig
 from service.engine.host import CoreSnapshot, LoadedVoice, Runtimes, build_core, snapshot
-from service.engine.output import run_all
-from service.engine.state import ReadCursor, SessionRequest, Sink, WorkSpec
+from service.engine.output import Delivery, hand_over
+from service.engine.state import Loop, ReadCursor, SessionRequest, Sink, WorkSpec
 from service.telemetry import Telemetry
 from service.telemetry.config import LogConfig
 from service.text.frontend_pool import FrontendPoolConfig
@@ -218,7 +218,7 @@ class ProcessHost:
 
     def _deliver(self, items: Sequence[tuple[int, str, tuple[object, ...]]]) -> None:
         """Hand one flush of the core's results to the sessions' event loops, one wake-up each."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[Sink, str, tuple[object, ...]]]] = {}
+        batches: dict[Loop, list[Delivery]] = {}
         for session_id, method, args in items:
             entry = self._sinks.get(session_id)
             if entry is None:  # cancelled meanwhile
@@ -226,11 +226,7 @@ class ProcessHost:
             if method != "on_chunk":
                 self._sinks.pop(session_id, None)
             batches.setdefault(entry[1], []).append((entry[0], method, args))
-        for loop, calls in batches.items():
-            try:
-                loop.call_soon_threadsafe(run_all, calls)
-            except RuntimeError:  # the event loop is closed: nobody is listening
-                log.debug("event loop closed: %d session callbacks dropped", len(calls))
+        hand_over(batches)
 
 
 # --- core side -----------------------------------------------------------------------------------

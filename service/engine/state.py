@@ -75,22 +75,15 @@ class SessionRequest:
     word_timings: bool = True  # the client asked for word timings (without: the frontend skips word alignment)
 
 
-@dataclass(frozen=True)
-class WorkSpec:
-    """Everything the engine thread needs to synthesise for one session."""
+@dataclass(frozen=True, kw_only=True)
+class WorkSpec(SessionRequest):
+    """Everything the engine thread needs to synthesise for one session: the request plus
+    what lives where the core runs (the loaded voice) and where its results go."""
 
-    session_id: int
     runtime: Synthesizer
-    voice_name: str
-    sid: int | None
-    params: SynthesisParams
-    schedule: ChunkSchedule
-    precision: str
-    custom_dictionary: Mapping[str, str] | None
     sink: Sink
     loop: Loop
     cursor: ReadCursor = field(default_factory=ReadCursor)
-    word_timings: bool = True
 
     @staticmethod
     def of(request: SessionRequest, runtime: Synthesizer, sink: Sink, loop: Loop,

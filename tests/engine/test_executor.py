@@ -31,8 +31,8 @@ def _rows(runtime: Synthesizer, precision: str, loop: asyncio.AbstractEventLoop
     texts = ["The first session speaks here.", "A second one, a little longer than that.", "And a third."]
     rows = []
     for i, text in enumerate(texts):
-        spec = WorkSpec(i, runtime, "tiny", 0, SynthesisParams(seed=i), ChunkSchedule(), precision, None, _Sink(),
-                        loop, ReadCursor())
+        spec = WorkSpec(i, "tiny", 0, SynthesisParams(seed=i), ChunkSchedule(), precision, None, runtime=runtime,
+                        sink=_Sink(), loop=loop, cursor=ReadCursor())
         utt = runtime.prepare(text, SynthesisParams(seed=i, speaker=0))[0]
         u = UtteranceState(0, PhonemizedSentence(text, [], utt.phoneme_ids, []), UtteranceStatus.DECODING, precision)
         u.utt = utt

@@ -39,8 +39,8 @@ def _session(runtime: Synthesizer, sid: int, *, playing_for: float | None = None
              decoding: bool = True, acoustic: int = 0, unread: float = 0.0, frames: int = 400) -> SessionState:
     """A session whose head utterance is decoding (or waiting for the acoustic stage), that
     started playing `playing_for` seconds ago (None: no audio yet) with `slack` seconds left."""
-    spec = WorkSpec(sid, runtime, "tiny", 0, SynthesisParams(), ChunkSchedule(), "fp32", None, _Sink(),
-                    LOOP, ReadCursor(delivered_s=unread))
+    spec = WorkSpec(sid, "tiny", 0, SynthesisParams(), ChunkSchedule(), "fp32", None, runtime=runtime, sink=_Sink(),
+                    loop=LOOP, cursor=ReadCursor(delivered_s=unread))
     s = SessionState(spec, None, ready_since=NOW - sid * 1e-3)
     sentence = PhonemizedSentence("hi", ["h", "i"], [1, 2, 3], [])
     if decoding:
