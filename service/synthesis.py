@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from service.backends.base import Backend
-from service.models.family import PriorRows
 from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
 from service.staged_decoder import StagedDecoder
 from service.text.frontend import PhonemizedSentence
@@ -103,14 +102,15 @@ class AudioChunk:
 class PriorSample:
     """The prior sample z_p [C, T] = mean + sigma * noise, noise counter-based from `key`.
 
-    Decoder steps draw their frames on the device (`parts` gives what they need); the host
-    computes frames only where it needs them itself (staged decoding, shadow checks). Both
-    get the same numbers for any split of the frames (`service.models.noise`)."""
+    Decoder steps draw their frames on the device from `mean`, `sigma` and `src` (it is a
+    `service.models.family.Prior`); the host computes frames only where it needs them itself
+    (staged decoding, shadow checks). Both get the same numbers for any split of the frames
+    (`service.models.noise`)."""
 
     def __init__(self, mean: np.ndarray, sigma: np.ndarray, src: np.ndarray, key: int) -> None:
-        self._mean = mean  # [C, T_ph] per phoneme id
-        self._sigma = sigma  # [C, T_ph] noise scale per phoneme id (0: no noise)
-        self._src = src  # [T] phoneme id of each frame
+        self.mean = mean  # [C, T_ph] per phoneme id
+        self.sigma = sigma  # [C, T_ph] noise scale per phoneme id (0: no noise)
+        self.src = src  # [T] phoneme id of each frame
         self.key = key
         self._buf: np.ndarray | None = None  # the host copy, made on first use
 
@@ -122,26 +122,16 @@ class PriorSample:
 
     @property
     def channels(self) -> int:
-        return int(self._mean.shape[0])
+        return int(self.mean.shape[0])
 
     @property
     def frames(self) -> int:
-        return len(self._src)
+        return len(self.src)
 
     def parts(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(mean, sigma) of frames [lo, hi), clipped to the end."""
-        src = self._src[lo:hi]
-        return self._mean[:, src], self._sigma[:, src]
-
-    def parts_into(self, lo: int, out: np.ndarray) -> None:
-        """Write mean and sigma of frames [lo, lo + F) into `out[0]` and `out[1]` ([C, F] each),
-        zeros past the end: what `parts` gives, without temporaries (a decoder step does this
-        for every row)."""
-        src = self._src[lo : lo + out.shape[-1]]
-        n = len(src)
-        np.take(self._mean, src, axis=1, out=out[0, :, :n], mode="clip")  # src is in range: no check
-        np.take(self._sigma, src, axis=1, out=out[1, :, :n], mode="clip")
-        out[:, :, n:] = 0.0
+        src = self.src[lo:hi]
+        return self.mean[:, src], self.sigma[:, src]
 
     def full(self) -> np.ndarray:
         """The whole sample on the host (computed once)."""
@@ -154,15 +144,6 @@ class PriorSample:
             mean, sigma = self.parts(0, self.frames)
             self._buf = (mean + sigma * noise.numpy()).astype(np.float32)
         return self._buf
-
-
-def prior_rows(priors: Sequence[PriorSample], starts: Sequence[int], frames: int) -> PriorRows:
-    """Frames [start, start + frames) of each prior, zero past its end, as one decoder step
-    draws them."""
-    packed = np.empty((2, len(priors), priors[0].channels, frames), dtype=np.float32)
-    for i, (prior, lo) in enumerate(zip(priors, starts, strict=True)):
-        prior.parts_into(lo, packed[:, i])
-    return PriorRows(packed, [p.key for p in priors], list(starts))
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, open_synthesizer, prior_rows
+from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, open_synthesizer
 
 TEXT = "Hello there, this is a test of chunked decoding. It has two sentences!"
 SCHEDULES = [
@@ -179,12 +179,11 @@ def test_prior_sample_drawn_in_pieces_equals_drawn_whole(builtin_ort: Synthesize
     assert np.array_equal(utt(5).z_p, whole)  # same seed, same sample
     pieces, lo = [], 0
     for step in (77, 1, 32, 5, 32, 1000):
-        rows = prior_rows([a.prior], [lo], step)
-        noise = counter_normal(torch.tensor(rows.keys), torch.tensor(rows.starts), a.prior.channels, step).numpy()
-        z = rows.mean + rows.sigma * noise
-        n = max(0, min(step, a.frames - lo))
-        assert not z[0, :, n:].any()  # zero past the end
-        pieces.append(z[0, :, :n])
+        mean, sigma = a.prior.parts(lo, lo + step)
+        n = mean.shape[1]
+        assert n == max(0, min(step, a.frames - lo))
+        noise = counter_normal(torch.tensor([a.prior.key]), torch.tensor([lo]), a.prior.channels, n).numpy()
+        pieces.append(mean + sigma * noise[0])
         lo += step
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), whole, atol=1e-6, rtol=0)
     # the noise is there (not just the mean), drawn from the sentence's own seed
@@ -208,21 +207,3 @@ def test_counter_noise_is_standard_normal_and_independent() -> None:
     assert abs(np.corrcoef(x[0, :, :-1].ravel(), x[0, :, 1:].ravel())[0, 1]) < 0.02  # neighbouring frames
     shifted = counter_normal(torch.tensor([3]), torch.tensor([0]), 192, 407).numpy()
     assert np.array_equal(shifted[0, :, 7:], x[2])  # a frame's noise depends on its index only
-
-
-def test_parts_into_writes_what_parts_gives_and_zeros_past_the_end() -> None:
-    from service.synthesis import PriorSample
-
-    rng = np.random.default_rng(3)
-    for _ in range(50):
-        phones, frames = int(rng.integers(1, 40)), int(rng.integers(1, 200))
-        prior = PriorSample(rng.standard_normal((6, phones)).astype(np.float32),
-                            rng.random((6, phones)).astype(np.float32),
-                            np.sort(rng.integers(0, phones, frames)), 0)
-        lo, width = int(rng.integers(0, frames + 10)), int(rng.integers(1, 70))
-        out = np.full((2, 6, width), np.nan, dtype=np.float32)  # stale contents must not survive
-        prior.parts_into(lo, out)
-        mean, sigma = prior.parts(lo, lo + width)
-        n = mean.shape[1]
-        assert np.array_equal(out[0, :, :n], mean) and np.array_equal(out[1, :, :n], sigma)
-        assert not out[:, :, n:].any()

@@ -20,8 +20,8 @@ import numpy as np
 
 from service.engine.config import BatchConfig
 from service.engine.state import EngineStats, SessionState, UtteranceState, UtteranceStatus
-from service.models.family import PriorRows, StepRows, StreamingDecoder
-from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, prior_rows, utterance_rng
+from service.models.family import StepRows, StreamingDecoder
+from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,7 +147,9 @@ class Executor:
     def release(self, session: SessionState, u: UtteranceState) -> None:
         """Give back the slot an utterance holds (done, failed or cancelled)."""
         if u.slot is not None:
-            self.slots(session.spec.runtime, u.precision).give(u.slot)
+            pool = self.slots(session.spec.runtime, u.precision)
+            pool.decoder.free(u.slot)
+            pool.give(u.slot)
             u.slot = None
 
     # --- acoustic stage --------------------------------------------------------------------------
@@ -214,22 +216,21 @@ class Executor:
                 log.exception("staged decode failed (session %d)", s.spec.session_id)
                 return [], [(s, exc)]
         groups: dict[tuple[int, str, bool], list[tuple[SessionState, UtteranceState]]] = {}
-        fresh: dict[_Slots, list[int]] = {}  # slots taken now, cleared in one call per pool
+        failed: list[Failure] = []
         for s, u in rows:
             if u.slot is None:
-                pool = self.slots(s.spec.runtime, u.precision)
-                slot = pool.take()
-                if slot is None:
-                    continue  # every slot busy: this utterance starts when one frees
-                u.slot = slot
-                fresh.setdefault(pool, []).append(slot)
+                try:
+                    if not self._start(s, u):
+                        continue  # no slot or prior memory free: this utterance starts when one frees
+                except Exception as exc:
+                    failed.append((s, exc))
+                    continue
             groups.setdefault((id(s.spec.runtime), u.precision, u.fed == 0), []).append((s, u))
-        for pool, taken in fresh.items():
-            pool.decoder.reset(taken)
+        if not groups:
+            return [], failed
         batches = [(part, precision, first) for (_, precision, first), group in groups.items()
                    for part in _halves(group, self.PIPELINE_MIN_ROWS)]
         out: list[Chunk] = []
-        failed: list[Failure] = []
         # Pipelined: batch i+1 is prepared and launched while the device still runs batch i,
         # and batch i's chunks are built while the device runs batch i+1.
         flight = self._launch_or_fallback(*batches[0])
@@ -240,6 +241,23 @@ class Executor:
             failed += bad
             flight = following
         return out, failed
+
+    def _start(self, s: SessionState, u: UtteranceState) -> bool:
+        """Take a slot for `u` and start its prior there; False when none is free."""
+        pool = self.slots(s.spec.runtime, u.precision)
+        slot = pool.take()
+        if slot is None:
+            return False
+        try:
+            started = pool.decoder.start(slot, u.utt.prior)  # type: ignore[union-attr]
+        except BaseException:
+            pool.give(slot)
+            raise
+        if not started:
+            pool.give(slot)
+            return False
+        u.slot = slot
+        return True
 
     # Batches of at least twice this many rows run as two halves, so the host's work on one
     # overlaps the device's work on the other.
@@ -297,15 +315,16 @@ class Executor:
         self._replay(s, u)
 
     def _replay(self, s: SessionState, u: UtteranceState) -> Any:
-        """Clear `u`'s slot and decode its prior frames again up to `u.fed` in one step; returns
-        that step's device audio (None when nothing was fed yet)."""
+        """Start `u` in its slot again and decode its prior frames up to `u.fed` in one step;
+        returns that step's device audio (None when nothing was fed yet)."""
         assert u.slot is not None
         dec = self.slots(s.spec.runtime, u.precision).decoder
-        dec.reset([u.slot])
+        if not dec.start(u.slot, u.utt.prior):  # type: ignore[union-attr]
+            raise RuntimeError(f"no {u.precision} decoder prior memory free to decode this utterance again")
         if not u.fed:
             return None
         sids = None if s.spec.sid is None else [s.spec.sid]
-        return dec.step(StepRows([u.slot], _prior([u], 0, u.fed), [0], [u.frames], sids))
+        return dec.step(StepRows([u.slot], [0], u.fed, sids))
 
     def _launch(self, rows: list[tuple[SessionState, UtteranceState]], precision: str, first: bool) -> _InFlight:
         """Queue one batched step on the device (no waiting for it); advances each row's `fed`
@@ -316,8 +335,7 @@ class Executor:
         utts = [u for _, u in rows]
         fed = [u.fed for u in utts]
         sids = None if rows[0][0].spec.sid is None else [s.spec.sid or 0 for s, _ in rows]
-        step = StepRows([u.slot for u in utts], _prior(utts, None, frames), fed,  # type: ignore[misc]
-                        [u.frames for u in utts], sids)
+        step = StepRows([u.slot for u in utts], fed, frames, sids)  # type: ignore[misc]
         t0 = time.perf_counter()
         pending = runtime.backend.guard_async(dec.step(step))  # type: ignore[attr-defined]
         for u in utts:
@@ -401,13 +419,6 @@ class Executor:
         self.stats.max_rows = max(self.stats.max_rows, 1)
         self.stats.audio_seconds += len(samples) / s.spec.runtime.sample_rate
         return Chunk(s, u, samples, "fp32", False)
-
-
-def _prior(utts: list[UtteranceState], start: int | None, frames: int) -> PriorRows:
-    """The next `frames` prior frames of each utterance from `start` (None: from what it was
-    fed so far)."""
-    priors = [u.utt.prior for u in utts]  # type: ignore[union-attr]
-    return prior_rows(priors, [u.fed if start is None else start for u in utts], frames)
 
 
 def _halves(items: list[T], min_rows: int) -> list[list[T]]:

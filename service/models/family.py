@@ -15,41 +15,30 @@ from typing import Any, Protocol
 import numpy as np
 
 
-@dataclass(frozen=True)
-class PriorRows:
-    """A step's input frames, as the decoder draws them on its device: mean + sigma * noise,
-    where noise is `service.models.noise.counter_normal(keys, starts)`. Rows past their
-    utterance's end have mean = sigma = 0 (a family without noise passes sigma = 0)."""
+class Prior(Protocol):
+    """An utterance's prior as a decoder draws it: frame t is mean[:, src[t]] + sigma[:, src[t]]
+    x noise, where noise is `service.models.noise.counter_normal(key, t)` (a family without
+    noise has sigma = 0)."""
 
-    packed: np.ndarray  # [2, B, C, frames] float32: mean, sigma (one array: one upload)
-    keys: Sequence[int]  # each row's noise key (its utterance's)
-    starts: Sequence[int]  # each row's first frame, counted from its utterance's start
-
-    @property
-    def mean(self) -> np.ndarray:
-        return self.packed[0]
+    key: int
+    mean: np.ndarray  # [C, P] per phoneme id
+    sigma: np.ndarray  # [C, P] noise scale per phoneme id
+    src: np.ndarray  # [T] phoneme id of each latent frame
 
     @property
-    def sigma(self) -> np.ndarray:
-        return self.packed[1]
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        _, b, c, f = self.packed.shape
-        return int(b), int(c), int(f)
+    def frames(self) -> int: ...
 
 
 @dataclass(frozen=True)
 class StepRows:
-    """One batched decoder step: every row advances its slot by `frames` latent frames.
+    """One batched decoder step: every row advances its slot by `frames` latent frames, the
+    next frames of the prior its slot was started with (zero past the utterance's end).
 
-    `fed[i]` is how many latent frames row i's utterance had already been fed; `lengths[i]`
-    its total frames; `inputs` the next frames of each row (zero past the end)."""
+    `fed[i]` is how many latent frames row i's utterance had already been fed."""
 
     slots: Sequence[int]
-    inputs: PriorRows
     fed: Sequence[int]
-    lengths: Sequence[int]
+    frames: int
     sids: Sequence[int] | None
 
 
@@ -62,8 +51,15 @@ class StreamingDecoder(Protocol):
     capacity: int  # slots
     step_seconds: dict[tuple[int, int], float]  # (rows, frames) -> measured time of one step (may be empty)
 
-    def reset(self, slots: Sequence[int]) -> None:
-        """Clear the state of `slots` before a new utterance starts in them."""
+    def start(self, slot: int, prior: Prior) -> bool:
+        """Begin `prior`'s utterance in `slot`: clear the slot's state and keep the prior on the
+        device (a step then uploads only which of its columns each frame reads). False when the
+        decoder's prior memory is full: nothing changed, try again when an utterance is freed.
+        ValueError for a prior longer than that memory can ever hold."""
+        ...
+
+    def free(self, slot: int) -> None:
+        """The slot's utterance is over: give back its prior memory."""
         ...
 
     def capture_all(self) -> None:
@@ -71,7 +67,7 @@ class StreamingDecoder(Protocol):
         ...
 
     def step(self, rows: StepRows) -> Any:
-        """Advance every row by `rows.inputs.shape[2]` frames. Returns the audio
+        """Advance every row by `rows.frames` frames. Returns the audio
         [B, frames x hop] covering positions (fed - lag) x hop onwards, on the device
         (a torch tensor for the torch backend); positions outside the utterance are 0."""
         ...

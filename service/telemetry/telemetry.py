@@ -117,7 +117,6 @@ class Telemetry:
         self.tracing = self.tracer_provider is not None
         meter = (self.meter_provider or NoOpMeterProvider()).get_meter("cadenza", _version())
         self.tracer = (self.tracer_provider or NoOpTracerProvider()).get_tracer("cadenza", _version())
-        self._clock_offset_ns = time.time_ns() - time.monotonic_ns()
 
         def hist(name: str, unit: str, description: str, buckets: Sequence[float]) -> Any:
             return meter.create_histogram(name, unit=unit, description=description,
@@ -210,8 +209,12 @@ class Telemetry:
                 except Exception:  # an exporter that cannot flush must not fail the shutdown
                     logging.getLogger(__name__).warning("telemetry exporter failed to shut down", exc_info=True)
 
-    def _ns(self, monotonic_s: float) -> int:
-        return int(monotonic_s * 1e9) + self._clock_offset_ns
+    @staticmethod
+    def _ns(monotonic_s: float) -> int:
+        """A monotonic time as wall-clock nanoseconds (what span times are), by its distance
+        from now: spans started without a time read the wall clock then, and an offset taken
+        once drifts from it while NTP slews the wall clock."""
+        return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
     # --- admission (event loop) ------------------------------------------------------------------
 

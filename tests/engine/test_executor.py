@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from service.engine.config import BatchConfig
 from service.engine.executor import Executor
 from service.engine.faults import break_batches, inject_nonfinite
 from service.engine.state import EngineStats, ReadCursor, SessionState, UtteranceState, UtteranceStatus, WorkSpec
-from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, open_synthesizer
+from service.synthesis import ChunkSchedule, PriorSample, SynthesisParams, Synthesizer, open_synthesizer
 from service.text.frontend import PhonemizedSentence
 
 
@@ -135,6 +136,39 @@ def test_pipelined_halves_equal_one_batch(runtime: Synthesizer, loop: asyncio.Ab
     stats = EngineStats()
     chunks = _decode_all(_executor(stats, True), _rows(runtime, "fp32", loop))
     assert stats.steps > len(chunks[0])  # the rows really went in two launches per round
+    for got, ref in zip(chunks, reference, strict=True):
+        np.testing.assert_allclose(np.concatenate([c.samples for c in got]), np.concatenate([c.samples for c in ref]),
+                                   atol=1e-5, rtol=0)
+
+
+def test_an_utterance_waits_while_prior_memory_is_full_and_one_too_long_fails_alone(
+    runtime: Synthesizer, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Starting an utterance needs a slot and room for its prior: without room it waits (no
+    slot held, no error) and starts once memory is freed, decoding exactly; a prior longer than
+    the whole memory fails its own session only."""
+    reference = _reference(runtime, loop)
+    executor = Executor(BatchConfig(step_frames=16, slots=4), EngineStats())
+    pool = executor.slots(runtime, "fp32")
+    memory = pool.decoder.prior  # type: ignore[attr-defined]
+    channels = runtime.backend.model_for("fp32").hp.inter_channels  # type: ignore[attr-defined]
+    filler = pool.take()
+    assert filler is not None and pool.decoder.start(filler, PriorSample.fixed(
+        np.zeros((channels, memory.zero), dtype=np.float32)))  # all of it
+    rows = _rows(runtime, "fp32", loop)
+    assert executor.decode(rows, 0.0, lambda s: False) == ([], [])
+    assert all(u.slot is None and u.fed == 0 for _, u in rows) and len(pool.free) == 3
+    pool.decoder.free(filler)
+    pool.give(filler)
+    too_long = _rows(runtime, "fp32", loop)[0]
+    too_long[1].utt = replace(too_long[1].utt, prior=PriorSample.fixed(  # type: ignore[type-var]
+        np.zeros((channels, memory.zero + 1), dtype=np.float32)))
+    _, failed = executor.decode([too_long], 0.0, lambda s: False)
+    assert [(s, str(e)) for s, e in failed] == [
+        (too_long[0], f"an utterance of {memory.zero + 1} phoneme ids is longer than the decoder's prior memory "
+                      f"({memory.zero} columns) can hold; send shorter sentences")]
+    assert len(pool.free) == 4
+    chunks = _decode_all(executor, rows)
     for got, ref in zip(chunks, reference, strict=True):
         np.testing.assert_allclose(np.concatenate([c.samples for c in got]), np.concatenate([c.samples for c in ref]),
                                    atol=1e-5, rtol=0)

@@ -10,8 +10,8 @@ import torch
 
 from service.models.family import StepRows
 from service.models.vits.model import VitsModel
-from service.models.vits.streaming import VitsStreamingDecoder
-from service.synthesis import SynthesisParams, Utterance, open_synthesizer, prior_rows
+from service.models.vits.streaming import PriorMemory, VitsStreamingDecoder
+from service.synthesis import PriorSample, SynthesisParams, Utterance, open_synthesizer
 
 
 def _utterances(voice: str | None, text: str, speaker: int | None) -> tuple[VitsModel, list[Utterance]]:
@@ -31,14 +31,14 @@ def _stream_together(dec: VitsStreamingDecoder, utts: list[Utterance], slots: li
                      sizes: list[int]) -> list[np.ndarray]:
     """Decode `utts` side by side, one batched step per size in `sizes` (then `sizes[-1]`
     until every utterance is out), each in its own slot."""
-    dec.reset(slots)
+    for slot, u in zip(slots, utts, strict=True):
+        assert dec.start(slot, u.prior)
     fed, pieces = 0, [[] for _ in utts]  # type: list[list[np.ndarray]]
     k = 0
     while any(fed - dec.lag < u.frames for u in utts):
         n = sizes[min(k, len(sizes) - 1)]
-        inputs = prior_rows([u.prior for u in utts], [fed] * len(utts), n)
         sids = None if utts[0].sid is None else [u.sid or 0 for u in utts]
-        audio = dec.step(StepRows(slots, inputs, [fed] * len(utts), [u.frames for u in utts], sids))
+        audio = dec.step(StepRows(slots, [fed] * len(utts), n, sids))
         for i in range(len(utts)):
             pieces[i].append(audio[i].float().cpu().numpy())
         fed += n
@@ -53,7 +53,12 @@ def test_batched_slot_steps_equal_full_decodes(voice: str, speaker: int | None, 
     model, utts = _utterances(str(tiny_voice_path) if voice == "tiny" else None,
                               "Hello there, this is a streaming test. Short one. And a third sentence here.", speaker)
     assert len(utts) == 3 and len({u.frames for u in utts}) == 3
-    dec = VitsStreamingDecoder(model, "fp32", 6, torch.device("cpu"), torch.float32)
+    # Just enough prior memory that the second pass (each slot freed as it is started again)
+    # always fits, and reuses the first pass's blocks in another order.
+    need = [-(-len(u.phoneme_ids) // PriorMemory.BLOCK) for u in utts]
+    blocks = sum(need) + max(need)
+    dec = VitsStreamingDecoder(model, "fp32", 6, torch.device("cpu"), torch.float32,
+                               prior_columns=blocks * PriorMemory.BLOCK)
     _stream_together(dec, utts[::-1], [5, 0, 3], [40])  # leaves state behind in the slots
     out = _stream_together(dec, utts, [0, 3, 5], [13 + dec.lag, 13, 29])
     for u, audio in zip(utts, out, strict=True):
@@ -65,7 +70,6 @@ def test_batched_slot_steps_equal_full_decodes(voice: str, speaker: int | None, 
 def test_a_slot_step_does_not_touch_other_slots(tiny_voice_path: Path) -> None:
     model, utts = _utterances(str(tiny_voice_path), "One sentence to decode.", 0)
     dec = VitsStreamingDecoder(model, "fp32", 4, torch.device("cpu"), torch.float32)
-    dec.reset(range(4))
     for h in dec.history:
         h[2].fill_(0.5)
     _stream_together(dec, utts, [1], [20])
@@ -96,3 +100,56 @@ def test_cuda_graph_steps_equal_eager_steps_and_the_full_decode(precision: str) 
         full = _full(model, u, torch.device("cuda"))
         err = np.abs(x - full).max()
         assert err <= (2e-2 if precision == "fp16" else 1e-4), err
+
+
+def _random_prior(rng: np.random.Generator, channels: int, key: int) -> PriorSample:
+    phonemes, frames = int(rng.integers(1, 90)), int(rng.integers(1, 300))
+    return PriorSample(rng.standard_normal((channels, phonemes)).astype(np.float32),
+                       rng.random((channels, phonemes)).astype(np.float32),
+                       np.sort(rng.integers(0, phonemes, frames)), key)
+
+
+def test_prior_memory_gathers_each_slots_frames_through_reused_blocks() -> None:
+    """Priors put, dropped and put again land in scattered blocks; a step's columns still read
+    exactly each row's frames (mean and sigma), and the zero column past the end."""
+    rng = np.random.default_rng(11)
+    channels, slots = 5, 6
+    memory = PriorMemory(20 * PriorMemory.BLOCK, channels, slots, torch.device("cpu"))
+    live: dict[int, PriorSample] = {}
+    for key in range(60):
+        slot = int(rng.integers(0, slots))
+        if slot in live and rng.random() < 0.4:
+            memory.drop(slot)
+            del live[slot]
+            continue
+        prior = _random_prior(rng, channels, key)
+        if memory.put(slot, prior):
+            live[slot] = prior
+        else:
+            live.pop(slot, None)  # a failed put leaves the slot empty (its old prior was dropped)
+        memory.flush(torch.from_numpy)
+        rows = sorted(live)
+        fed = [int(rng.integers(0, live[s].frames + 8)) for s in rows]
+        frames = int(rng.integers(1, 70))
+        cols = np.full((frames, len(rows) + 2), -1, dtype=np.int64)  # two padding rows
+        memory.columns(rows, fed, frames, cols)
+        got = memory.table[torch.from_numpy(cols)].numpy()  # [frames, rows, 2, C]
+        assert not got[:, len(rows):].any()
+        for i, s in enumerate(rows):
+            mean, sigma = live[s].parts(fed[i], fed[i] + frames)
+            n = mean.shape[1]
+            assert np.array_equal(got[:n, i, 0].T, mean) and np.array_equal(got[:n, i, 1].T, sigma)
+            assert not got[n:, i].any()
+            assert memory.keys[s] == live[s].key and memory.lengths[s] == live[s].frames
+
+
+def test_prior_memory_full_and_too_long() -> None:
+    memory = PriorMemory(4 * PriorMemory.BLOCK, 3, 4, torch.device("cpu"))
+    big = PriorSample.fixed(np.ones((3, 3 * PriorMemory.BLOCK), dtype=np.float32))
+    assert memory.put(0, big)
+    assert not memory.put(1, big)  # one block left: wait
+    assert memory.lengths[1] == 0
+    memory.drop(0)
+    assert memory.put(1, big)
+    with pytest.raises(ValueError, match="phoneme ids is longer than the decoder's prior memory"):
+        memory.put(2, PriorSample.fixed(np.ones((3, 5 * PriorMemory.BLOCK), dtype=np.float32)))

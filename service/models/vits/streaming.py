@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from service.models.cuda_graphs import GraphCapturer
-from service.models.family import StepRows
+from service.models.family import Prior, StepRows
 from service.models.noise import counter_normal
 from service.models.vits.model import VitsModel
 from service.models.vits.receptive_field import decoder_stage_table
@@ -60,16 +60,91 @@ def stage_shapes(model: VitsModel) -> list[StageShape]:
     return out
 
 
+class PriorMemory:
+    """The prior (per phoneme mean and sigma) of every utterance a decoder has started, on the
+    device, in blocks of columns, the way vLLM pages its KV cache: an utterance takes whatever
+    blocks are free, and a step uploads only which column each of its frames reads (the host
+    used to upload every row's frames of mean and sigma, the step's largest cost).
+
+    `table` holds one column per row ([columns + 1, 2, C] float32); its last row stays zero and
+    is what frames past an utterance's end (and padding rows) read. New priors are staged on
+    the host and written by `flush`, before the next step, in one upload."""
+
+    BLOCK = 32  # columns per block
+
+    def __init__(self, columns: int, channels: int, slots: int, device: torch.device) -> None:
+        blocks = max(1, math.ceil(columns / self.BLOCK))
+        self.zero = blocks * self.BLOCK
+        self.table = torch.zeros(self.zero + 1, 2, channels, dtype=torch.float32, device=device)
+        self.device = device
+        self._free = list(range(blocks - 1, -1, -1))
+        self._blocks: dict[int, list[int]] = {}  # slot -> the blocks its prior occupies
+        self._frame_columns: dict[int, np.ndarray] = {}  # slot -> the column each frame reads
+        self.keys = np.zeros(slots, dtype=np.int64)
+        self.lengths = np.zeros(slots, dtype=np.int64)  # frames; 0 for a free slot
+        self._staged: list[tuple[np.ndarray, np.ndarray]] = []  # (columns, [n, 2, C] values)
+
+    def put(self, slot: int, prior: Prior) -> bool:
+        self.drop(slot)
+        phonemes = prior.mean.shape[1]
+        need = math.ceil(phonemes / self.BLOCK)
+        if need > self.zero // self.BLOCK:
+            raise ValueError(
+                f"an utterance of {phonemes} phoneme ids is longer than the decoder's prior memory "
+                f"({self.zero} columns) can hold; send shorter sentences"
+            )
+        if need > len(self._free):
+            return False
+        blocks = [self._free.pop() for _ in range(need)]
+        j = np.arange(phonemes)
+        columns = np.asarray(blocks, dtype=np.int64)[j // self.BLOCK] * self.BLOCK + j % self.BLOCK
+        values = np.empty((phonemes, 2, prior.mean.shape[0]), dtype=np.float32)
+        values[:, 0] = prior.mean.T
+        values[:, 1] = prior.sigma.T
+        self._staged.append((columns, values))
+        self._blocks[slot] = blocks
+        self._frame_columns[slot] = columns[prior.src]
+        self.keys[slot] = prior.key
+        self.lengths[slot] = prior.frames
+        return True
+
+    def drop(self, slot: int) -> None:
+        self._free += self._blocks.pop(slot, [])
+        self._frame_columns.pop(slot, None)
+        self.lengths[slot] = 0
+
+    def flush(self, upload: Callable[[np.ndarray], torch.Tensor]) -> None:
+        """Write the staged priors into `table` (queued on the current stream, ahead of the
+        step that reads them)."""
+        if self._staged:
+            columns = np.concatenate([c for c, _ in self._staged])
+            values = np.concatenate([v for _, v in self._staged])
+            self._staged.clear()
+            self.table.index_copy_(0, upload(columns), upload(values))
+
+    def columns(self, slots: Sequence[int], fed: Sequence[int], frames: int, out: np.ndarray) -> None:
+        """Fill `out` [frames, rows] with the column each row's next `frames` frames read (the
+        zero column past the end, and for rows past `slots`)."""
+        out.fill(self.zero)
+        for i, (slot, lo) in enumerate(zip(slots, fed, strict=True)):
+            cols = self._frame_columns[slot][lo : lo + frames]
+            out[: len(cols), i] = cols
+
+
 class VitsStreamingDecoder:
     """Implements service.models.family.StreamingDecoder for one model copy (one precision).
 
     `graphs`: capture each (batch bucket, frames) step, for frames in `graph_frames`, as a
-    CUDA graph on first use; a batch is padded up to its bucket with rows of a scratch slot."""
+    CUDA graph on first use; a batch is padded up to its bucket with rows of a scratch slot.
+    `prior_columns`: the prior memory shared by the slots, in phoneme ids (default: an average
+    of `PRIOR_COLUMNS_PER_SLOT` per slot)."""
+
+    PRIOR_COLUMNS_PER_SLOT = 256
 
     def __init__(
         self, model: VitsModel, precision: str, capacity: int, device: torch.device, dtype: torch.dtype,
         graphs: bool = False, graph_frames: Sequence[int] = (),
-        buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), prior_columns: int | None = None,
     ) -> None:
         self.model = model
         self.precision = precision
@@ -91,42 +166,74 @@ class VitsStreamingDecoder:
         self._captured: dict[tuple[int, int], _CapturedStep] = {}
         self.step_seconds: dict[tuple[int, int], float] = {}  # (rows, frames) -> one step, measured
         self._capturer = GraphCapturer(device)
+        columns = prior_columns or max(capacity * self.PRIOR_COLUMNS_PER_SLOT, 4096)
+        self.prior = PriorMemory(columns, self.shapes[0].channels, capacity + 1, device)
+        self._resets: list[int] = []  # slots started since the last step: their state is cleared first
 
     # --- state ---------------------------------------------------------------------------------
 
-    def reset(self, slots: Sequence[int]) -> None:
-        if not slots:
-            return
-        index = self._upload(np.asarray(list(slots), dtype=np.int64))
-        for h in self.history:
-            h.index_fill_(0, index, 0)
+    def start(self, slot: int, prior: Prior) -> bool:
+        if not self.prior.put(slot, prior):
+            return False
+        self._resets.append(slot)
+        return True
+
+    def free(self, slot: int) -> None:
+        self.prior.drop(slot)
+
+    def _flush(self) -> None:
+        """Queue what `start` staged (cleared state, new priors) ahead of the next step."""
+        if self._resets:
+            index = self._upload(np.asarray(self._resets, dtype=np.int64))
+            self._resets.clear()
+            for h in self.history:
+                h.index_fill_(0, index, 0)
+        self.prior.flush(self._upload)
 
     # --- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self, rows: StepRows) -> torch.Tensor:
-        b, _, frames = rows.inputs.shape
-        if self.graphs and frames in self.graph_frames:
+        self._flush()
+        b = len(rows.slots)
+        if self.graphs and rows.frames in self.graph_frames:
             bucket = next((x for x in self.buckets if x >= b), None)
             if bucket is not None:
                 return self._graph_step(rows, bucket)[:b]
-        return self._run(*self._tensors(rows, b))
+        return self._run(*self._inputs(self._upload(self._int_rows(rows, b))))
 
     def _upload(self, values: np.ndarray) -> torch.Tensor:
         """Host -> device without waiting for the device: through pinned memory on CUDA (a
         pageable copy would wait for the step still running, and the pipeline with it)."""
         return _pinned(values, self.device).to(self.device, non_blocking=True)
 
-    def _tensors(self, rows: StepRows, b: int) -> tuple[torch.Tensor, ...]:
-        ints = self._upload(_int_rows(rows, b))
-        return self._inputs(ints, self._upload(rows.inputs.packed))
+    def _int_rows(self, rows: StepRows, bucket: int) -> np.ndarray:
+        """A step's whole input, [5 + frames, bucket] int64: slots, fed, lengths, speaker ids,
+        noise keys, then the prior column each frame reads. Rows past the step's read and write
+        the scratch slot with length 0."""
+        b = len(rows.slots)
+        out = np.zeros((5 + rows.frames, bucket), dtype=np.int64)
+        slots = np.asarray(rows.slots, dtype=np.int64)
+        out[0, :b] = slots
+        out[0, b:] = self._scratch
+        out[1, :b] = rows.fed
+        out[2, :b] = self.prior.lengths[slots]
+        if rows.sids is not None:
+            out[3, :b] = rows.sids
+        out[4, :b] = self.prior.keys[slots]
+        self.prior.columns(rows.slots, rows.fed, rows.frames, out[5:])
+        return out
 
-    def _inputs(self, ints: torch.Tensor, parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(slots, z, fed, lengths, sids) from the packed step inputs: the prior sample is drawn
-        here, on the device (inside the CUDA graph when the step is captured)."""
-        slots, fed, lengths, sids, keys, starts = ints
-        _, _, channels, frames = parts.shape
-        z = (parts[0] + parts[1] * counter_normal(keys, starts, channels, frames)).to(self.dtype)
+    def _inputs(self, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(slots, z, fed, lengths, sids) from a step's input (`_int_rows`): the prior sample is
+        gathered and drawn here, on the device (inside the CUDA graph when the step is captured)."""
+        slots, fed, lengths, sids, keys = ints[:5]
+        columns = ints[5:]
+        frames, bucket = columns.shape
+        channels = self.prior.table.shape[2]
+        parts = self.prior.table.index_select(0, columns.reshape(-1)).view(frames, bucket, 2, channels)
+        mean, sigma = parts.permute(2, 1, 3, 0)  # [bucket, C, frames] each
+        z = (mean + sigma * counter_normal(keys, fed, channels, frames)).to(self.dtype)
         return slots, z, fed, lengths, sids
 
     def _run(
@@ -175,43 +282,24 @@ class VitsStreamingDecoder:
                     self.step_seconds[(bucket, frames)] = best
 
     def _graph_step(self, rows: StepRows, bucket: int) -> torch.Tensor:
-        """Two uploads and one replay: every other op of the step (the noise draw included) is
-        inside the graph, so the engine thread makes few calls per step (each one may wait for
-        the GIL while the event loop is busy)."""
-        frames = rows.inputs.shape[2]
-        captured = self._captured.get((bucket, frames))
+        """One upload and one replay: every other op of the step (the prior gather and the noise
+        draw included) is inside the graph, so the engine thread makes few calls per step (each
+        one may wait for the GIL while other threads are busy)."""
+        captured = self._captured.get((bucket, rows.frames))
         if captured is None:
-            captured = self._capture(bucket, frames)
-            self._captured[(bucket, frames)] = captured
-        b = rows.inputs.shape[0]
-        ints = _int_rows(rows, b, bucket, self._scratch)
-        captured.ints.copy_(_pinned(ints, self.device), non_blocking=True)
-        if b < bucket:
-            captured.parts[:, b:].zero_()  # padding rows: mean = sigma = 0
-        captured.parts[:, :b].copy_(_pinned(rows.inputs.packed, self.device), non_blocking=True)
+            captured = self._capture(bucket, rows.frames)
+            self._captured[(bucket, rows.frames)] = captured
+        captured.ints.copy_(_pinned(self._int_rows(rows, bucket), self.device), non_blocking=True)
         captured.graph.replay()
         return captured.out
 
     def _capture(self, bucket: int, frames: int) -> _CapturedStep:
-        dev = self.device
-        channels = self.shapes[0].channels
-        ints = torch.zeros(6, bucket, dtype=torch.long, device=dev)
+        ints = torch.zeros(5 + frames, bucket, dtype=torch.long, device=self.device)
         ints[0].fill_(self._scratch)
-        parts = torch.zeros(2, bucket, channels, frames, dtype=torch.float32, device=dev)
-        graph, out = self._capturer.capture(lambda i, p: self._run(*self._inputs(i, p)), ints, parts)
+        ints[5:].fill_(self.prior.zero)
+        graph, out = self._capturer.capture(lambda i: self._run(*self._inputs(i)), ints)
         # Warm-up and capture wrote into the scratch slot only; it holds no session.
-        return _CapturedStep(graph, ints, parts, out)
-
-
-def _int_rows(rows: StepRows, b: int, bucket: int | None = None, scratch: int = 0) -> np.ndarray:
-    """[6, bucket] int64: slots, fed, lengths, speaker ids, noise keys, first frames; rows past
-    `b` read and write the scratch slot with length 0."""
-    prior = rows.inputs
-    out = np.zeros((6, bucket or b), dtype=np.int64)
-    out[0, b:] = scratch
-    out[:, :b] = [rows.slots, rows.fed, rows.lengths, rows.sids if rows.sids is not None else [0] * b,
-                  prior.keys, prior.starts]
-    return out
+        return _CapturedStep(graph, ints, out)
 
 
 def _pinned(values: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -223,6 +311,5 @@ def _pinned(values: np.ndarray, device: torch.device) -> torch.Tensor:
 @dataclass
 class _CapturedStep:
     graph: torch.cuda.CUDAGraph
-    ints: torch.Tensor  # [6, bucket]: see _int_rows
-    parts: torch.Tensor  # [2, bucket, C, frames]: mean, sigma
+    ints: torch.Tensor  # [5 + frames, bucket]: see _int_rows
     out: torch.Tensor
