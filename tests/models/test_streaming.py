@@ -11,6 +11,7 @@ import torch
 from service.models.family import StepRows
 from service.models.vits.model import VitsModel
 from service.models.vits.streaming import PriorMemory, VitsStreamingDecoder
+from service.quality import psnr_db
 from service.synthesis import PriorSample, SynthesisParams, Utterance, open_synthesizer
 
 
@@ -77,6 +78,11 @@ def test_a_slot_step_does_not_touch_other_slots(tiny_voice_path: Path) -> None:
         assert torch.all(h[2] == 0.5) and torch.all(h[0] == 0) and torch.all(h[3] == 0)
 
 
+# FP16 (with its FP32 pins) against FP32 on the GPU; README's Precision section gives the
+# measured figures.
+FP16_MIN_PSNR_DB = 50.0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_cuda_graph_steps_equal_eager_steps_and_the_full_decode(precision: str) -> None:
@@ -98,8 +104,12 @@ def test_cuda_graph_steps_equal_eager_steps_and_the_full_decode(precision: str) 
     for u, x, y in zip(utts, a, b, strict=True):
         np.testing.assert_allclose(x, y, atol=1e-3 if precision == "fp16" else 1e-5, rtol=0)
         full = _full(model, u, torch.device("cuda"))
-        err = np.abs(x - full).max()
-        assert err <= (2e-2 if precision == "fp16" else 1e-4), err
+        err, psnr = float(np.abs(x - full).max()), psnr_db(full, x)
+        print(f"{precision}: {u.frames} frames, max |graph step - full FP32 decode| {err:.2e}, PSNR {psnr:.1f} dB")
+        if precision == "fp32":
+            assert err <= 1e-4, err
+        else:  # FP16 kernels (chosen by timing: cudnn.benchmark) differ from FP32's by rounding
+            assert psnr >= FP16_MIN_PSNR_DB, psnr
 
 
 def _random_prior(rng: np.random.Generator, channels: int, key: int) -> PriorSample:
@@ -110,13 +120,14 @@ def _random_prior(rng: np.random.Generator, channels: int, key: int) -> PriorSam
 
 
 def test_prior_memory_gathers_each_slots_frames_through_reused_blocks() -> None:
-    """Priors put, dropped and put again land in scattered blocks; a step's columns still read
-    exactly each row's frames (mean and sigma), and the zero column past the end."""
+    """Priors put, dropped and put again (some before the previous ones were written) land in
+    scattered blocks; a step's columns still read exactly each row's frames (mean and sigma),
+    and the zero column past the end."""
     rng = np.random.default_rng(11)
     channels, slots = 5, 6
     memory = PriorMemory(20 * PriorMemory.BLOCK, channels, slots, torch.device("cpu"))
     live: dict[int, PriorSample] = {}
-    for key in range(60):
+    for key in range(120):
         slot = int(rng.integers(0, slots))
         if slot in live and rng.random() < 0.4:
             memory.drop(slot)
@@ -127,13 +138,15 @@ def test_prior_memory_gathers_each_slots_frames_through_reused_blocks() -> None:
             live[slot] = prior
         else:
             live.pop(slot, None)  # a failed put leaves the slot empty (its old prior was dropped)
+        if rng.random() < 0.5:
+            continue  # several puts and drops between flushes: freed blocks are taken again first
         memory.flush(torch.from_numpy)
         rows = sorted(live)
         fed = [int(rng.integers(0, live[s].frames + 8)) for s in rows]
         frames = int(rng.integers(1, 70))
         cols = np.full((frames, len(rows) + 2), -1, dtype=np.int64)  # two padding rows
         memory.columns(rows, fed, frames, cols)
-        got = memory.table[torch.from_numpy(cols)].numpy()  # [frames, rows, 2, C]
+        got = memory.table[:, :, torch.from_numpy(cols)].permute(2, 3, 0, 1).numpy()  # [frames, rows, 2, C]
         assert not got[:, len(rows):].any()
         for i, s in enumerate(rows):
             mean, sigma = live[s].parts(fed[i], fed[i] + frames)
@@ -153,3 +166,18 @@ def test_prior_memory_full_and_too_long() -> None:
     assert memory.put(1, big)
     with pytest.raises(ValueError, match="phoneme ids is longer than the decoder's prior memory"):
         memory.put(2, PriorSample.fixed(np.ones((3, 5 * PriorMemory.BLOCK), dtype=np.float32)))
+
+
+def test_prior_memory_writes_only_live_priors() -> None:
+    """A prior dropped before it was written is not written: its blocks may already hold
+    another slot's prior (the table would get both, in no defined order on a GPU)."""
+    memory = PriorMemory(4 * PriorMemory.BLOCK, 2, 4, torch.device("cpu"))
+    a, b, c = (PriorSample.fixed(np.full((2, PriorMemory.BLOCK), v, dtype=np.float32)) for v in (1.0, 2.0, 3.0))
+    assert memory.put(0, a) and memory.put(1, b)
+    memory.drop(0)
+    memory.drop(1)
+    assert memory.put(0, c)  # takes the blocks b was given
+    memory.flush(torch.from_numpy)
+    cols = np.zeros((PriorMemory.BLOCK, 1), dtype=np.int64)
+    memory.columns([0], [0], PriorMemory.BLOCK, cols)
+    assert torch.all(memory.table[0, :, torch.from_numpy(cols[:, 0])] == 3.0)

@@ -66,23 +66,23 @@ class PriorMemory:
     blocks are free, and a step uploads only which column each of its frames reads (the host
     used to upload every row's frames of mean and sigma, the step's largest cost).
 
-    `table` holds one column per row ([columns + 1, 2, C] float32); its last row stays zero and
-    is what frames past an utterance's end (and padding rows) read. New priors are staged on
-    the host and written by `flush`, before the next step, in one upload."""
+    `table` is [2, C, columns + 1] float32 (mean, sigma); its last column stays zero and is what
+    frames past an utterance's end (and padding rows) read. New priors are staged on the host
+    and written by `flush`, before the next step, in one upload."""
 
     BLOCK = 32  # columns per block
 
     def __init__(self, columns: int, channels: int, slots: int, device: torch.device) -> None:
         blocks = max(1, math.ceil(columns / self.BLOCK))
         self.zero = blocks * self.BLOCK
-        self.table = torch.zeros(self.zero + 1, 2, channels, dtype=torch.float32, device=device)
+        self.table = torch.zeros(2, channels, self.zero + 1, dtype=torch.float32, device=device)
         self.device = device
         self._free = list(range(blocks - 1, -1, -1))
         self._blocks: dict[int, list[int]] = {}  # slot -> the blocks its prior occupies
         self._frame_columns: dict[int, np.ndarray] = {}  # slot -> the column each frame reads
         self.keys = np.zeros(slots, dtype=np.int64)
         self.lengths = np.zeros(slots, dtype=np.int64)  # frames; 0 for a free slot
-        self._staged: list[tuple[np.ndarray, np.ndarray]] = []  # (columns, [n, 2, C] values)
+        self._staged: dict[int, tuple[np.ndarray, Prior]] = {}  # slot -> (columns, prior) to write
 
     def put(self, slot: int, prior: Prior) -> bool:
         self.drop(slot)
@@ -98,10 +98,7 @@ class PriorMemory:
         blocks = [self._free.pop() for _ in range(need)]
         j = np.arange(phonemes)
         columns = np.asarray(blocks, dtype=np.int64)[j // self.BLOCK] * self.BLOCK + j % self.BLOCK
-        values = np.empty((phonemes, 2, prior.mean.shape[0]), dtype=np.float32)
-        values[:, 0] = prior.mean.T
-        values[:, 1] = prior.sigma.T
-        self._staged.append((columns, values))
+        self._staged[slot] = (columns, prior)
         self._blocks[slot] = blocks
         self._frame_columns[slot] = columns[prior.src]
         self.keys[slot] = prior.key
@@ -110,17 +107,25 @@ class PriorMemory:
 
     def drop(self, slot: int) -> None:
         self._free += self._blocks.pop(slot, [])
+        self._staged.pop(slot, None)  # its blocks may go to another slot before the next flush
         self._frame_columns.pop(slot, None)
         self.lengths[slot] = 0
 
     def flush(self, upload: Callable[[np.ndarray], torch.Tensor]) -> None:
         """Write the staged priors into `table` (queued on the current stream, ahead of the
         step that reads them)."""
-        if self._staged:
-            columns = np.concatenate([c for c, _ in self._staged])
-            values = np.concatenate([v for _, v in self._staged])
-            self._staged.clear()
-            self.table.index_copy_(0, upload(columns), upload(values))
+        if not self._staged:
+            return
+        staged = list(self._staged.values())
+        columns = np.concatenate([c for c, _ in staged])
+        values = np.empty((2, self.table.shape[1], len(columns)), dtype=np.float32)
+        at = 0
+        for c, prior in staged:
+            values[0, :, at : at + len(c)] = prior.mean
+            values[1, :, at : at + len(c)] = prior.sigma
+            at += len(c)
+        self._staged.clear()
+        self.table.index_copy_(2, upload(columns), upload(values))
 
     def columns(self, slots: Sequence[int], fed: Sequence[int], frames: int, out: np.ndarray) -> None:
         """Fill `out` [frames, rows] with the column each row's next `frames` frames read (the
@@ -230,9 +235,9 @@ class VitsStreamingDecoder:
         slots, fed, lengths, sids, keys = ints[:5]
         columns = ints[5:]
         frames, bucket = columns.shape
-        channels = self.prior.table.shape[2]
-        parts = self.prior.table.index_select(0, columns.reshape(-1)).view(frames, bucket, 2, channels)
-        mean, sigma = parts.permute(2, 1, 3, 0)  # [bucket, C, frames] each
+        channels = self.prior.table.shape[1]
+        parts = self.prior.table.index_select(2, columns.reshape(-1)).view(2, channels, frames, bucket)
+        mean, sigma = parts.permute(0, 3, 1, 2)  # [bucket, C, frames] each
         z = (mean + sigma * counter_normal(keys, fed, channels, frames)).to(self.dtype)
         return slots, z, fed, lengths, sids
 
