@@ -87,7 +87,8 @@ FP16_MIN_PSNR_DB = 50.0
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_cuda_graph_steps_equal_eager_steps_and_the_full_decode(precision: str) -> None:
     """On CUDA, steps replayed from captured graphs (padded to a bucket) give what eager steps
-    give, and FP32 equals the full decode; FP16 (with its FP32 pins) stays close to it."""
+    give and equal the full decode in FP32; in FP16 (with its FP32 pins) both stay as close to
+    it as FP16 rounding allows."""
     from service.backends.torch_backend import TorchBackend
     from service.voices import Voice, find_voice
 
@@ -102,14 +103,17 @@ def test_cuda_graph_steps_equal_eager_steps_and_the_full_decode(precision: str) 
     b = _stream_together(eager, utts, [0, 1, 2], [20 + lag, 20])
     model = backend.models["fp32"]
     for u, x, y in zip(utts, a, b, strict=True):
-        np.testing.assert_allclose(x, y, atol=1e-3 if precision == "fp16" else 1e-5, rtol=0)
         full = _full(model, u, torch.device("cuda"))
-        err, psnr = float(np.abs(x - full).max()), psnr_db(full, x)
-        print(f"{precision}: {u.frames} frames, max |graph step - full FP32 decode| {err:.2e}, PSNR {psnr:.1f} dB")
+        figures = {"graph vs eager": psnr_db(y, x), "graph vs full FP32": psnr_db(full, x),
+                   "eager vs full FP32": psnr_db(full, y)}
+        print(f"{precision}, {u.frames} frames: " + ", ".join(f"{k} {v:.1f} dB" for k, v in figures.items()))
         if precision == "fp32":
-            assert err <= 1e-4, err
-        else:  # FP16 kernels (chosen by timing: cudnn.benchmark) differ from FP32's by rounding
-            assert psnr >= FP16_MIN_PSNR_DB, psnr
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+            assert np.abs(x - full).max() <= 1e-4
+        else:
+            # cuDNN picks FP16 kernels by timing them (cudnn.benchmark), per shape: the graph's
+            # padded batch and the eager one may round differently, like any two FP16 kernels.
+            assert min(figures.values()) >= FP16_MIN_PSNR_DB, figures
 
 
 def _random_prior(rng: np.random.Generator, channels: int, key: int) -> PriorSample:
