@@ -34,7 +34,7 @@ from service.engine.api import (
     echo,
 )
 from service.engine.config import EngineConfig
-from service.engine.host import Host, LoadedVoice, LocalHost, freeze_startup_heap
+from service.engine.host import Host, LoadedVoice, LocalHost
 from service.engine.precision import Hardware, PrecisionDecision, PrecisionPolicy
 from service.engine.proc import ProcessHost
 from service.engine.session import EngineSession, SessionSetup
@@ -98,7 +98,6 @@ class TtsEngine:
         self.host.reset_rate()
         session = await self._open_session(SessionConfig(seed=1), internal=True)
         await self._collect(session, self.config.warmup_text)
-        freeze_startup_heap()
         capacity = self.host.snapshot().capacity
         for precision in self._warm_precisions():
             estimate = capacity.get(precision.value)

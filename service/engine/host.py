@@ -7,7 +7,6 @@ and a snapshot of the core's figures."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import math
 import threading
@@ -52,7 +51,6 @@ class CoreSnapshot:
     shadow_verified: int = 0
     shadow_min_psnr_db: float = math.inf
     gpu_memory: dict[str, int] = field(default_factory=dict)  # device -> bytes reserved
-    frozen_objects: int = 0  # objects the core's process keeps out of garbage collection (freeze_startup_heap)
 
 
 class Host(Protocol):
@@ -143,18 +141,7 @@ def snapshot(core: EngineCore, device: str) -> CoreSnapshot:
         stats=EngineStats(**vars(core.stats)), cache_hits=cache.hits, cache_misses=cache.misses,
         cache_bytes=cache.bytes, first_audio_wait_s=core.first_audio_wait(), active_work=core.active_work,
         capacity=capacity, shadow_verified=shadow.verified if shadow else 0,
-        shadow_min_psnr_db=shadow.psnr.minimum if shadow and shadow.verified else math.inf, gpu_memory=gpu,
-        frozen_objects=gc.get_freeze_count())
-
-
-def freeze_startup_heap() -> None:
-    """Keep what start-up made (models, CUDA graphs, voices, protobuf descriptors: hundreds of
-    thousands of objects) out of Python's garbage collector. A full collection walks every
-    tracked object and stops the whole process while it does (the event loop, the engine
-    thread), so mid-burst it would cost tens of milliseconds; frozen objects are never walked.
-    Called once per process when start-up is done."""
-    gc.collect()
-    gc.freeze()
+        shadow_min_psnr_db=shadow.psnr.minimum if shadow and shadow.verified else math.inf, gpu_memory=gpu)
 
 
 class LocalHost:

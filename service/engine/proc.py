@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from service.engine.config import EngineConfig
-from service.engine.host import CoreSnapshot, LoadedVoice, Runtimes, build_core, freeze_startup_heap, snapshot
+from service.engine.host import CoreSnapshot, LoadedVoice, Runtimes, build_core, snapshot
 from service.engine.output import Delivery, hand_over
 from service.engine.state import Loop, ReadCursor, SessionRequest, Sink, WorkSpec
 from service.telemetry import Telemetry
@@ -346,7 +346,6 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
         core = build_core(config, _ForwardedTelemetry(outbox), on_trip=lambda voice: outbox.send("trip", voice))
         core.frontend_config = frontend
         core.start()
-        freeze_startup_heap()
     except Exception as exc:  # raised again by the server (a bad option reads as it does without a process)
         log.debug("the engine process could not start", exc_info=True)
         outbox.send("failed", _portable(exc))

@@ -66,8 +66,6 @@ def test_figures_come_back_from_the_core(proc_harness: EngineHarness) -> None:
         time.sleep(0.02)
     assert engine.engine_sessions == 0  # the core let the finished session go
     assert engine.server_info().precisions and engine.voices()[0].loaded
-    # The core's process froze its start-up heap (models, graphs) out of the garbage collector's walks.
-    assert engine.host.snapshot().frozen_objects > 10_000
 
 
 def test_errors_keep_their_type_across_the_pipe(proc_harness: EngineHarness) -> None:
