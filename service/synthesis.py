@@ -12,11 +12,11 @@ import hashlib
 import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from service.backends.base import Backend, Ready
+from service.backends.base import Backend
 from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
 from service.staged_decoder import StagedDecoder
 from service.text.frontend import PhonemizedSentence
@@ -182,18 +182,6 @@ class AcousticJob:
     rng: np.random.Generator
 
 
-@dataclass
-class AcousticFlight:
-    """An acoustic-stage call on its way (`Synthesizer.acoustic_launch`)."""
-
-    jobs: list[AcousticJob]
-    ids: np.ndarray
-    lengths: np.ndarray
-    dp_noise: np.ndarray
-    sids: np.ndarray | None
-    pending: Any  # .result() -> EncodeOut
-
-
 @dataclass(frozen=True)
 class Window:
     """Compute frames [lo, hi) of the input, keep outputs for frames [keep_lo, keep_hi)."""
@@ -290,11 +278,6 @@ class Synthesizer:
         """Acoustic stage for several sentences in one backend call (padded, masked).
         Each job draws its noise from its own generator in the same order as a
         batch of one, so batching never changes which noise a sentence gets."""
-        return self.acoustic_finish(self.acoustic_launch(jobs))
-
-    def acoustic_launch(self, jobs: list[AcousticJob]) -> AcousticFlight:
-        """`acoustic_batch` up to the backend call, which is queued where the backend can
-        (`encode_async`) and otherwise run now; `acoustic_finish` does the rest."""
         info = self.voice.info
         lengths = np.asarray([len(j.sentence.phoneme_ids) for j in jobs], dtype=np.int64)
         t_max = int(lengths.max())
@@ -309,15 +292,7 @@ class Synthesizer:
         if any(s is None for s in sids) and any(s is not None for s in sids):
             raise ValueError("an acoustic batch mixes single- and multi-speaker jobs")
         sid_arr = None if sids[0] is None else np.asarray(sids, dtype=np.int64)
-        encode_async = getattr(self.backend, "encode_async", None)
-        pending = encode_async(ids, lengths, dp_noise, sid_arr) if encode_async is not None \
-            else Ready(self.backend.encode(ids, lengths, dp_noise, sid_arr))
-        return AcousticFlight(jobs, ids, lengths, dp_noise, sid_arr, pending)
-
-    def acoustic_finish(self, flight: AcousticFlight) -> list[Utterance]:
-        """Durations, length regulation and prior samples from a launched acoustic call."""
-        jobs, ids, lengths, dp_noise, sid_arr = flight.jobs, flight.ids, flight.lengths, flight.dp_noise, flight.sids
-        enc = flight.pending.result()
+        enc = self.backend.encode(ids, lengths, dp_noise, sid_arr)
         out = []
         for i, job in enumerate(jobs):
             n = int(lengths[i])

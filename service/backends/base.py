@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol
 
 import numpy as np
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -19,17 +17,6 @@ class EncodeOut:
     m_p: np.ndarray  # [B, C, T_ph] prior mean per phoneme
     logs_p: np.ndarray  # [B, C, T_ph] prior log-scale per phoneme
     logw: np.ndarray  # [B, 1, T_ph] log-durations (masked)
-
-
-class Ready(Generic[T]):
-    """A result already computed, behind the same `.result()` as one still on its way from
-    the device (backends that run synchronously return these)."""
-
-    def __init__(self, value: T) -> None:
-        self._value = value
-
-    def result(self) -> T:
-        return self._value
 
 
 @dataclass

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from service.backends.base import EncodeOut, Ready, VocodeOut
+from service.backends.base import EncodeOut, VocodeOut
 from service.engine.guard import guard
 from service.models.cuda_graphs import GraphCapturer
 from service.models.vits.model import VitsModel
@@ -107,27 +107,15 @@ class TorchBackend:
     def encode(
         self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None
     ) -> EncodeOut:
-        return self.encode_async(ids, lengths, dp_noise, sid).result()
-
-    @torch.inference_mode()
-    def encode_async(
-        self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None
-    ) -> _EncodedCopy | Ready[EncodeOut]:
-        """`encode` without waiting for the device where its CUDA graph runs: the copy back is
-        queued, and `.result()` waits for it (the engine launches decoder steps meanwhile)."""
-        if self._encoder_graphs is not None:
-            pending = self._encoder_graphs.launch(ids, lengths, dp_noise, sid)
-            if pending is not None:
-                return pending
-        return Ready(self._encode_eager(ids, lengths, dp_noise, sid))
-
-    def _encode_eager(
-        self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None
-    ) -> EncodeOut:
         # The acoustic stage is pinned to FP32 as a whole (see precision.py). With TF32 off,
         # cuDNN picks pathologically slow FP32 kernels for the encoder's 192->768 convs at
-        # some lengths; PyTorch's own kernels are fast at every length.
+        # some lengths (H200: 88-127 ms for one conv, 0.5-0.8 s per encoder call, instead of
+        # ~1 ms); PyTorch's own kernels take 13-20 ms for the whole stage at every length.
         dev = self._device
+        if self._encoder_graphs is not None:
+            out = self._encoder_graphs.run(ids, lengths, dp_noise, sid)
+            if out is not None:
+                return out
         with torch.backends.cudnn.flags(enabled=False):
             m_p, logs_p, logw, _ = self.models["fp32"].encode(
                 torch.as_tensor(ids, device=dev), torch.as_tensor(lengths, device=dev),
@@ -297,9 +285,8 @@ class _EncoderGraphs:
         return m_p, logs_p, logw
 
     @torch.inference_mode()
-    def launch(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray,
-               sid: np.ndarray | None) -> _EncodedCopy | None:
-        """Replay the bucket's graph and queue the copy back; None when no bucket fits."""
+    def run(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray,
+            sid: np.ndarray | None) -> EncodeOut | None:
         batch, length = ids.shape
         bucket = self._bucket(batch, length)
         if bucket is None:
@@ -320,23 +307,9 @@ class _EncoderGraphs:
         for static, host in ((s_ids, host_ids), (s_len, host_len), (s_noise, host_noise), (s_sid, host_sid)):
             static.copy_(torch.from_numpy(host))
         graph.replay()
-        out = torch.cat([m_p[:batch, :, :length], logs_p[:batch, :, :length], logw[:batch, :, :length]], dim=1)
-        return _EncodedCopy(out.float(), m_p.shape[1])
-
-
-class _EncodedCopy:
-    """The acoustic stage's outputs on their way to the host (pinned memory, one event)."""
-
-    def __init__(self, out: torch.Tensor, channels: int) -> None:
-        self._host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
-        self._host.copy_(out, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
-        self._channels = channels
-
-    def result(self) -> EncodeOut:
-        self._event.synchronize()
-        out, c = self._host.numpy().copy(), self._channels  # the pinned buffer goes back to its pool
+        out = torch.cat([m_p[:batch, :, :length], logs_p[:batch, :, :length], logw[:batch, :, :length]],
+                        dim=1).float().cpu().numpy()
+        c = m_p.shape[1]
         return EncodeOut(out[:, :c], out[:, c : 2 * c], out[:, 2 * c :])
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from service.engine.cache import ResultCache
 from service.engine.config import BatchConfig
-from service.engine.executor import AcousticCall, Executor
+from service.engine.executor import Executor
 from service.engine.output import OutputStage
 from service.engine.scheduler import Scheduler
 from service.engine.state import (
@@ -311,18 +311,6 @@ class EngineCore:
         if plan.decode_first:
             self._decode(plan.decode)
             self._acoustic(plan.acoustic)
-        elif plan.acoustic and free is not None:
-            # Slot steps: the acoustic call is queued on the device ahead of the planned steps,
-            # and its host side runs while the device runs them; then the sentences it made
-            # start, in a step of their own.
-            flight = self._launch_acoustic(plan.acoustic)
-            failed: list[tuple[SessionState, BaseException]] = []
-            self._decode(plan.decode, while_waiting=lambda: failed.extend(self._finish_acoustic(flight)))
-            for s, why in failed:
-                self._fail(s, why)
-            plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free,
-                                       self._acoustic_job_s)
-            self._decode([(s, u) for s, u in plan.decode if u.fed == 0 and u.slot is None])
         else:
             self._acoustic(plan.acoustic)
             if plan.acoustic:  # sentences that just got their latent frames start now
@@ -357,20 +345,11 @@ class EngineCore:
     def _acoustic(self, jobs: list[tuple[SessionState, UtteranceState]]) -> None:
         if not jobs:
             return
-        for s, why in self._finish_acoustic(self._launch_acoustic(jobs)):
-            self._fail(s, why)
-
-    def _launch_acoustic(self, jobs: list[tuple[SessionState, UtteranceState]]) -> _AcousticRun:
         start = time.monotonic()
-        flights, failed = self.executor.launch_acoustic(jobs, self.output.cache_key, self.output.cache.get)
-        return _AcousticRun(jobs, start, flights, failed)
-
-    def _finish_acoustic(self, run: _AcousticRun) -> list[tuple[SessionState, BaseException]]:
-        """The launched call's sentences ready to decode; returns the sessions that failed (the
-        caller fails them: this may run while a step of theirs is in flight)."""
-        failed = run.failed + self.executor.finish_acoustic(run.flights)
+        failed = self.executor.acoustic(jobs, self.output.cache_key, self.output.cache.get)
+        for s, why in failed:
+            self._fail(s, why)
         now = time.monotonic()
-        jobs, start = run.jobs, run.start
         per_job = (now - start) / len(jobs)
         self._acoustic_job_s = per_job if not self._acoustic_job_s else 0.8 * self._acoustic_job_s + 0.2 * per_job
         self.telemetry.acoustic_step([(s.spec.session_id, u.index) for s, u in jobs], start, now)
@@ -378,14 +357,10 @@ class EngineCore:
             s.ready_since = now
             if u.index == 0:
                 s.marks.acoustic_start, s.marks.acoustic_end = start, now
-        return failed
 
-    def _decode(self, rows: list[tuple[SessionState, UtteranceState]],
-                while_waiting: Callable[[], None] | None = None) -> None:
+    def _decode(self, rows: list[tuple[SessionState, UtteranceState]]) -> None:
         rows = [(s, u) for s, u in rows if s.spec.session_id in self._sessions and s.head is u]
         if not rows:
-            if while_waiting is not None:
-                while_waiting()
             return
         start, nonfinite = time.monotonic(), self.stats.nonfinite_fp32
         planned = [(s.spec.session_id, s.spec.voice_name, u.index == 0 and u.chunk_index == 0) for s, u in rows]
@@ -393,7 +368,7 @@ class EngineCore:
             if s.first_audio_at is None:
                 s.marks.step_start = start
         try:
-            chunks, failed = self.executor.decode(rows, start, self._others_urgent, while_waiting)
+            chunks, failed = self.executor.decode(rows, start, self._others_urgent)
         except Exception as exc:  # outside any one step (slot bookkeeping): every row fails
             log.exception("decoder step failed")
             for s, _ in rows:
@@ -426,16 +401,6 @@ class EngineCore:
         with self._cv:
             self._specs.pop(s.spec.session_id, None)
         self.output.fail(s, exc)
-
-
-@dataclass
-class _AcousticRun:
-    """An acoustic stage launched by the core: its jobs, when it started, its calls in flight."""
-
-    jobs: list[tuple[SessionState, UtteranceState]]
-    start: float
-    flights: list[AcousticCall]
-    failed: list[tuple[SessionState, BaseException]]
 
 
 @dataclass

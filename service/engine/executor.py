@@ -21,7 +21,7 @@ import numpy as np
 from service.engine.config import BatchConfig
 from service.engine.state import EngineStats, SessionState, UtteranceState, UtteranceStatus
 from service.models.family import StepRows, StreamingDecoder
-from service.synthesis import AcousticFlight, AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
+from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,14 +39,6 @@ class Chunk:
     samples: np.ndarray
     precision: str
     fallback: bool
-
-
-@dataclass
-class AcousticCall:
-    """One acoustic-stage call on its way, with the sessions it serves."""
-
-    group: list[tuple[SessionState, UtteranceState, AcousticJob]]
-    pending: AcousticFlight
 
 
 @dataclass
@@ -169,16 +161,6 @@ class Executor:
     ) -> list[tuple[SessionState, BaseException]]:
         """Run the acoustic stage for `jobs` (one voice); cached sentences skip it. Returns
         the sessions that failed, with why."""
-        flight, failed = self.launch_acoustic(jobs, cache_key, cache_get)
-        return failed + self.finish_acoustic(flight)
-
-    def launch_acoustic(
-        self, jobs: list[tuple[SessionState, UtteranceState]], cache_key: Callable[[SessionState, UtteranceState],
-                                                                                   Hashable | None],
-        cache_get: Callable[[Hashable], object | None],
-    ) -> tuple[list[AcousticCall], list[Failure]]:
-        """`acoustic` up to its backend calls, queued on the device where the backend can:
-        (the calls in flight, the sessions that already failed). Cached sentences are done now."""
         pending: list[tuple[SessionState, UtteranceState, AcousticJob]] = []
         for s, u in jobs:
             u.precision = s.spec.precision
@@ -193,26 +175,13 @@ class Executor:
             rng = s.rng if s.rng is not None else utterance_rng(spec.params.seed, u.sentence.phoneme_ids)
             pending.append((s, u, AcousticJob(u.sentence, spec.sid, spec.params, rng)))
         if not pending:
-            return [], []
+            return []
         runtime = pending[0][0].spec.runtime
         pending.sort(key=lambda p: len(p[2].sentence.phoneme_ids))  # length buckets: little padding
-        flights: list[AcousticCall] = []
-        failed: list[Failure] = []
+        failed: list[tuple[SessionState, BaseException]] = []
         for group in _groups(pending, self.config.acoustic_max_batch):
             try:
-                flights.append(AcousticCall(group, runtime.acoustic_launch([job for _, _, job in group])))
-            except Exception as exc:
-                log.exception("acoustic stage failed")
-                failed += [(s, exc) for s, _, _ in group]
-        return flights, failed
-
-    def finish_acoustic(self, flights: list[AcousticCall]) -> list[Failure]:
-        """Wait for launched acoustic calls and make their sentences ready to decode."""
-        failed: list[Failure] = []
-        for flight in flights:
-            group = flight.group
-            try:
-                utts = group[0][0].spec.runtime.acoustic_finish(flight.pending)
+                utts = runtime.acoustic_batch([job for _, _, job in group])
             except Exception as exc:
                 log.exception("acoustic stage failed")
                 failed += [(s, exc) for s, _, _ in group]
@@ -232,28 +201,10 @@ class Executor:
     # --- decoder steps ---------------------------------------------------------------------------
 
     def decode(self, rows: list[tuple[SessionState, UtteranceState]], now: float,
-               others_urgent: Callable[[SessionState], bool],
-               while_waiting: Callable[[], None] | None = None) -> tuple[list[Chunk], list[Failure]]:
+               others_urgent: Callable[[SessionState], bool]) -> tuple[list[Chunk], list[Failure]]:
         """Advance the planned rows: (chunks, sessions that failed with why). A failing batched
         step is retried in halves, each row's decoder state rebuilt first, so a fault that
-        one row causes (or a batch too large for the device) fails only what it must.
-        `while_waiting` runs once, while the device runs the first step (right away when
-        nothing is launched): host work that would otherwise leave the device idle."""
-        waited = False
-
-        def wait_once() -> None:
-            nonlocal waited
-            if while_waiting is not None and not waited:
-                waited = True
-                while_waiting()
-
-        try:
-            return self._decode(rows, others_urgent, wait_once)
-        finally:
-            wait_once()
-
-    def _decode(self, rows: list[tuple[SessionState, UtteranceState]], others_urgent: Callable[[SessionState], bool],
-                wait_once: Callable[[], None]) -> tuple[list[Chunk], list[Failure]]:
+        one row causes (or a batch too large for the device) fails only what it must."""
         if not rows:
             return [], []
         runtime = rows[0][0].spec.runtime
@@ -283,7 +234,6 @@ class Executor:
         # Pipelined: batch i+1 is prepared and launched while the device still runs batch i,
         # and batch i's chunks are built while the device runs batch i+1.
         flight = self._launch_or_fallback(*batches[0])
-        wait_once()
         for i in range(len(batches)):
             following = self._launch_or_fallback(*batches[i + 1]) if i + 1 < len(batches) else None
             chunks, bad = self._land(flight, *batches[i])

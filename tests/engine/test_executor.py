@@ -172,23 +172,3 @@ def test_an_utterance_waits_while_prior_memory_is_full_and_one_too_long_fails_al
     for got, ref in zip(chunks, reference, strict=True):
         np.testing.assert_allclose(np.concatenate([c.samples for c in got]), np.concatenate([c.samples for c in ref]),
                                    atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_host_work_runs_once_while_the_first_step_is_on_the_device(
-    runtime: Synthesizer, loop: asyncio.AbstractEventLoop, pipelined: bool
-) -> None:
-    """`decode(while_waiting=...)` runs the caller's host work (the acoustic stage's) after the
-    first step is launched and before any step is landed; once, also when nothing decodes."""
-    stats = EngineStats()
-    executor = _executor(stats, pipelined)
-    rows = _rows(runtime, "fp32", loop)
-    seen: list[tuple[list[int], int]] = []
-    executor.decode(rows, 0.0, lambda s: False, lambda: seen.append(([u.fed for _, u in rows], stats.steps)))
-    assert len(seen) == 1
-    fed, landed = seen[0]
-    assert landed == 0 and fed[0] > 0  # the first launch is queued, nothing is landed yet
-    assert stats.steps == (2 if pipelined else 1)
-    calls: list[int] = []
-    assert executor.decode([], 0.0, lambda s: False, lambda: calls.append(1)) == ([], [])
-    assert calls == [1]
