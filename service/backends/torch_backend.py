@@ -138,14 +138,13 @@ class TorchBackend:
 
     def streaming_decoder(
         self, precision: str, capacity: int, max_rows: int = 256, graphs: bool = True,
-        graph_steps: Sequence[tuple[int, bool]] = (),
+        graph_frames: Sequence[int] = (),
     ) -> VitsStreamingDecoder:
         """A slot decoder over this backend's model in `precision` (see models/vits/streaming.py);
-        on CUDA, steps of the (frames, fresh) kinds in `graph_steps` and up to `max_rows` rows run
-        as CUDA graphs."""
+        on CUDA, steps of `graph_frames` frames and up to `max_rows` rows run as CUDA graphs."""
         buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if b < max_rows] + [max_rows]
         return VitsStreamingDecoder(self.model_for(precision), precision, capacity, self._device, DTYPES[precision],
-                                    graphs=graphs and self._device.type == "cuda", graph_steps=graph_steps,
+                                    graphs=graphs and self._device.type == "cuda", graph_frames=graph_frames,
                                     buckets=buckets)
 
     def streaming_lag(self) -> int:

@@ -104,7 +104,7 @@ class Executor:
             backend = runtime.backend
             decoder = backend.streaming_decoder(  # type: ignore[attr-defined]
                 precision, self.config.slots, max_rows=self.config.max_step_rows, graphs=self.config.cuda_graphs,
-                graph_steps=((self.config.step_frames, False), (first + self._lag(backend), True)),
+                graph_frames=(self.config.step_frames, first + self._lag(backend)),
             )
             decoder.capture_all()
             pool = self._slots[key] = _Slots(decoder, runtime.sample_rate)

@@ -68,27 +68,6 @@ def test_batched_slot_steps_equal_full_decodes(voice: str, speaker: int | None, 
         np.testing.assert_allclose(audio, full, atol=1e-4, rtol=0)
 
 
-def test_a_fresh_first_step_equals_the_full_width_step(tiny_voice_path: Path) -> None:
-    """The first step of new utterances skips what lies before their start; its audio and the
-    state it leaves in every stage equal the step computed over the whole window."""
-    model, utts = _utterances(str(tiny_voice_path), "Hello there, this is a streaming test. Short one.", 1)
-    decoders = [VitsStreamingDecoder(model, "fp32", 4, torch.device("cpu"), torch.float32) for _ in range(2)]
-    for dec in decoders:
-        for slot, u in enumerate(utts):
-            assert dec.start(slot, u.prior)
-    slots = list(range(len(utts)))
-    rows = StepRows(slots, [0] * len(utts), 13 + decoders[0].lag, [u.sid or 0 for u in utts])
-    fresh = decoders[0].step(rows)
-    whole = decoders[1]
-    with torch.inference_mode():
-        whole._flush()
-        full_width = whole._run(*whole._inputs(whole._upload(whole._int_rows(rows, len(utts)))), fresh=False)
-    assert fresh.shape == full_width.shape
-    np.testing.assert_allclose(fresh.numpy(), full_width.numpy(), atol=1e-5, rtol=0)
-    for h_fresh, h_whole in zip(decoders[0].history, whole.history, strict=True):
-        np.testing.assert_allclose(h_fresh.numpy(), h_whole.numpy(), atol=1e-5, rtol=0)
-
-
 def test_a_slot_step_does_not_touch_other_slots(tiny_voice_path: Path) -> None:
     model, utts = _utterances(str(tiny_voice_path), "One sentence to decode.", 0)
     dec = VitsStreamingDecoder(model, "fp32", 4, torch.device("cpu"), torch.float32)
@@ -118,7 +97,7 @@ def test_cuda_graph_steps_equal_eager_steps_and_the_full_decode(precision: str) 
     utts = open_synthesizer(None, backend="torch").prepare(
         "Hello there, this is a streaming test. Short one. And a third sentence here.", SynthesisParams(seed=7))
     lag = backend.streaming_lag()
-    graphed = backend.streaming_decoder(precision, 8, max_rows=4, graph_steps=((20 + lag, True), (20, False)))
+    graphed = backend.streaming_decoder(precision, 8, max_rows=4, graph_frames=(20 + lag, 20))
     eager = backend.streaming_decoder(precision, 8, max_rows=4, graphs=False)
     a = _stream_together(graphed, utts, [0, 1, 2], [20 + lag, 20])
     b = _stream_together(eager, utts, [0, 1, 2], [20 + lag, 20])

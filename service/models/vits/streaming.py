@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from service.models.cuda_graphs import GraphCapturer
 from service.models.family import Prior, StepRows
@@ -140,9 +139,8 @@ class PriorMemory:
 class VitsStreamingDecoder:
     """Implements service.models.family.StreamingDecoder for one model copy (one precision).
 
-    `graphs`: capture each (batch bucket, frames, fresh) step, for the (frames, fresh) kinds in
-    `graph_steps`, as a CUDA graph; a batch is padded up to its bucket with rows of a scratch slot.
-    A fresh step is one whose rows all start their utterance (fed = 0): see `_run`.
+    `graphs`: capture each (batch bucket, frames) step, for frames in `graph_frames`, as a
+    CUDA graph on first use; a batch is padded up to its bucket with rows of a scratch slot.
     `prior_columns`: the prior memory shared by the slots, in phoneme ids (default: an average
     of `PRIOR_COLUMNS_PER_SLOT` per slot)."""
 
@@ -150,7 +148,7 @@ class VitsStreamingDecoder:
 
     def __init__(
         self, model: VitsModel, precision: str, capacity: int, device: torch.device, dtype: torch.dtype,
-        graphs: bool = False, graph_steps: Sequence[tuple[int, bool]] = (),
+        graphs: bool = False, graph_frames: Sequence[int] = (),
         buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), prior_columns: int | None = None,
     ) -> None:
         self.model = model
@@ -168,12 +166,9 @@ class VitsStreamingDecoder:
         ]
         self.multi_speaker = model.emb_g is not None
         self.graphs = graphs and device.type == "cuda"
-        self.graph_steps = frozenset(graph_steps)  # other steps (FP32 redo replays) run eagerly
+        self.graph_frames = frozenset(graph_frames)  # other step sizes (FP32 redo replays) run eagerly
         self.buckets = tuple(sorted(b for b in buckets if b <= capacity)) or (capacity,)
-        self._captured: dict[tuple[int, int, bool], _CapturedStep] = {}
-        # A fresh step drops, before each stage, the columns of its new input that lie before
-        # the utterance's start: the previous stage's lead (the first stage's input starts at 0).
-        self._fresh_drop = [0] + [s.lead * s.factor for s in self.shapes[:-1]]
+        self._captured: dict[tuple[int, int], _CapturedStep] = {}
         self.step_seconds: dict[tuple[int, int], float] = {}  # (rows, frames) -> one step, measured
         self._capturer = GraphCapturer(device)
         columns = prior_columns or max(capacity * self.PRIOR_COLUMNS_PER_SLOT, 4096)
@@ -206,12 +201,11 @@ class VitsStreamingDecoder:
     def step(self, rows: StepRows) -> torch.Tensor:
         self._flush()
         b = len(rows.slots)
-        fresh = rows.frames > self.lag and not any(rows.fed)
-        if self.graphs and (rows.frames, fresh) in self.graph_steps:
+        if self.graphs and rows.frames in self.graph_frames:
             bucket = next((x for x in self.buckets if x >= b), None)
             if bucket is not None:
-                return self._graph_step(rows, bucket, fresh)[:b]
-        return self._run(*self._inputs(self._upload(self._int_rows(rows, b))), fresh=fresh)
+                return self._graph_step(rows, bucket)[:b]
+        return self._run(*self._inputs(self._upload(self._int_rows(rows, b))))
 
     def _upload(self, values: np.ndarray) -> torch.Tensor:
         """Host -> device without waiting for the device: through pinned memory on CUDA (a
@@ -235,7 +229,7 @@ class VitsStreamingDecoder:
         self.prior.columns(rows.slots, rows.fed, rows.frames, out[5:])
         return out
 
-    def _inputs(self, ints: torch.Tensor) -> _StepTensors:
+    def _inputs(self, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(slots, z, fed, lengths, sids) from a step's input (`_int_rows`): the prior sample is
         gathered and drawn here, on the device (inside the CUDA graph when the step is captured)."""
         slots, fed, lengths, sids, keys = ints[:5]
@@ -248,40 +242,27 @@ class VitsStreamingDecoder:
         return slots, z, fed, lengths, sids
 
     def _run(
-        self, slots: torch.Tensor, z: torch.Tensor, fed: torch.Tensor, lengths: torch.Tensor, sids: torch.Tensor,
-        fresh: bool = False,
+        self, slots: torch.Tensor, z: torch.Tensor, fed: torch.Tensor, lengths: torch.Tensor, sids: torch.Tensor
     ) -> torch.Tensor:
-        """The step as plain tensor ops (what a CUDA graph captures).
-
-        `fresh`: every row starts its utterance in this step (fed = 0, state cleared). Each
-        stage's new input then begins with columns before the utterance's start, which the
-        stage would only mask to zero again (its right context kept the earlier stages ahead):
-        the step drops them, so the first step of a burst of new sessions does about half the
-        generator's work, and pads the audio's front with the zeros it would have had. Masked
-        outside the utterance at every layer, the kept columns come out the same."""
+        """The step as plain tensor ops (what a CUDA graph captures)."""
         model = self.model
         g = model.speaker_embedding(sids) if self.multi_speaker else None
         frames = z.shape[2]
         x_new = z
         for s, shape in enumerate(self.shapes):
             hist = self.history[s]
-            if fresh:
-                x_new = x_new[:, :, self._fresh_drop[s] :]
             x = torch.cat([hist.index_select(0, slots), x_new], dim=2)
             hist.index_copy_(0, slots, x[:, :, x.shape[2] - shape.history :])
             # Absolute position (at this stage's output rate) of the window's first output.
-            start_in = (fed - (0 if fresh else self._lag_before[s])) * shape.rate - shape.history
+            start_in = (fed - self._lag_before[s]) * shape.rate - shape.history
             out_len = x.shape[2] * shape.factor
             positions = (start_in * shape.factor).unsqueeze(1) + torch.arange(out_len, device=x.device)
             valid = (positions >= 0) & (positions < (lengths * shape.rate * shape.factor).unsqueeze(1))
             mask = valid.unsqueeze(1).to(x.dtype)
             y = model.decoder_stage(s, x, g if model.uses_speaker(s) else None, mask)
             keep = shape.context * shape.factor
-            x_new = y[:, :, keep : keep + x_new.shape[2] * shape.factor]
-        audio = x_new.squeeze(1)
-        if fresh:  # the samples before the utterance's start, as a step that kept them has them
-            audio = F.pad(audio, (frames * self.hop - audio.shape[1], 0))
-        return audio
+            x_new = y[:, :, keep : keep + frames * shape.rate * shape.factor]
+        return x_new.squeeze(1)
 
     # --- CUDA graphs ---------------------------------------------------------------------------
 
@@ -291,12 +272,11 @@ class VitsStreamingDecoder:
         if not self.graphs:
             return
         with torch.inference_mode():
-            for frames, fresh in sorted(self.graph_steps):
+            for frames in sorted(self.graph_frames):
                 for bucket in self.buckets:
-                    key = (bucket, frames, fresh)
-                    if key not in self._captured:
-                        self._captured[key] = self._capture(*key)
-                    graph = self._captured[key].graph
+                    if (bucket, frames) not in self._captured:
+                        self._captured[(bucket, frames)] = self._capture(bucket, frames)
+                    graph = self._captured[(bucket, frames)].graph
                     torch.cuda.synchronize(self.device)
                     best = float("inf")
                     for _ in range(3):
@@ -304,26 +284,25 @@ class VitsStreamingDecoder:
                         graph.replay()
                         torch.cuda.synchronize(self.device)
                         best = min(best, time.perf_counter() - t0)
-                    if not fresh:  # steady steps: what the capacity estimate reads
-                        self.step_seconds[(bucket, frames)] = best
+                    self.step_seconds[(bucket, frames)] = best
 
-    def _graph_step(self, rows: StepRows, bucket: int, fresh: bool) -> torch.Tensor:
+    def _graph_step(self, rows: StepRows, bucket: int) -> torch.Tensor:
         """One upload and one replay: every other op of the step (the prior gather and the noise
         draw included) is inside the graph, so the engine thread makes few calls per step (each
         one may wait for the GIL while other threads are busy)."""
-        key = (bucket, rows.frames, fresh)
-        captured = self._captured.get(key)
+        captured = self._captured.get((bucket, rows.frames))
         if captured is None:
-            captured = self._captured[key] = self._capture(*key)
+            captured = self._capture(bucket, rows.frames)
+            self._captured[(bucket, rows.frames)] = captured
         captured.ints.copy_(_pinned(self._int_rows(rows, bucket), self.device), non_blocking=True)
         captured.graph.replay()
         return captured.out
 
-    def _capture(self, bucket: int, frames: int, fresh: bool) -> _CapturedStep:
+    def _capture(self, bucket: int, frames: int) -> _CapturedStep:
         ints = torch.zeros(5 + frames, bucket, dtype=torch.long, device=self.device)
         ints[0].fill_(self._scratch)
         ints[5:].fill_(self.prior.zero)
-        graph, out = self._capturer.capture(lambda i: self._run(*self._inputs(i), fresh=fresh), ints)
+        graph, out = self._capturer.capture(lambda i: self._run(*self._inputs(i)), ints)
         # Warm-up and capture wrote into the scratch slot only; it holds no session.
         return _CapturedStep(graph, ints, out)
 
@@ -332,10 +311,6 @@ def _pinned(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host tensor a non-blocking copy to `device` can read without waiting (pinned on CUDA)."""
     t = torch.from_numpy(np.ascontiguousarray(values))
     return t.pin_memory() if device.type == "cuda" else t
-
-
-# slots, z, fed, lengths, sids
-_StepTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
