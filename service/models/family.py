@@ -54,8 +54,8 @@ class StreamingDecoder(Protocol):
     def start(self, slot: int, prior: Prior) -> bool:
         """Begin `prior`'s utterance in `slot`: clear the slot's state and keep the prior on the
         device (a step then uploads only which of its columns each frame reads). False when the
-        decoder's prior memory is full: nothing changed, try again when an utterance is freed.
-        ValueError for a prior longer than that memory can ever hold."""
+        decoder's prior memory is full: the slot then holds no prior; try again when an
+        utterance is freed. ValueError for a prior longer than that memory can ever hold."""
         ...
 
     def free(self, slot: int) -> None:

@@ -76,7 +76,6 @@ class PriorMemory:
         blocks = max(1, math.ceil(columns / self.BLOCK))
         self.zero = blocks * self.BLOCK
         self.table = torch.zeros(2, channels, self.zero + 1, dtype=torch.float32, device=device)
-        self.device = device
         self._free = list(range(blocks - 1, -1, -1))
         self._blocks: dict[int, list[int]] = {}  # slot -> the blocks its prior occupies
         self._frame_columns: dict[int, np.ndarray] = {}  # slot -> the column each frame reads
