@@ -185,3 +185,11 @@ def test_prior_memory_writes_only_live_priors() -> None:
     cols = np.zeros((PriorMemory.BLOCK, 1), dtype=np.int64)
     memory.columns([0], [0], PriorMemory.BLOCK, cols)
     assert torch.all(memory.table[0, :, torch.from_numpy(cols[:, 0])] == 3.0)
+
+
+def test_prior_memory_holds_256_phoneme_ids_per_slot_on_average(tiny_voice_path: Path) -> None:
+    """README (How it works) sizes the prior table this way."""
+    model, _ = _utterances(str(tiny_voice_path), "Sizing.", 0)
+    dec = VitsStreamingDecoder(model, "fp16", 64, torch.device("cpu"), torch.float16)
+    assert dec.prior.zero == 64 * 256 and dec.prior.table.dtype == torch.float32
+    assert dec.prior.table.shape == (2, model.hp.inter_channels, 64 * 256 + 1)
