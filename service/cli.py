@@ -454,12 +454,14 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_streams(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from service.bench_streams import run_streams_bench
 
     counts = [int(n) for n in args.streams.split(",")]
     schedule = {"growth": args.growth, "first_frames": args.first_frames}
     return run_streams_bench(args.device, args.backend, counts, args.precisions.split(","), _batch_config(args),
-                             schedule)
+                             schedule, Path(args.profile) if args.profile else None)
 
 
 def _cmd_bench_load(args: argparse.Namespace) -> int:
@@ -675,6 +677,10 @@ def build_parser() -> argparse.ArgumentParser:
     bstr.add_argument("--first-frames", type=_positive_int,
                       default=ConfigDefault("service.synthesis:ChunkSchedule", "first_frames"),
                       help="first chunk in latent frames")
+    bstr.add_argument("--profile", default=None, metavar="DIR",
+                      help="record each measured round with torch.profiler (the core then runs on a thread of this "
+                           "process): a Chrome trace per round in DIR and the ops that took the most time "
+                           "(its rounds' figures then include the profiler's overhead; default: off)")
     _add_batch_args(bstr)
     bstr.set_defaults(func=_cmd_bench_streams)
 
