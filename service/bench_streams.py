@@ -128,10 +128,9 @@ async def _main(
 
     config = EngineConfig(
         device=device, backend=backend, cache_bytes=0, batch=batch, limits=Limits(max_sessions=max(counts) + 8),
-        # The profiler sees this process only: with --profile the core runs on a thread here.
-        **({"core": "thread"} if profile_dir is not None else {}),  # type: ignore[arg-type]
     )
-    if profile_dir is not None:
+    if profile_dir is not None:  # the profiler sees this process only: the core runs on a thread here
+        config = dataclasses.replace(config, core="thread")
         profile_dir.mkdir(parents=True, exist_ok=True)
     if schedule:
         config = dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **schedule))  # type: ignore[arg-type]

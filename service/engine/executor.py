@@ -248,16 +248,15 @@ class Executor:
         slot = pool.take()
         if slot is None:
             return False
+        started = False
         try:
             started = pool.decoder.start(slot, u.utt.prior)  # type: ignore[union-attr]
-        except BaseException:
-            pool.give(slot)
-            raise
-        if not started:
-            pool.give(slot)
-            return False
-        u.slot = slot
-        return True
+        finally:
+            if not started:
+                pool.give(slot)
+        if started:
+            u.slot = slot
+        return started
 
     # Batches of at least twice this many rows run as two halves, so the host's work on one
     # overlaps the device's work on the other.
@@ -312,15 +311,16 @@ class Executor:
     def _rebuild(self, s: SessionState, u: UtteranceState) -> None:
         """Bring a slot's decoder state back to `u.fed` frames (a failed step may have updated
         some of its stages)."""
+        assert u.slot is not None
+        if not self.slots(s.spec.runtime, u.precision).decoder.start(u.slot, u.utt.prior):  # type: ignore[union-attr]
+            raise RuntimeError(f"no {u.precision} decoder prior memory free to decode this utterance again")
         self._replay(s, u)
 
     def _replay(self, s: SessionState, u: UtteranceState) -> Any:
-        """Start `u` in its slot again and decode its prior frames up to `u.fed` in one step;
-        returns that step's device audio (None when nothing was fed yet)."""
+        """Decode `u`'s prior frames up to `u.fed` in one step, in the slot it was just started
+        in; returns that step's device audio (None when nothing was fed yet)."""
         assert u.slot is not None
         dec = self.slots(s.spec.runtime, u.precision).decoder
-        if not dec.start(u.slot, u.utt.prior):  # type: ignore[union-attr]
-            raise RuntimeError(f"no {u.precision} decoder prior memory free to decode this utterance again")
         if not u.fed:
             return None
         sids = None if s.spec.sid is None else [s.spec.sid]
@@ -389,10 +389,9 @@ class Executor:
         runtime = s.spec.runtime
         self.release(s, u)
         u.precision = "fp32"
+        if not self._start(s, u):  # the session fails with this; the others go on
+            raise RuntimeError("no FP32 decoder slot or prior memory free for a guard redo")
         pool = self.slots(runtime, "fp32")
-        u.slot = pool.take()
-        if u.slot is None:  # the session fails with this; the others go on
-            raise RuntimeError("no FP32 decoder slot free for a guard redo")
         audio, _ = runtime.backend.guarded_host(self._replay(s, u))  # type: ignore[attr-defined]
         start = -pool.decoder.lag * pool.decoder.hop
         self.stats.fallbacks += 1

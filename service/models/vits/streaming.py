@@ -110,12 +110,12 @@ class PriorMemory:
         self._frame_columns.pop(slot, None)
         self.lengths[slot] = 0
 
-    def flush(self, upload: Callable[[np.ndarray], torch.Tensor]) -> None:
+    def flush(self, upload: Callable[[np.ndarray], torch.Tensor]) -> list[int]:
         """Write the staged priors into `table` (queued on the current stream, ahead of the
-        step that reads them)."""
+        step that reads them); returns their slots."""
         if not self._staged:
-            return
-        staged = list(self._staged.values())
+            return []
+        slots, staged = list(self._staged), list(self._staged.values())
         columns = np.concatenate([c for c, _ in staged])
         values = np.empty((2, self.table.shape[1], len(columns)), dtype=np.float32)
         at = 0
@@ -125,6 +125,7 @@ class PriorMemory:
             at += len(c)
         self._staged.clear()
         self.table.index_copy_(2, upload(columns), upload(values))
+        return slots
 
     def columns(self, slots: Sequence[int], fed: Sequence[int], frames: int, out: np.ndarray) -> None:
         """Fill `out` [frames, rows] with the column each row's next `frames` frames read (the
@@ -172,27 +173,22 @@ class VitsStreamingDecoder:
         self._capturer = GraphCapturer(device)
         columns = prior_columns or max(capacity * self.PRIOR_COLUMNS_PER_SLOT, 4096)
         self.prior = PriorMemory(columns, self.shapes[0].channels, capacity + 1, device)
-        self._resets: list[int] = []  # slots started since the last step: their state is cleared first
 
     # --- state ---------------------------------------------------------------------------------
 
     def start(self, slot: int, prior: Prior) -> bool:
-        if not self.prior.put(slot, prior):
-            return False
-        self._resets.append(slot)
-        return True
+        return self.prior.put(slot, prior)  # the slot's state is cleared with the prior's write
 
     def free(self, slot: int) -> None:
         self.prior.drop(slot)
 
     def _flush(self) -> None:
-        """Queue what `start` staged (cleared state, new priors) ahead of the next step."""
-        if self._resets:
-            index = self._upload(np.asarray(self._resets, dtype=np.int64))
-            self._resets.clear()
+        """Queue what `start` staged (new priors, their slots' state cleared) ahead of the next step."""
+        started = self.prior.flush(self._upload)
+        if started:
+            index = self._upload(np.asarray(started, dtype=np.int64))
             for h in self.history:
                 h.index_fill_(0, index, 0)
-        self.prior.flush(self._upload)
 
     # --- one step ------------------------------------------------------------------------------
 
