@@ -3,21 +3,17 @@
 playback of its audio is simulated from the first chunk's arrival. Reports TTFA
 P50/P99 and the share of streams whose worst underrun is at most 100 ms.
 
-`--profile DIR` runs the core on a thread of this process and records each measured round with
-`torch.profiler` (CPU, and CUDA kernels on a GPU): a Chrome trace per round in DIR and a table of
-the ops that took the most time (device time on a GPU), to see what a step costs on the device.
-A profiled round's own figures include the profiler's overhead."""
+`--profile DIR`: the core records each round (a busy period) with `torch.profiler`, see
+service/engine/ranges.py; a profiled round's figures include the profiler's overhead."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
 import time
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from service.engine.api import AudioOut, Precision, SessionConfig, SessionSummary
 from service.engine.config import BatchConfig
@@ -76,47 +72,6 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def profile_table(events: Sequence[Any], device: bool, wall_s: float, top: int = 15) -> list[str]:
-    """The `top` ops by self time (on the device when `device`), from `torch.profiler`'s
-    `key_averages()`, and how much of `wall_s` they add up to."""
-    field = "self_device_time_total" if device else "self_cpu_time_total"
-    timed = [e for e in events if getattr(e, field, 0) > 0]
-    total_us = sum(getattr(e, field) for e in timed)
-    where = "device" if device else "CPU"
-    lines = [f"{where} time in ops: {total_us / 1000:.1f} ms over {wall_s * 1000:.1f} ms of wall time "
-             f"({100 * total_us / 1e6 / wall_s if wall_s > 0 else 0.0:.0f}%)",
-             f"{'self ms':>9} {'share':>6} {'calls':>7}  op"]
-    for e in sorted(timed, key=lambda e: -getattr(e, field))[:top]:
-        us = getattr(e, field)
-        lines.append(f"{us / 1000:9.2f} {100 * us / total_us:5.1f}% {e.count:7d}  {e.key[:90]}")
-    return lines
-
-
-@contextlib.contextmanager
-def _profiled(profile_dir: Path | None, name: str) -> Iterator[None]:
-    """Record the block with torch.profiler into `profile_dir` and print its table (no-op for None)."""
-    if profile_dir is None:
-        yield
-        return
-    import torch
-    from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
-
-    cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    try:  # the engine's ops run on its own thread (CUDA kernels are recorded from every thread anyway)
-        config = _ExperimentalConfig(profile_all_threads=True)
-    except TypeError:  # a torch without the option: this thread's ops and the device's kernels
-        config = _ExperimentalConfig()
-    t0 = time.perf_counter()
-    with profile(activities=activities, experimental_config=config) as prof:
-        yield
-    wall = time.perf_counter() - t0
-    path = profile_dir / f"trace-{name}.json"
-    prof.export_chrome_trace(str(path))
-    print(f"profile {name}: {path}")
-    print("\n".join(profile_table(prof.key_averages(), cuda, wall)))
-
-
 async def _main(
     device: str, backend: str, counts: list[int], precisions: list[Precision], batch: BatchConfig,
     schedule: dict[str, float], profile_dir: Path | None = None,
@@ -129,9 +84,8 @@ async def _main(
     config = EngineConfig(
         device=device, backend=backend, cache_bytes=0, batch=batch, limits=Limits(max_sessions=max(counts) + 8),
     )
-    if profile_dir is not None:  # the profiler sees this process only: the core runs on a thread here
-        config = dataclasses.replace(config, core="thread")
-        profile_dir.mkdir(parents=True, exist_ok=True)
+    if profile_dir is not None:
+        config = dataclasses.replace(config, profile_dir=profile_dir)
     if schedule:
         config = dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **schedule))  # type: ignore[arg-type]
     engine = TtsEngine(config)
@@ -143,10 +97,9 @@ async def _main(
         await _round(engine, 2, precisions[0])  # warm-up
         for n in counts:
             for precision in precisions:
-                with _profiled(profile_dir, f"{n}-{precision.value}"):
-                    t0 = time.perf_counter()
-                    results = await _round(engine, n, precision)
-                    wall = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                results = await _round(engine, n, precision)
+                wall = time.perf_counter() - t0
                 ttfa = [r.ttfa for r in results]
                 ok = sum(r.worst_underrun <= UNDERRUN_LIMIT_S for r in results)
                 p50, p99 = statistics.median(ttfa) * 1000, _pct(ttfa, 0.99) * 1000

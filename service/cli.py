@@ -338,7 +338,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             batch=_batch_config(args),
             cache_bytes=args.cache_mb << 20,
             preload=args.preload, cache_dir=_path(args.cache_dir),
-            shadow_fraction=args.shadow_fraction, core=args.core,
+            shadow_fraction=args.shadow_fraction, core=args.core, profile_dir=_path(args.profile),
         ),
         limits=Limits(
             max_sessions=args.max_sessions, max_text_chars=args.max_text_chars,
@@ -454,14 +454,23 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_streams(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from service.bench_streams import run_streams_bench
 
     counts = [int(n) for n in args.streams.split(",")]
     schedule = {"growth": args.growth, "first_frames": args.first_frames}
     return run_streams_bench(args.device, args.backend, counts, args.precisions.split(","), _batch_config(args),
-                             schedule, Path(args.profile) if args.profile else None)
+                             schedule, _path(args.profile))
+
+
+def _add_profile_arg(parser: argparse.ArgumentParser) -> None:
+    from service.engine.ranges import BusyProfiler
+
+    parser.add_argument("--profile", default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "profile_dir"),
+                        metavar="DIR",
+                        help="record the synthesis core's busy periods (client sessions open; at most "
+                             f"{BusyProfiler.MAX_PERIODS}, each cut at {BusyProfiler.MAX_PERIOD_S:.0f} s) with "
+                             "torch.profiler: a Chrome trace core-N.json and a summary core-N.txt (engine stages, "
+                             "device time, top kernels) per period in DIR; writing one pauses the core")
 
 
 def _cmd_bench_load(args: argparse.Namespace) -> int:
@@ -677,10 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     bstr.add_argument("--first-frames", type=_positive_int,
                       default=ConfigDefault("service.synthesis:ChunkSchedule", "first_frames"),
                       help="first chunk in latent frames")
-    bstr.add_argument("--profile", default=None, metavar="DIR",
-                      help="record each measured round with torch.profiler (the core then runs on a thread of this "
-                           "process): a Chrome trace per round in DIR and the ops that took the most time "
-                           "(its rounds' figures then include the profiler's overhead; default: off)")
+    _add_profile_arg(bstr)
     _add_batch_args(bstr)
     bstr.set_defaults(func=_cmd_bench_streams)
 
@@ -781,6 +787,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "core"),
                        help="where the synthesis core runs: process (its own, so its Python does not share a GIL "
                             "with the gRPC event loop) or thread (in the server's process)")
+    _add_profile_arg(serve)
     _add_cache_dir_arg(serve)
 
     def telemetry_option(name: str) -> ConfigDefault:

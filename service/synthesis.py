@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from service.backends.base import Backend
+from service.engine.ranges import stage
 from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
 from service.staged_decoder import StagedDecoder
 from service.text.frontend import PhonemizedSentence
@@ -292,20 +293,22 @@ class Synthesizer:
         if any(s is None for s in sids) and any(s is not None for s in sids):
             raise ValueError("an acoustic batch mixes single- and multi-speaker jobs")
         sid_arr = None if sids[0] is None else np.asarray(sids, dtype=np.int64)
-        enc = self.backend.encode(ids, lengths, dp_noise, sid_arr)
-        out = []
-        for i, job in enumerate(jobs):
-            n = int(lengths[i])
-            m_p, logs_p, logw = enc.m_p[i], enc.logs_p[i], enc.logw[i, 0]
-            if len(jobs) > 1 and job.params.seed is not None and self._ceil_is_ambiguous(logw[:n], job.params):
-                # Batched kernels round differently from a batch of one (|d logw| ~1e-5). Where a
-                # duration sits that close to a whole frame, the batch of one decides, so a seeded
-                # sentence never gets a different length because of who it was batched with
-                # (unseeded sentences draw fresh noise anyway: nothing to reproduce).
-                one = self.backend.encode(ids[i : i + 1, :n], lengths[i : i + 1], dp_noise[i : i + 1, :, :n],
-                                          None if sid_arr is None else sid_arr[i : i + 1])
-                m_p, logs_p, logw = one.m_p[0], one.logs_p[0], one.logw[0, 0]
-            out.append(self._utterance(job, m_p, logs_p, logw, n))
+        with stage("acoustic.encode"):
+            enc = self.backend.encode(ids, lengths, dp_noise, sid_arr)
+        with stage("acoustic.utterances"):
+            out = []
+            for i, job in enumerate(jobs):
+                n = int(lengths[i])
+                m_p, logs_p, logw = enc.m_p[i], enc.logs_p[i], enc.logw[i, 0]
+                if len(jobs) > 1 and job.params.seed is not None and self._ceil_is_ambiguous(logw[:n], job.params):
+                    # Batched kernels round differently from a batch of one (|d logw| ~1e-5). Where a
+                    # duration sits that close to a whole frame, the batch of one decides, so a seeded
+                    # sentence never gets a different length because of who it was batched with
+                    # (unseeded sentences draw fresh noise anyway: nothing to reproduce).
+                    one = self.backend.encode(ids[i : i + 1, :n], lengths[i : i + 1], dp_noise[i : i + 1, :, :n],
+                                              None if sid_arr is None else sid_arr[i : i + 1])
+                    m_p, logs_p, logw = one.m_p[0], one.logs_p[0], one.logw[0, 0]
+                out.append(self._utterance(job, m_p, logs_p, logw, n))
         return out
 
     def _ceil_is_ambiguous(self, logw: np.ndarray, params: SynthesisParams) -> bool:

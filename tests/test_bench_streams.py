@@ -1,4 +1,5 @@
-"""`cadenza bench streams --profile`: a real profiled round through the engine on CPU."""
+"""`cadenza bench streams --profile`: real rounds through the engine on CPU, the core (in its own
+process) recording each round's busy period."""
 
 from __future__ import annotations
 
@@ -10,13 +11,31 @@ import pytest
 from service.bench_streams import run_streams_bench
 
 
-def test_profile_records_the_engine_threads_ops(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_streams_bench("cpu", "torch", [1], ["fp32"], profile_dir=tmp_path / "prof") == 0
-    out = capsys.readouterr().out
-    trace = tmp_path / "prof" / "trace-1-fp32.json"
-    assert json.loads(trace.read_text())["traceEvents"]
-    table = out[out.index("profile 1-fp32:"):].splitlines()
-    assert table[1].startswith("CPU time in ops:") and not table[1].startswith("CPU time in ops: 0.0 ms")
-    # The decoder's convolutions run on the engine's thread, not this one: they are in the table.
-    assert any("convolution" in line for line in table[3:18])
-    assert "1/1" in out  # the round itself passed
+def _range_rows(summary: str) -> dict[str, tuple[int, float]]:
+    """range name -> (count, host ms) from a core-N.txt summary's range table."""
+    lines = summary.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("range "))
+    rows = {}
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        name, count, host = line.split()[:3]
+        rows[name] = (int(count), float(host))
+    return rows
+
+
+def test_profile_records_each_round_of_the_core(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = tmp_path / "prof"
+    assert run_streams_bench("cpu", "torch", [1], ["fp32"], profile_dir=prof) == 0
+    assert "1/1" in capsys.readouterr().out  # the round itself passed
+    # The warm-up round and the measured one; the server's own warm-up sessions are not recorded.
+    assert sorted(p.name for p in prof.iterdir()) == ["core-1.json", "core-1.txt", "core-2.json", "core-2.txt"]
+    trace = json.loads((prof / "core-2.json").read_text())
+    # The engine thread's stages and its model's convolutions are in the core's trace.
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"engine.decode", "acoustic.encode", "engine.plan"} <= names
+    assert any("convolution" in str(n) for n in names)
+    rows = _range_rows((prof / "core-2.txt").read_text())
+    for name in ("engine.decode", "engine.acoustic", "acoustic.encode", "engine.deliver"):
+        count, host_ms = rows[name]
+        assert count >= 1 and host_ms > 0, name

@@ -93,6 +93,9 @@ class EngineConfig:
     # Read-only prebuilt exports (the image's) are looked up first; an unwritable dir falls back to
     # a temporary one with a warning.
     cache_dir: Path | None = None
+    # Record the core's busy periods with torch.profiler into this directory (a Chrome trace and a
+    # summary per period, see engine/ranges.py); None = off.
+    profile_dir: Path | None = None
     # Long enough to reach every stage session at every size class the decoder uses (the
     # ORT lanes cut only long calls), so the first caller does not pay for a first run.
     warmup_text: str = (

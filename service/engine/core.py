@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from service.engine.cache import ResultCache
 from service.engine.config import BatchConfig
 from service.engine.executor import Executor
 from service.engine.output import OutputStage
+from service.engine.ranges import BusyProfiler, stage
 from service.engine.scheduler import Scheduler
 from service.engine.state import (
     EngineStats,
@@ -54,9 +56,10 @@ class EngineCore:
     def __init__(
         self, batch: BatchConfig, cache: ResultCache, on_trip: Callable[[str], None] | None = None,
         shadow: ShadowSampler | None = None, frontend: FrontendPoolConfig | None = None,
-        telemetry: Telemetry | None = None,
+        telemetry: Telemetry | None = None, profile_dir: Path | None = None,
     ) -> None:
         self.batch = batch
+        self.profiler = BusyProfiler(profile_dir) if profile_dir is not None else None
         self.telemetry = telemetry or Telemetry()
         self.shadow = shadow
         self._shadow_run = getattr(shadow, "run_pending", None)  # FP32 reruns, on this thread between steps
@@ -186,12 +189,17 @@ class EngineCore:
                 items, self._inbox.items = self._inbox.items, []
                 self._poked = False
                 stopping = self._stopping
-            self._apply(items)
+            with stage("engine.apply"):
+                self._apply(items)
             if stopping:
                 for s in list(self._sessions.values()):
                     self._fail(s, RuntimeError("engine stopped"))
                 self.output.flush()
+                if self.profiler is not None:
+                    self.profiler.close()
                 return
+            if self.profiler is not None:
+                self.profiler.update(busy=any(not s.spec.internal for s in self._sessions.values()))
             try:
                 t0 = time.monotonic()
                 idle, wake_at = self._iterate()
@@ -205,6 +213,8 @@ class EngineCore:
                 idle, wake_at = True, time.monotonic() + 0.01
             finally:
                 self.output.flush()
+            if self.profiler is not None:
+                self.profiler.update(busy=any(not s.spec.internal for s in self._sessions.values()))
 
     # The engine's throughput is measured over windows of this much wall time, and only from
     # windows in which the thread worked at least BUSY_SHARE of it: a lightly loaded engine
@@ -302,7 +312,8 @@ class EngineCore:
         runtime = sessions[0].spec.runtime if sessions else None
         max_rows = self.executor.max_rows(runtime)
         free = self.executor.free_slots if runtime is not None and self.executor.uses_slots(runtime) else None
-        plan = self.scheduler.plan(sessions, now, max_rows, free, self._acoustic_job_s)
+        with stage("engine.plan"):
+            plan = self.scheduler.plan(sessions, now, max_rows, free, self._acoustic_job_s)
         if plan.empty:
             if self._shadow_run is not None and self._shadow_run():
                 return False, None
@@ -346,7 +357,8 @@ class EngineCore:
         if not jobs:
             return
         start = time.monotonic()
-        failed = self.executor.acoustic(jobs, self.output.cache_key, self.output.cache.get)
+        with stage("engine.acoustic"):
+            failed = self.executor.acoustic(jobs, self.output.cache_key, self.output.cache.get)
         for s, why in failed:
             self._fail(s, why)
         now = time.monotonic()
@@ -368,21 +380,24 @@ class EngineCore:
             if s.first_audio_at is None:
                 s.marks.step_start = start
         try:
-            chunks, failed = self.executor.decode(rows, start, self._others_urgent)
+            with stage("engine.decode"):
+                chunks, failed = self.executor.decode(rows, start, self._others_urgent)
         except Exception as exc:  # outside any one step (slot bookkeeping): every row fails
             log.exception("decoder step failed")
             for s, _ in rows:
                 self._fail(s, exc)
             return
         now = time.monotonic()
-        for c in chunks:
-            self.output.chunk(c.session, c.utterance, c.samples, c.precision, c.fallback, now)
-        made = [(c.session.spec.session_id, c.session.spec.voice_name, c.fallback,
-                 len(c.samples) / c.session.sample_rate) for c in chunks]
-        self.telemetry.decoder_step(planned, made, start, now, time.monotonic(), self.stats.nonfinite_fp32 - nonfinite)
-        for s, why in failed:
-            self._fail(s, why)
-        self.output.flush()  # this step's chunks go out before the next stage runs
+        with stage("engine.deliver"):
+            for c in chunks:
+                self.output.chunk(c.session, c.utterance, c.samples, c.precision, c.fallback, now)
+            made = [(c.session.spec.session_id, c.session.spec.voice_name, c.fallback,
+                     len(c.samples) / c.session.sample_rate) for c in chunks]
+            self.telemetry.decoder_step(planned, made, start, now, time.monotonic(),
+                                        self.stats.nonfinite_fp32 - nonfinite)
+            for s, why in failed:
+                self._fail(s, why)
+            self.output.flush()  # this step's chunks go out before the next stage runs
 
     def _others_urgent(self, s: SessionState) -> bool:
         """Another session is waiting for its first audio or will soon run out of it."""

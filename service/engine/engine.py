@@ -296,7 +296,8 @@ class TtsEngine:
         self._sessions[session.id] = session
         request = SessionRequest(
             session_id=session.id, voice_name=info.name, sid=sid, params=params, schedule=schedule,
-            precision=precision.value, custom_dictionary=config.custom_dictionary, word_timings=config.word_timings)
+            precision=precision.value, custom_dictionary=config.custom_dictionary, word_timings=config.word_timings,
+            internal=internal)
         self.host.submit_open(request, info, session, asyncio.get_running_loop(), setup.cursor)
         return session
 

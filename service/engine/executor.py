@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from service.engine.config import BatchConfig
+from service.engine.ranges import stage
 from service.engine.state import EngineStats, SessionState, UtteranceState, UtteranceStatus
 from service.models.family import StepRows, StreamingDecoder
 from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
@@ -181,7 +182,8 @@ class Executor:
         failed: list[tuple[SessionState, BaseException]] = []
         for group in _groups(pending, self.config.acoustic_max_batch):
             try:
-                utts = runtime.acoustic_batch([job for _, _, job in group])
+                with stage("acoustic.batch"):
+                    utts = runtime.acoustic_batch([job for _, _, job in group])
             except Exception as exc:
                 log.exception("acoustic stage failed")
                 failed += [(s, exc) for s, _, _ in group]
@@ -337,7 +339,8 @@ class Executor:
         sids = None if rows[0][0].spec.sid is None else [s.spec.sid or 0 for s, _ in rows]
         step = StepRows([u.slot for u in utts], fed, frames, sids)  # type: ignore[misc]
         t0 = time.perf_counter()
-        pending = runtime.backend.guard_async(dec.step(step))  # type: ignore[attr-defined]
+        with stage("step.launch"):
+            pending = runtime.backend.guard_async(dec.step(step))  # type: ignore[attr-defined]
         for u in utts:
             u.fed += frames
         return _InFlight(rows, precision, frames, fed, pending, t0)
@@ -354,7 +357,8 @@ class Executor:
             raise
 
     def _cut(self, flight: _InFlight) -> list[Chunk]:
-        audio, nonfinite = flight.pending.result()
+        with stage("step.wait"):
+            audio, nonfinite = flight.pending.result()
         rows, precision, frames = flight.rows, flight.precision, flight.frames
         runtime = rows[0][0].spec.runtime
         dec = self.slots(runtime, precision).decoder

@@ -124,7 +124,7 @@ def build_core(config: EngineConfig, telemetry: Telemetry, on_trip: Callable[[st
     shadow = ShadowVerifier(config.shadow_fraction, on_psnr=telemetry.shadow_psnr) \
         if config.shadow_fraction > 0 else None
     return EngineCore(config.batch, ResultCache(config.cache_bytes), on_trip=on_trip, shadow=shadow,
-                      frontend=config.frontend, telemetry=telemetry)
+                      frontend=config.frontend, telemetry=telemetry, profile_dir=config.profile_dir)
 
 
 def snapshot(core: EngineCore, device: str) -> CoreSnapshot:

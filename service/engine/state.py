@@ -73,6 +73,7 @@ class SessionRequest:
     precision: str  # "fp16" | "fp32"
     custom_dictionary: Mapping[str, str] | None
     word_timings: bool = True  # the client asked for word timings (without: the frontend skips word alignment)
+    internal: bool = False  # the server's own warm-up session (not profiled)
 
 
 @dataclass(frozen=True, kw_only=True)
