@@ -158,6 +158,23 @@ class TorchBackend:
         to the host: (float32 audio with non-finite samples zeroed, non-finite count per row)."""
         return self.guard_async(audio).result()
 
+    # Host copies of step audio alive at once: the executor launches a step while the one
+    # before it lands, and a guard trip redoes one more.
+    HOST_COPIES_IN_FLIGHT = 3
+
+    def reserve_host_copies(self, rows: int, samples: int) -> None:
+        """Make PyTorch's pinned-memory cache hold the host buffers that steps of up to `rows`
+        rows of `samples` samples copy their audio into (it keeps blocks by power-of-two size),
+        so that no step of a burst waits for a cudaHostAlloc the first time a batch is that large."""
+        if self._device.type != "cuda":
+            return
+        top = rows * samples * 4
+        size = 4096  # the guard's counts and the step's inputs are small
+        while size < 2 * top:
+            held = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(self.HOST_COPIES_IN_FLIGHT)]
+            del held
+            size *= 2
+
     def guard_async(self, audio: torch.Tensor) -> _GuardedCopy:
         """`guarded_host` without waiting: the guard and the copies to pinned host memory are
         queued behind the step on its stream; `.result()` waits for them."""
@@ -238,13 +255,11 @@ class _EncoderGraphs:
 
     BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
-    def __init__(self, model: VitsModel, device: torch.device, length_step: int = 32, max_phonemes: int = 512,
-                 warm_phonemes: int = 256) -> None:
+    def __init__(self, model: VitsModel, device: torch.device, length_step: int = 32, max_phonemes: int = 512) -> None:
         self.model = model
         self.device = device
         self.length_step = length_step
         self.max_phonemes = max_phonemes
-        self.warm_phonemes = warm_phonemes
         self.multi_speaker = model.emb_g is not None
         self.channels = model.hp.inter_channels
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
@@ -259,10 +274,12 @@ class _EncoderGraphs:
         return rows, padded
 
     def capture_all(self, max_batch: int) -> None:
+        """Every bucket a batch of up to `max_batch` sentences can use: a capture while serving
+        stalls the engine thread (an eager warm-up run of the stage, then the capture)."""
         for rows in self.BATCHES:
             if rows > max(1, max_batch):
                 break
-            for length in range(self.length_step, self.warm_phonemes + 1, self.length_step):
+            for length in range(self.length_step, self.max_phonemes + 1, self.length_step):
                 self._get(rows, length)
 
     def _get(self, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
