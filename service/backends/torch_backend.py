@@ -158,23 +158,6 @@ class TorchBackend:
         to the host: (float32 audio with non-finite samples zeroed, non-finite count per row)."""
         return self.guard_async(audio).result()
 
-    # Host copies of step audio alive at once: the executor launches a step while the one
-    # before it lands, and a guard trip redoes one more.
-    HOST_COPIES_IN_FLIGHT = 3
-
-    def reserve_host_copies(self, rows: int, samples: int) -> None:
-        """Make PyTorch's pinned-memory cache hold the host buffers that steps of up to `rows`
-        rows of `samples` samples copy their audio into (it keeps blocks by power-of-two size),
-        so that no step of a burst waits for a cudaHostAlloc the first time a batch is that large."""
-        if self._device.type != "cuda":
-            return
-        top = rows * samples * 4
-        size = 4096  # the guard's counts and the step's inputs are small
-        while size < 2 * top:
-            held = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(self.HOST_COPIES_IN_FLIGHT)]
-            del held
-            size *= 2
-
     def guard_async(self, audio: torch.Tensor) -> _GuardedCopy:
         """`guarded_host` without waiting: the guard and the copies to pinned host memory are
         queued behind the step on its stream; `.result()` waits for them."""

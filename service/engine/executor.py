@@ -108,10 +108,6 @@ class Executor:
                 graph_frames=(self.config.step_frames, first + self._lag(backend)),
             )
             decoder.capture_all()
-            reserve = getattr(backend, "reserve_host_copies", None)  # after the captures: a capture may empty caches
-            if reserve is not None:
-                frames = max(self.config.step_frames, first + self._lag(backend))
-                reserve(self.config.max_step_rows, frames * decoder.hop)
             pool = self._slots[key] = _Slots(decoder, runtime.sample_rate)
         return pool
 
