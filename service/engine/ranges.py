@@ -1,22 +1,30 @@
 """Profiling the synthesis core: named ranges on the engine thread and `BusyProfiler`, which
 records the core's busy periods with `torch.profiler` (`--profile DIR` on `serve` and
-`bench streams`). Ranges cost a few microseconds each, so they mark stages of an iteration,
-never single rows."""
+`bench streams`). Ranges exist only while a profile is being recorded, and then mark stages of
+an iteration, never single rows."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 
+_NO_RANGE = nullcontext()
+_recording = False  # a BusyProfiler of this process is recording
+
+
 def stage(name: str) -> AbstractContextManager[Any]:
-    from torch.profiler import record_function  # torch is a dependency; imported once, on first use
+    """A named range while this process is being profiled, else nothing: `record_function`
+    costs even with no profiler running (its first uses, milliseconds, on the first audio)."""
+    if not _recording:
+        return _NO_RANGE
+    from torch.profiler import record_function
 
     return record_function(name)
 
@@ -58,6 +66,8 @@ class BusyProfiler:
         self._prof = profile(activities=activities, experimental_config=config)
         self._prof.__enter__()
         self._since = now
+        global _recording
+        _recording = True
 
     def close(self) -> None:
         """End the period being recorded (if any) and write its files."""
@@ -65,6 +75,8 @@ class BusyProfiler:
             return
         from service.tools.trace_summary import summarise
 
+        global _recording
+        _recording = False
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         self.periods += 1
