@@ -27,7 +27,8 @@ def _range_rows(summary: str) -> dict[str, tuple[int, float]]:
 def test_profile_records_each_round_of_the_core(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     prof = tmp_path / "prof"
     assert run_streams_bench("cpu", "torch", [1], ["fp32"], profile_dir=prof) == 0
-    assert "1/1" in capsys.readouterr().out  # the round itself passed
+    # The round ran and reported (its figures include the profiler's overhead, so not whether it passed).
+    assert any(line.split()[:2] == ["1", "fp32"] for line in capsys.readouterr().out.splitlines())
     # The warm-up round and the measured one; the server's own warm-up sessions are not recorded.
     assert sorted(p.name for p in prof.iterdir()) == ["core-1.json", "core-1.txt", "core-2.json", "core-2.txt"]
     trace = json.loads((prof / "core-2.json").read_text())
