@@ -198,8 +198,7 @@ class EngineCore:
                 if self.profiler is not None:
                     self.profiler.close()
                 return
-            if self.profiler is not None:
-                self.profiler.update(busy=any(not s.spec.internal for s in self._sessions.values()))
+            self._profile()
             try:
                 t0 = time.monotonic()
                 idle, wake_at = self._iterate()
@@ -213,8 +212,12 @@ class EngineCore:
                 idle, wake_at = True, time.monotonic() + 0.01
             finally:
                 self.output.flush()
-            if self.profiler is not None:
-                self.profiler.update(busy=any(not s.spec.internal for s in self._sessions.values()))
+            self._profile()
+
+    def _profile(self) -> None:
+        """Start or end a profiled busy period: busy while a client session (not warm-up) is open."""
+        if self.profiler is not None:
+            self.profiler.update(busy=any(not s.spec.internal for s in self._sessions.values()))
 
     # The engine's throughput is measured over windows of this much wall time, and only from
     # windows in which the thread worked at least BUSY_SHARE of it: a lightly loaded engine
