@@ -68,6 +68,11 @@ class TorchBackend:
         self.models: dict[str, VitsModel] = {"fp32": voice.model.to(self._device).eval()}
         self._streams = StreamPool(self._device, stream_pool_size) if self._device.type == "cuda" else None
         self._encoder_graphs = None
+        # The acoustic stage runs on a stream of its own, so it neither waits behind the decoder
+        # steps queued on the engine's stream nor holds them up: the device runs both at once.
+        self._acoustic_stream = torch.cuda.Stream(device=self._device) if self._device.type == "cuda" else None
+        # Decoder steps are queued on the device and waited for later (see Executor.overlaps).
+        self.asynchronous = self._device.type == "cuda"
         if self._device.type == "cuda":
             model = self.models["fp32"]
             gemm_convs(model.enc_p)
@@ -111,6 +116,14 @@ class TorchBackend:
         # cuDNN picks pathologically slow FP32 kernels for the encoder's 192->768 convs at
         # some lengths (H200: 88-127 ms for one conv, 0.5-0.8 s per encoder call, instead of
         # ~1 ms); PyTorch's own kernels take 13-20 ms for the whole stage at every length.
+        if self._acoustic_stream is None:
+            return self._encode(ids, lengths, dp_noise, sid)
+        with torch.cuda.stream(self._acoustic_stream):
+            return self._encode(ids, lengths, dp_noise, sid)
+
+    def _encode(
+        self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None
+    ) -> EncodeOut:
         dev = self._device
         if self._encoder_graphs is not None:
             out = self._encoder_graphs.run(ids, lengths, dp_noise, sid)
@@ -118,8 +131,8 @@ class TorchBackend:
                 return out
         with torch.backends.cudnn.flags(enabled=False):
             m_p, logs_p, logw, _ = self.models["fp32"].encode(
-                torch.as_tensor(ids, device=dev), torch.as_tensor(lengths, device=dev),
-                torch.as_tensor(dp_noise, device=dev), self._sid(sid),
+                _to_device(ids, dev), _to_device(lengths, dev), _to_device(dp_noise, dev),
+                None if sid is None else _to_device(sid.astype(np.int64), dev),
             )
         return EncodeOut(_numpy(m_p.float()), _numpy(logs_p.float()), _numpy(logw.float()))
 
@@ -305,12 +318,24 @@ class _EncoderGraphs:
         if sid is not None:
             host_sid[:batch] = sid
         for static, host in ((s_ids, host_ids), (s_len, host_len), (s_noise, host_noise), (s_sid, host_sid)):
-            static.copy_(torch.from_numpy(host))
+            static.copy_(_pinned(host), non_blocking=True)
         graph.replay()
         out = _numpy(torch.cat([m_p[:batch, :, :length], logs_p[:batch, :, :length], logw[:batch, :, :length]],
                               dim=1).float())
         c = m_p.shape[1]
         return EncodeOut(out[:, :c], out[:, c : 2 * c], out[:, 2 * c :])
+
+
+def _pinned(values: np.ndarray) -> torch.Tensor:
+    """`values` in pinned host memory: a copy from pageable memory to the device first waits for
+    everything queued on its stream, the engine thread with it."""
+    return torch.from_numpy(np.ascontiguousarray(values)).pin_memory()
+
+
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return torch.as_tensor(values, device=device)
+    return _pinned(values).to(device, non_blocking=True)
 
 
 def _numpy(x: torch.Tensor) -> np.ndarray:

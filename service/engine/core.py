@@ -322,7 +322,14 @@ class EngineCore:
                 return False, None
             wakes = [t for t in (plan.wake_at, stall_check) if t is not None]
             return True, min(wakes) if wakes else None
-        if plan.decode_first:
+        if plan.decode and plan.acoustic and runtime is not None and self.executor.overlaps(runtime):
+            # The device runs the step while this thread runs the acoustic stage (on its own
+            # stream); the sentences that stage readied start in a step of their own right after.
+            jobs = plan.acoustic
+            self.stats.overlapped += 1
+            self._decode(plan.decode, meanwhile=lambda: self._acoustic(jobs))
+            self._start_fresh(jobs, max_rows, free)
+        elif plan.decode_first:
             self._decode(plan.decode)
             self._acoustic(plan.acoustic)
         else:
@@ -336,6 +343,15 @@ class EngineCore:
         if self._shadow_run is not None:
             self._shadow_run()
         return False, None
+
+    def _start_fresh(self, jobs: list[tuple[SessionState, UtteranceState]], max_rows: int,
+                     free: Callable[[SessionState, UtteranceState], int] | None) -> None:
+        """Step the utterances that just came out of the acoustic stage (their first chunks);
+        the other sessions were stepped already this iteration."""
+        fresh = {id(u) for _, u in jobs}
+        plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free,
+                                   self._acoustic_job_s)
+        self._decode([(s, u) for s, u in plan.decode if id(u) in fresh])
 
     def _end_stalled(self, now: float) -> float | None:
         """End sessions whose client has taken no audio for `stall_timeout_s` while they were
@@ -373,9 +389,13 @@ class EngineCore:
             if u.index == 0:
                 s.marks.acoustic_start, s.marks.acoustic_end = start, now
 
-    def _decode(self, rows: list[tuple[SessionState, UtteranceState]]) -> None:
+    def _decode(self, rows: list[tuple[SessionState, UtteranceState]],
+                meanwhile: Callable[[], None] | None = None) -> None:
+        """Step `rows` and deliver their chunks; `meanwhile` runs while the step is on the device."""
         rows = [(s, u) for s, u in rows if s.spec.session_id in self._sessions and s.head is u]
         if not rows:
+            if meanwhile is not None:
+                meanwhile()
             return
         start, nonfinite = time.monotonic(), self.stats.nonfinite_fp32
         planned = [(s.spec.session_id, s.spec.voice_name, u.index == 0 and u.chunk_index == 0) for s, u in rows]
@@ -384,13 +404,17 @@ class EngineCore:
                 s.marks.step_start = start
         try:
             with stage("engine.decode"):
-                chunks, failed = self.executor.decode(rows, start, self._others_urgent)
+                chunks, failed = self.executor.decode(rows, start, self._others_urgent, meanwhile)
         except Exception as exc:  # outside any one step (slot bookkeeping): every row fails
             log.exception("decoder step failed")
             for s, _ in rows:
-                self._fail(s, exc)
+                if s.spec.session_id in self._sessions:
+                    self._fail(s, exc)
             return
         now = time.monotonic()
+        # `meanwhile` may have failed some of the sessions that were stepped
+        chunks = [c for c in chunks if c.session.spec.session_id in self._sessions]
+        failed = [(s, why) for s, why in failed if s.spec.session_id in self._sessions]
         with stage("engine.deliver"):
             for c in chunks:
                 self.output.chunk(c.session, c.utterance, c.samples, c.precision, c.fallback, now)

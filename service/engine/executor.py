@@ -202,11 +202,27 @@ class Executor:
 
     # --- decoder steps ---------------------------------------------------------------------------
 
+    def overlaps(self, runtime: Synthesizer) -> bool:
+        """A decoder step runs on the device while the engine thread goes on (CUDA), so other
+        work can be done between its launch and its result."""
+        return self.uses_slots(runtime) and bool(getattr(runtime.backend, "asynchronous", False))
+
     def decode(self, rows: list[tuple[SessionState, UtteranceState]], now: float,
-               others_urgent: Callable[[SessionState], bool]) -> tuple[list[Chunk], list[Failure]]:
+               others_urgent: Callable[[SessionState], bool],
+               meanwhile: Callable[[], None] | None = None) -> tuple[list[Chunk], list[Failure]]:
         """Advance the planned rows: (chunks, sessions that failed with why). A failing batched
         step is retried in halves, each row's decoder state rebuilt first, so a fault that
-        one row causes (or a batch too large for the device) fails only what it must."""
+        one row causes (or a batch too large for the device) fails only what it must.
+        `meanwhile` runs once the first step is launched, before any result is waited for
+        (after the chunk, where the decoder is synchronous)."""
+        once = _Once(meanwhile)
+        try:
+            return self._decode(rows, others_urgent, once)
+        finally:
+            once()
+
+    def _decode(self, rows: list[tuple[SessionState, UtteranceState]],
+                others_urgent: Callable[[SessionState], bool], meanwhile: _Once) -> tuple[list[Chunk], list[Failure]]:
         if not rows:
             return [], []
         runtime = rows[0][0].spec.runtime
@@ -238,6 +254,7 @@ class Executor:
         flight = self._launch_or_fallback(*batches[0])
         for i in range(len(batches)):
             following = self._launch_or_fallback(*batches[i + 1]) if i + 1 < len(batches) else None
+            meanwhile()
             chunks, bad = self._land(flight, *batches[i])
             out += chunks
             failed += bad
@@ -422,6 +439,18 @@ class Executor:
         self.stats.max_rows = max(self.stats.max_rows, 1)
         self.stats.audio_seconds += len(samples) / s.spec.runtime.sample_rate
         return Chunk(s, u, samples, "fp32", False)
+
+
+class _Once:
+    """Calls `fn` the first time it is called, then nothing."""
+
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
 
 
 def _halves(items: list[T], min_rows: int) -> list[list[T]]:

@@ -216,5 +216,6 @@ class EngineStats:
     audio_seconds: float = 0.0  # audio produced by them
     acoustic_jobs: int = 0
     acoustic_batches: int = 0
+    overlapped: int = 0  # acoustic-stage calls made while a decoder step ran on the device
     fallbacks: int = 0
     nonfinite_fp32: int = 0

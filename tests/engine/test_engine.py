@@ -91,6 +91,33 @@ def test_batching_keeps_each_session_result(harness: EngineHarness) -> None:
     assert len({r[0] for r in results}) == 20
 
 
+def test_acoustic_stage_run_during_a_step_keeps_each_session_result(harness: EngineHarness) -> None:
+    """Where steps run asynchronously (CUDA), the acoustic stage for new sentences runs while a
+    step is on the device and the sentences it readied start right after. The CPU backend marked
+    asynchronous takes that path too (its steps just finish before returning): every session
+    still gets its solo audio, whoever shared its steps and whatever ran in between."""
+    backend = harness.engine.host.runtimes.loaded["tiny-multi"].backend
+    alone = [harness.run(harness.engine.synthesize_all(_cfg(i), TEXT))[0] for i in range(6)]
+    before = harness.engine.stats()["overlapped_acoustic"]
+
+    async def staggered() -> list[tuple[bytes, object, SessionSummary]]:
+        async def one(i: int) -> tuple[bytes, object, SessionSummary]:
+            await asyncio.sleep(0.05 * i)  # later sessions' sentences arrive while others decode
+            return await harness.engine.synthesize_all(_cfg(i), TEXT)
+        return await asyncio.gather(*[one(i) for i in range(6)])
+
+    backend.asynchronous = True
+    try:
+        results = harness.run(staggered())
+    finally:
+        backend.asynchronous = False
+    assert harness.engine.stats()["overlapped_acoustic"] > before
+    for i, (data, _, _) in enumerate(results):
+        a, b = _samples(alone[i]), _samples(data)
+        assert a.shape == b.shape, i
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+
+
 def test_staged_decoding_equals_slot_steps(harness: EngineHarness, staged_harness: EngineHarness) -> None:
     """Each utterance alone through the staged decoder (the ONNX Runtime CPU path) and the
     batched slot steps give the same audio, and the staged path never batches chunks."""

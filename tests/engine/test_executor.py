@@ -141,6 +141,28 @@ def test_pipelined_halves_equal_one_batch(runtime: Synthesizer, loop: asyncio.Ab
                                    atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_meanwhile_runs_once_between_the_launches_and_the_first_result(
+    runtime: Synthesizer, loop: asyncio.AbstractEventLoop, pipelined: bool
+) -> None:
+    """The engine's overlap point: every step of the call is launched (each row's `fed` moved
+    on), none has been waited for (no step counted yet), and it runs once per call."""
+    stats = EngineStats()
+    executor = _executor(stats, pipelined)
+    rows = _rows(runtime, "fp32", loop)
+    seen: list[tuple[list[int], int]] = []
+    chunks, failed = executor.decode(rows, 0.0, lambda s: False,
+                                     meanwhile=lambda: seen.append(([u.fed for _, u in rows], stats.steps)))
+    assert not failed and len(chunks) == len(rows)
+    assert len(seen) == 1
+    fed, steps = seen[0]
+    assert steps == 0 and stats.steps == (2 if pipelined else 1)
+    assert all(f > 0 for f in fed)
+    # ... and a call with nothing to step still runs it
+    executor.decode([], 0.0, lambda s: False, meanwhile=lambda: seen.append(([], -1)))
+    assert seen[-1] == ([], -1)
+
+
 def test_an_utterance_waits_while_prior_memory_is_full_and_one_too_long_fails_alone(
     runtime: Synthesizer, loop: asyncio.AbstractEventLoop
 ) -> None:
