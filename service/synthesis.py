@@ -12,11 +12,11 @@ import hashlib
 import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from service.backends.base import Backend
+from service.backends.base import Backend, DevicePriorOut, EncodeOut
 from service.engine.ranges import stage
 from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
 from service.staged_decoder import StagedDecoder
@@ -106,11 +106,14 @@ class PriorSample:
     Decoder steps draw their frames on the device from `mean`, `sigma` and `src` (it is a
     `service.models.family.Prior`); the host computes frames only where it needs them itself
     (staged decoding, shadow checks). Both get the same numbers for any split of the frames
-    (`service.models.noise`)."""
+    (`service.models.noise`). A prior made on a GPU stays there (`device_values`): the host
+    copy of mean and sigma is made only if something on the host asks for it."""
 
-    def __init__(self, mean: np.ndarray, sigma: np.ndarray, src: np.ndarray, key: int) -> None:
-        self.mean = mean  # [C, T_ph] per phoneme id
-        self.sigma = sigma  # [C, T_ph] noise scale per phoneme id (0: no noise)
+    def __init__(self, mean: np.ndarray | None, sigma: np.ndarray | None, src: np.ndarray, key: int,
+                 device_values: Any = None) -> None:
+        self._mean = mean  # [C, T_ph] per phoneme id
+        self._sigma = sigma  # [C, T_ph] noise scale per phoneme id (0: no noise)
+        self.device_values = device_values  # [2, C, T_ph] (mean, sigma) as a device tensor, or None
         self.src = src  # [T] phoneme id of each frame
         self.key = key
         self._buf: np.ndarray | None = None  # the host copy, made on first use
@@ -121,9 +124,33 @@ class PriorSample:
         z = np.ascontiguousarray(z_p, dtype=np.float32)
         return cls(z, np.zeros_like(z), np.arange(z.shape[1]), 0)
 
+    @classmethod
+    def on_device(cls, values: Any, src: np.ndarray, key: int) -> PriorSample:
+        """A prior whose mean and sigma (`values`, [2, C, T_ph]) are a device tensor."""
+        return cls(None, None, src, key, device_values=values)
+
+    def _host(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._mean is None or self._sigma is None:
+            values = self.device_values.float().cpu().numpy()
+            self._mean, self._sigma = np.ascontiguousarray(values[0]), np.ascontiguousarray(values[1])
+        return self._mean, self._sigma
+
+    @property
+    def mean(self) -> np.ndarray:
+        return self._host()[0]
+
+    @property
+    def sigma(self) -> np.ndarray:
+        return self._host()[1]
+
     @property
     def channels(self) -> int:
-        return int(self.mean.shape[0])
+        return int(self.device_values.shape[1] if self._mean is None else self._mean.shape[0])
+
+    @property
+    def phonemes(self) -> int:
+        """Columns of mean and sigma (phoneme ids)."""
+        return int(self.device_values.shape[2] if self._mean is None else self._mean.shape[1])
 
     @property
     def frames(self) -> int:
@@ -132,7 +159,8 @@ class PriorSample:
     def parts(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(mean, sigma) of frames [lo, hi), clipped to the end."""
         src = self.src[lo:hi]
-        return self.mean[:, src], self.sigma[:, src]
+        mean, sigma = self._host()
+        return mean[:, src], sigma[:, src]
 
     def full(self) -> np.ndarray:
         """The whole sample on the host (computed once)."""
@@ -293,23 +321,37 @@ class Synthesizer:
         if any(s is None for s in sids) and any(s is not None for s in sids):
             raise ValueError("an acoustic batch mixes single- and multi-speaker jobs")
         sid_arr = None if sids[0] is None else np.asarray(sids, dtype=np.int64)
+        scales = np.asarray([self._noise_scale(j.params) for j in jobs], dtype=np.float32)
         with stage("acoustic.encode"):
-            enc = self.backend.encode(ids, lengths, dp_noise, sid_arr)
+            enc = self._encode(ids, lengths, dp_noise, sid_arr, scales)
         with stage("acoustic.utterances"):
             out = []
             for i, job in enumerate(jobs):
                 n = int(lengths[i])
-                m_p, logs_p, logw = enc.m_p[i], enc.logs_p[i], enc.logw[i, 0]
-                if len(jobs) > 1 and job.params.seed is not None and self._ceil_is_ambiguous(logw[:n], job.params):
+                one = enc
+                if len(jobs) > 1 and job.params.seed is not None and self._ceil_is_ambiguous(enc.logw[i, 0, :n],
+                                                                                             job.params):
                     # Batched kernels round differently from a batch of one (|d logw| ~1e-5). Where a
                     # duration sits that close to a whole frame, the batch of one decides, so a seeded
                     # sentence never gets a different length because of who it was batched with
                     # (unseeded sentences draw fresh noise anyway: nothing to reproduce).
-                    one = self.backend.encode(ids[i : i + 1, :n], lengths[i : i + 1], dp_noise[i : i + 1, :, :n],
-                                              None if sid_arr is None else sid_arr[i : i + 1])
-                    m_p, logs_p, logw = one.m_p[0], one.logs_p[0], one.logw[0, 0]
-                out.append(self._utterance(job, m_p, logs_p, logw, n))
+                    one = self._encode(ids[i : i + 1, :n], lengths[i : i + 1], dp_noise[i : i + 1, :, :n],
+                                       None if sid_arr is None else sid_arr[i : i + 1], scales[i : i + 1])
+                    row = 0
+                else:
+                    row = i
+                out.append(self._utterance(job, one, row, n))
         return out
+
+    def _noise_scale(self, params: SynthesisParams) -> float:
+        return self.voice.info.noise_scale if params.noise_scale is None else params.noise_scale
+
+    def _encode(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None,
+                scales: np.ndarray) -> EncodeOut | DevicePriorOut:
+        """The backend's acoustic stage; on a GPU the prior stays there (see `DevicePriorOut`)."""
+        if getattr(self.backend, "priors_on_device", False):
+            return self.backend.encode_prior(ids, lengths, dp_noise, sid, scales)  # type: ignore[attr-defined]
+        return self.backend.encode(ids, lengths, dp_noise, sid)
 
     def _ceil_is_ambiguous(self, logw: np.ndarray, params: SynthesisParams) -> bool:
         length_scale = self.voice.info.length_scale if params.length_scale is None else params.length_scale
@@ -317,22 +359,22 @@ class Synthesizer:
         frac = w - np.floor(w)
         return bool(np.any(np.minimum(frac, 1.0 - frac) < CEIL_AMBIGUITY_FRAMES))
 
-    def _utterance(
-        self, job: AcousticJob, m_p: np.ndarray, logs_p: np.ndarray, logw: np.ndarray, n: int
-    ) -> Utterance:
-        """Durations, length regulation and the prior sample for one sentence."""
+    def _utterance(self, job: AcousticJob, enc: EncodeOut | DevicePriorOut, row: int, n: int) -> Utterance:
+        """Durations, length regulation and the prior sample for one sentence (row `row` of `enc`)."""
         info, params, sent = self.voice.info, job.params, job.sentence
-        noise_scale = info.noise_scale if params.noise_scale is None else params.noise_scale
         length_scale = info.length_scale if params.length_scale is None else params.length_scale
-        w = np.exp(logw[:n].astype(np.float32)) * np.float32(length_scale)
+        w = np.exp(enc.logw[row, 0, :n].astype(np.float32)) * np.float32(length_scale)
         durations = np.ceil(w).astype(np.int64)
         frames = max(1, int(durations.sum()))
         src = np.repeat(np.arange(n), durations)
         if src.size < frames:  # all-zero durations: one frame of the last phoneme
             src = np.full(frames, n - 1)
-        sigma = np.exp(logs_p[:, :n].astype(np.float32)) * np.float32(noise_scale)
         key = int(job.rng.integers(0, 1 << 63))
-        prior = PriorSample(np.ascontiguousarray(m_p[:, :n], dtype=np.float32), sigma, src, key)
+        if isinstance(enc, DevicePriorOut):
+            prior = PriorSample.on_device(enc.prior[row, :, :, :n], src, key)
+        else:
+            sigma = np.exp(enc.logs_p[row, :, :n].astype(np.float32)) * np.float32(self._noise_scale(params))
+            prior = PriorSample(np.ascontiguousarray(enc.m_p[row, :, :n], dtype=np.float32), sigma, src, key)
         ends = np.concatenate([[0], np.cumsum(durations)]) * self.hop
         words = [(wd.text, int(ends[wd.start_id]), int(ends[wd.end_id])) for wd in sent.words]
         return Utterance(sent.text, list(sent.phoneme_ids), prior, durations, job.sid, words)

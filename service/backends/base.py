@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -17,6 +17,15 @@ class EncodeOut:
     m_p: np.ndarray  # [B, C, T_ph] prior mean per phoneme
     logs_p: np.ndarray  # [B, C, T_ph] prior log-scale per phoneme
     logw: np.ndarray  # [B, 1, T_ph] log-durations (masked)
+
+
+@dataclass
+class DevicePriorOut:
+    """The acoustic stage's output where the prior stays on the device (`encode_prior`): only the
+    durations come to the host; the decoder reads the prior from where it was made."""
+
+    logw: np.ndarray  # [B, 1, T_ph] log-durations (masked)
+    prior: Any  # [B, 2, C, T_ph] (mean, noise scale x sigma) per phoneme, a tensor on the backend's device
 
 
 @dataclass

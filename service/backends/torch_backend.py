@@ -7,6 +7,7 @@ another's."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from service.backends.base import EncodeOut, VocodeOut
+from service.backends.base import DevicePriorOut, EncodeOut, VocodeOut
 from service.engine.guard import guard
 from service.models.cuda_graphs import GraphCapturer
 from service.models.vits.model import VitsModel
@@ -73,6 +74,8 @@ class TorchBackend:
         self._acoustic_stream = torch.cuda.Stream(device=self._device) if self._device.type == "cuda" else None
         # Decoder steps are queued on the device and waited for later (see Executor.overlaps).
         self.asynchronous = self._device.type == "cuda"
+        # The acoustic stage's prior stays on the GPU for the decoder (see encode_prior).
+        self.priors_on_device = self._device.type == "cuda"
         if self._device.type == "cuda":
             model = self.models["fp32"]
             gemm_convs(model.enc_p)
@@ -117,13 +120,35 @@ class TorchBackend:
         # some lengths (H200: 88-127 ms for one conv, 0.5-0.8 s per encoder call, instead of
         # ~1 ms); PyTorch's own kernels take 13-20 ms for the whole stage at every length.
         if self._acoustic_stream is None:
-            return self._encode(ids, lengths, dp_noise, sid)
+            m_p, logs_p, logw = self._encode(ids, lengths, dp_noise, sid)
+            return EncodeOut(m_p.float().numpy(), logs_p.float().numpy(), logw.float().numpy())
         with torch.cuda.stream(self._acoustic_stream):
-            return self._encode(ids, lengths, dp_noise, sid)
+            m_p, logs_p, logw = self._encode(ids, lengths, dp_noise, sid)
+            out = _numpy(torch.cat([m_p, logs_p, logw], dim=1).float())  # one copy back
+        c = m_p.shape[1]
+        return EncodeOut(out[:, :c], out[:, c : 2 * c], out[:, 2 * c :])
+
+    @torch.inference_mode()
+    def encode_prior(
+        self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None,
+        noise_scale: np.ndarray,
+    ) -> DevicePriorOut:
+        """`encode` with the prior left on the GPU as (mean, noise_scale x exp(logs_p)), the form
+        the decoder's prior memory holds: only the durations come to the host. Moving the prior
+        out to the host and back in is host work the engine thread would do per sentence."""
+        stream = self._acoustic_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            m_p, logs_p, logw = self._encode(ids, lengths, dp_noise, sid)
+            scale = _to_device(noise_scale.astype(np.float32), self._device).view(-1, 1, 1)
+            prior = torch.stack([m_p.float(), torch.exp(logs_p.float()) * scale], dim=1)
+            host_logw = _numpy(logw.float())  # waits for this stream: the prior is made too
+        return DevicePriorOut(host_logw, prior)
 
     def _encode(
         self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None
-    ) -> EncodeOut:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(m_p, logs_p, logw) on the device, queued on the current stream (graph outputs are
+        views that the next replay overwrites: use them before)."""
         dev = self._device
         if self._encoder_graphs is not None:
             out = self._encoder_graphs.run(ids, lengths, dp_noise, sid)
@@ -134,7 +159,7 @@ class TorchBackend:
                 _to_device(ids, dev), _to_device(lengths, dev), _to_device(dp_noise, dev),
                 None if sid is None else _to_device(sid.astype(np.int64), dev),
             )
-        return EncodeOut(_numpy(m_p.float()), _numpy(logs_p.float()), _numpy(logw.float()))
+        return m_p, logs_p, logw
 
     def capture_encoder(self, max_batch: int) -> None:
         """Capture the acoustic stage's CUDA graphs for every batch bucket up to `max_batch`
@@ -299,15 +324,17 @@ class _EncoderGraphs:
 
     @torch.inference_mode()
     def run(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray,
-            sid: np.ndarray | None) -> EncodeOut | None:
+            sid: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(m_p, logs_p, logw) as views of the graph's outputs (the next replay overwrites them),
+        or None where no graph fits."""
         batch, length = ids.shape
         bucket = self._bucket(batch, length)
         if bucket is None:
             return None
         rows, padded = bucket
         graph, (s_ids, s_len, s_noise, s_sid), (m_p, logs_p, logw) = self._get(*bucket)
-        # Whole padded inputs from the host (padding rows: length 1, zeros), one copy each, and
-        # one copy back: few calls on the engine thread, which may wait for the GIL at each.
+        # Whole padded inputs from the host (padding rows: length 1, zeros), one copy each: few
+        # calls on the engine thread, which may wait for the GIL at each.
         host_ids = np.zeros((rows, padded), dtype=np.int64)
         host_ids[:batch, :length] = ids
         host_len = np.ones(rows, dtype=np.int64)
@@ -320,10 +347,7 @@ class _EncoderGraphs:
         for static, host in ((s_ids, host_ids), (s_len, host_len), (s_noise, host_noise), (s_sid, host_sid)):
             static.copy_(_pinned(host), non_blocking=True)
         graph.replay()
-        out = _numpy(torch.cat([m_p[:batch, :, :length], logs_p[:batch, :, :length], logw[:batch, :, :length]],
-                              dim=1).float())
-        c = m_p.shape[1]
-        return EncodeOut(out[:, :c], out[:, c : 2 * c], out[:, 2 * c :])
+        return m_p[:batch, :, :length], logs_p[:batch, :, :length], logw[:batch, :, :length]
 
 
 def _pinned(values: np.ndarray) -> torch.Tensor:

@@ -126,7 +126,7 @@ def _random_prior(rng: np.random.Generator, channels: int, key: int) -> PriorSam
 def test_prior_memory_gathers_each_slots_frames_through_reused_blocks() -> None:
     """Priors put, dropped and put again (some before the previous ones were written) land in
     scattered blocks; a step's columns still read exactly each row's frames (mean and sigma),
-    and the zero column past the end."""
+    and the zero column past the end. Host priors and device ones are written side by side."""
     rng = np.random.default_rng(11)
     channels, slots = 5, 6
     memory = PriorMemory(20 * PriorMemory.BLOCK, channels, slots, torch.device("cpu"))
@@ -138,6 +138,8 @@ def test_prior_memory_gathers_each_slots_frames_through_reused_blocks() -> None:
             del live[slot]
             continue
         prior = _random_prior(rng, channels, key)
+        if rng.random() < 0.5:  # a prior the acoustic stage left on the device (here the CPU)
+            prior = PriorSample.on_device(torch.from_numpy(np.stack([prior.mean, prior.sigma])), prior.src, key)
         if memory.put(slot, prior):
             live[slot] = prior
         else:
@@ -193,3 +195,29 @@ def test_prior_memory_holds_256_phoneme_ids_per_slot_on_average(tiny_voice_path:
     dec = VitsStreamingDecoder(model, "fp16", 64, torch.device("cpu"), torch.float16)
     assert dec.prior.zero == 64 * 256 and dec.prior.table.dtype == torch.float32
     assert dec.prior.table.shape == (2, model.hp.inter_channels, 64 * 256 + 1)
+
+
+def test_priors_left_on_the_device_decode_as_host_priors(tiny_voice_path: Path) -> None:
+    """The acoustic stage may leave the prior where it was made (`encode_prior`, on a GPU): the
+    same durations, mean and sigma (to exp's rounding), and the same audio from the slots."""
+    syn = open_synthesizer(str(tiny_voice_path), backend="torch")
+    text, params = "Hello there, this is a streaming test. Short one.", SynthesisParams(seed=7, speaker=1)
+    host = syn.prepare(text, params)
+    syn.backend.priors_on_device = True  # type: ignore[attr-defined]
+    try:
+        device = syn.prepare(text, params)
+    finally:
+        syn.backend.priors_on_device = False  # type: ignore[attr-defined]
+    assert all(u.prior.device_values is None for u in host)
+    assert all(u.prior.device_values is not None for u in device)
+    for a, b in zip(host, device, strict=True):
+        assert np.array_equal(a.durations, b.durations) and a.prior.key == b.prior.key
+        np.testing.assert_allclose(b.prior.mean, a.prior.mean, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(b.prior.sigma, a.prior.sigma, rtol=1e-6, atol=1e-7)
+    model = syn.voice.model
+    outs = []
+    for utts in (host, device):
+        dec = VitsStreamingDecoder(model, "fp32", 4, torch.device("cpu"), torch.float32)
+        outs.append(_stream_together(dec, utts, [0, 1], [24, 40]))
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)

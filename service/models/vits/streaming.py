@@ -85,7 +85,7 @@ class PriorMemory:
 
     def put(self, slot: int, prior: Prior) -> bool:
         self.drop(slot)
-        phonemes = prior.mean.shape[1]
+        phonemes = prior.phonemes
         need = math.ceil(phonemes / self.BLOCK)
         if need > self.zero // self.BLOCK:
             raise ValueError(
@@ -112,19 +112,30 @@ class PriorMemory:
 
     def flush(self, upload: Callable[[np.ndarray], torch.Tensor]) -> list[int]:
         """Write the staged priors into `table` (queued on the current stream, ahead of the
-        step that reads them); returns their slots."""
+        step that reads them); returns their slots. Priors made on the device are copied there;
+        host ones go up in one upload."""
         if not self._staged:
             return []
         slots, staged = list(self._staged), list(self._staged.values())
-        columns = np.concatenate([c for c, _ in staged])
-        values = np.empty((2, self.table.shape[1], len(columns)), dtype=np.float32)
-        at = 0
-        for c, prior in staged:
-            values[0, :, at : at + len(c)] = prior.mean
-            values[1, :, at : at + len(c)] = prior.sigma
-            at += len(c)
         self._staged.clear()
-        self.table.index_copy_(2, upload(columns), upload(values))
+        on_device = [(c, p) for c, p in staged if getattr(p, "device_values", None) is not None]
+        on_host = [(c, p) for c, p in staged if getattr(p, "device_values", None) is None]
+        if on_device:
+            columns = np.concatenate([c for c, _ in on_device])
+            values = torch.cat([p.device_values for _, p in on_device], dim=2)  # type: ignore[attr-defined]
+            if values.device.type == "cuda":  # made on the acoustic stage's stream, read on this one
+                for _, p in on_device:
+                    p.device_values.record_stream(torch.cuda.current_stream(values.device))  # type: ignore[attr-defined]
+            self.table.index_copy_(2, upload(columns), values.to(self.table.device, torch.float32))
+        if on_host:
+            columns = np.concatenate([c for c, _ in on_host])
+            host = np.empty((2, self.table.shape[1], len(columns)), dtype=np.float32)
+            at = 0
+            for c, prior in on_host:
+                host[0, :, at : at + len(c)] = prior.mean
+                host[1, :, at : at + len(c)] = prior.sigma
+                at += len(c)
+            self.table.index_copy_(2, upload(columns), upload(host))
         return slots
 
     def columns(self, slots: Sequence[int], fed: Sequence[int], frames: int, out: np.ndarray) -> None:
