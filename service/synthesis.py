@@ -175,25 +175,6 @@ class PriorSample:
         return self._buf
 
 
-class PendingAcoustic:
-    """An acoustic batch on its way (`Synthesizer.acoustic_launch`)."""
-
-    def __init__(self, syn: Synthesizer, jobs: list[AcousticJob], inputs: tuple[Any, ...], result: Any) -> None:
-        self.jobs = jobs
-        self._syn = syn
-        self._inputs = inputs
-        self._result = result  # EncodeOut, or a backend handle with ready() and result()
-
-    def ready(self) -> bool:
-        """The device is done with it (`finish` will not wait)."""
-        return isinstance(self._result, EncodeOut) or bool(self._result.ready())
-
-    def finish(self) -> list[Utterance]:
-        """The batch's utterances (waiting for the device if it is not done)."""
-        enc = self._result if isinstance(self._result, EncodeOut) else self._result.result()
-        return self._syn._utterances(self.jobs, self._inputs, enc)
-
-
 @dataclass
 class Utterance:
     """Output of the acoustic stage for one sentence, ready for chunked decoding."""
@@ -326,11 +307,6 @@ class Synthesizer:
         """Acoustic stage for several sentences in one backend call (padded, masked).
         Each job draws its noise from its own generator in the same order as a
         batch of one, so batching never changes which noise a sentence gets."""
-        return self.acoustic_launch(jobs).finish()
-
-    def acoustic_launch(self, jobs: list[AcousticJob]) -> PendingAcoustic:
-        """`acoustic_batch` in two halves: this one queues the batch on the device (a backend
-        with `launch_prior`) or runs it (any other); `finish()` makes the utterances."""
         info = self.voice.info
         lengths = np.asarray([len(j.sentence.phoneme_ids) for j in jobs], dtype=np.int64)
         t_max = int(lengths.max())
@@ -347,15 +323,7 @@ class Synthesizer:
         sid_arr = None if sids[0] is None else np.asarray(sids, dtype=np.int64)
         scales = np.asarray([self._noise_scale(j.params) for j in jobs], dtype=np.float32)
         with stage("acoustic.encode"):
-            if getattr(self.backend, "priors_on_device", False):
-                result: Any = self.backend.launch_prior(ids, lengths, dp_noise, sid_arr, scales)  # type: ignore[attr-defined]
-            else:
-                result = self.backend.encode(ids, lengths, dp_noise, sid_arr)
-        return PendingAcoustic(self, jobs, (ids, lengths, dp_noise, sid_arr, scales), result)
-
-    def _utterances(self, jobs: list[AcousticJob], inputs: tuple[Any, ...],
-                    enc: EncodeOut | DevicePriorOut) -> list[Utterance]:
-        ids, lengths, dp_noise, sid_arr, scales = inputs
+            enc = self._encode(ids, lengths, dp_noise, sid_arr, scales)
         with stage("acoustic.utterances"):
             out = []
             for i, job in enumerate(jobs):
@@ -382,7 +350,7 @@ class Synthesizer:
                 scales: np.ndarray) -> EncodeOut | DevicePriorOut:
         """The backend's acoustic stage; on a GPU the prior stays there (see `DevicePriorOut`)."""
         if getattr(self.backend, "priors_on_device", False):
-            return self.backend.launch_prior(ids, lengths, dp_noise, sid, scales).result()  # type: ignore[attr-defined]
+            return self.backend.encode_prior(ids, lengths, dp_noise, sid, scales)  # type: ignore[attr-defined]
         return self.backend.encode(ids, lengths, dp_noise, sid)
 
     def _ceil_is_ambiguous(self, logw: np.ndarray, params: SynthesisParams) -> bool:

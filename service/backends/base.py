@@ -21,7 +21,7 @@ class EncodeOut:
 
 @dataclass
 class DevicePriorOut:
-    """The acoustic stage's output where the prior stays on the device (`launch_prior`): only the
+    """The acoustic stage's output where the prior stays on the device (`encode_prior`): only the
     durations come to the host; the decoder reads the prior from where it was made."""
 
     logw: np.ndarray  # [B, 1, T_ph] log-durations (masked)

@@ -74,7 +74,7 @@ class TorchBackend:
         self._acoustic_stream = torch.cuda.Stream(device=self._device) if self._device.type == "cuda" else None
         # Decoder steps are queued on the device and waited for later (see Executor.overlaps).
         self.asynchronous = self._device.type == "cuda"
-        # The acoustic stage's prior stays on the GPU for the decoder (see launch_prior).
+        # The acoustic stage's prior stays on the GPU for the decoder (see encode_prior).
         self.priors_on_device = self._device.type == "cuda"
         if self._device.type == "cuda":
             model = self.models["fp32"]
@@ -129,19 +129,20 @@ class TorchBackend:
         return EncodeOut(out[:, :c], out[:, c : 2 * c], out[:, 2 * c :])
 
     @torch.inference_mode()
-    def launch_prior(
+    def encode_prior(
         self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None,
         noise_scale: np.ndarray,
-    ) -> PendingPrior:
-        """`encode`, queued on the acoustic stage's stream without waiting, with the prior left on
-        the GPU as (mean, noise_scale x exp(logs_p)), the form the decoder's prior memory holds:
-        only the durations come to the host. `.result()` waits for them."""
+    ) -> DevicePriorOut:
+        """`encode` with the prior left on the GPU as (mean, noise_scale x exp(logs_p)), the form
+        the decoder's prior memory holds: only the durations come to the host. Moving the prior
+        out to the host and back in is host work the engine thread would do per sentence."""
         stream = self._acoustic_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             m_p, logs_p, logw = self._encode(ids, lengths, dp_noise, sid)
             scale = _to_device(noise_scale.astype(np.float32), self._device).view(-1, 1, 1)
             prior = torch.stack([m_p.float(), torch.exp(logs_p.float()) * scale], dim=1)
-            return PendingPrior(prior, logw.float())
+            host_logw = _numpy(logw.float())  # waits for this stream: the prior is made too
+        return DevicePriorOut(host_logw, prior)
 
     def _encode(
         self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None
@@ -401,30 +402,6 @@ def _gemm_conv1d(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     if conv.bias is not None:
         y = y + conv.bias.view(1, -1, 1)
     return y
-
-
-class PendingPrior:
-    """An acoustic batch queued on the current stream: its prior stays on the device, its
-    durations come back through pinned memory behind one event."""
-
-    def __init__(self, prior: torch.Tensor, logw: torch.Tensor) -> None:
-        self.prior = prior
-        self._event: torch.cuda.Event | None = None
-        if logw.device.type == "cuda":
-            self._logw = torch.empty(logw.shape, dtype=torch.float32, pin_memory=True)
-            self._logw.copy_(logw, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._logw = logw
-
-    def ready(self) -> bool:
-        return self._event is None or bool(self._event.query())
-
-    def result(self) -> DevicePriorOut:
-        if self._event is not None:
-            self._event.synchronize()
-        return DevicePriorOut(self._logw.numpy(), self.prior)
 
 
 class _GuardedCopy:

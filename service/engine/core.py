@@ -315,24 +315,20 @@ class EngineCore:
         runtime = sessions[0].spec.runtime if sessions else None
         max_rows = self.executor.max_rows(runtime)
         free = self.executor.free_slots if runtime is not None and self.executor.uses_slots(runtime) else None
-        overlaps = runtime is not None and self.executor.overlaps(runtime)
-        if overlaps:
-            self._land_acoustic(block=False)  # sentences the device finished since: they start now
         with stage("engine.plan"):
             plan = self.scheduler.plan(sessions, now, max_rows, free, self._acoustic_job_s)
         if plan.empty:
-            if self.executor.encoding:
-                self._land_acoustic(block=True)
-                return False, None
             if self._shadow_run is not None and self._shadow_run():
                 return False, None
             wakes = [t for t in (plan.wake_at, stall_check) if t is not None]
             return True, min(wakes) if wakes else None
-        if overlaps:
-            # The acoustic stage runs on the device (its own stream) while this thread steps the
-            # decoder; the sentences it readies start in the next iteration.
-            self._launch_acoustic(plan.acoustic)
-            self._decode(plan.decode)
+        if plan.decode and plan.acoustic and runtime is not None and self.executor.overlaps(runtime):
+            # The device runs the step while this thread runs the acoustic stage (on its own
+            # stream); the sentences that stage readied start in a step of their own right after.
+            jobs = plan.acoustic
+            self.stats.overlapped += 1
+            self._decode(plan.decode, meanwhile=lambda: self._acoustic(jobs))
+            self._start_fresh(jobs, max_rows, free)
         elif plan.decode_first:
             self._decode(plan.decode)
             self._acoustic(plan.acoustic)
@@ -347,6 +343,15 @@ class EngineCore:
         if self._shadow_run is not None:
             self._shadow_run()
         return False, None
+
+    def _start_fresh(self, jobs: list[tuple[SessionState, UtteranceState]], max_rows: int,
+                     free: Callable[[SessionState, UtteranceState], int] | None) -> None:
+        """Step the utterances that just came out of the acoustic stage (their first chunks);
+        the other sessions were stepped already this iteration."""
+        fresh = {id(u) for _, u in jobs}
+        plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free,
+                                   self._acoustic_job_s)
+        self._decode([(s, u) for s, u in plan.decode if id(u) in fresh])
 
     def _end_stalled(self, now: float) -> float | None:
         """End sessions whose client has taken no audio for `stall_timeout_s` while they were
@@ -368,41 +373,29 @@ class EngineCore:
         return check
 
     def _acoustic(self, jobs: list[tuple[SessionState, UtteranceState]]) -> None:
-        """The acoustic stage for `jobs`, waited for."""
-        self._launch_acoustic(jobs)
-        self._land_acoustic(block=True)
-
-    def _launch_acoustic(self, jobs: list[tuple[SessionState, UtteranceState]]) -> None:
         if not jobs:
             return
+        start = time.monotonic()
         with stage("engine.acoustic"):
-            failed = self.executor.acoustic_launch(jobs, self.output.cache_key, self.output.cache.get,
-                                                   time.monotonic())
+            failed = self.executor.acoustic(jobs, self.output.cache_key, self.output.cache.get)
         for s, why in failed:
             self._fail(s, why)
-
-    def _land_acoustic(self, block: bool) -> None:
-        """Take in the acoustic batches that are done (all with `block`)."""
-        if not self.executor.encoding:
-            return
-        landed, failed = self.executor.acoustic_land(block)
-        for s, why in failed:
-            if s.spec.session_id in self._sessions:
-                self._fail(s, why)
         now = time.monotonic()
-        for batch in landed:
-            per_job = (now - batch.started) / len(batch.rows)
-            self._acoustic_job_s = per_job if not self._acoustic_job_s else 0.8 * self._acoustic_job_s + 0.2 * per_job
-            rows = [(s, u) for s, u in batch.rows if s.spec.session_id in self._sessions]
-            self.telemetry.acoustic_step([(s.spec.session_id, u.index) for s, u in rows], batch.started, now)
-            for s, u in rows:
-                s.ready_since = now
-                if u.index == 0:
-                    s.marks.acoustic_start, s.marks.acoustic_end = batch.started, now
+        per_job = (now - start) / len(jobs)
+        self._acoustic_job_s = per_job if not self._acoustic_job_s else 0.8 * self._acoustic_job_s + 0.2 * per_job
+        self.telemetry.acoustic_step([(s.spec.session_id, u.index) for s, u in jobs], start, now)
+        for s, u in jobs:
+            s.ready_since = now
+            if u.index == 0:
+                s.marks.acoustic_start, s.marks.acoustic_end = start, now
 
-    def _decode(self, rows: list[tuple[SessionState, UtteranceState]]) -> None:
+    def _decode(self, rows: list[tuple[SessionState, UtteranceState]],
+                meanwhile: Callable[[], None] | None = None) -> None:
+        """Step `rows` and deliver their chunks; `meanwhile` runs while the step is on the device."""
         rows = [(s, u) for s, u in rows if s.spec.session_id in self._sessions and s.head is u]
         if not rows:
+            if meanwhile is not None:
+                meanwhile()
             return
         start, nonfinite = time.monotonic(), self.stats.nonfinite_fp32
         planned = [(s.spec.session_id, s.spec.voice_name, u.index == 0 and u.chunk_index == 0) for s, u in rows]
@@ -411,13 +404,17 @@ class EngineCore:
                 s.marks.step_start = start
         try:
             with stage("engine.decode"):
-                chunks, failed = self.executor.decode(rows, start, self._others_urgent)
+                chunks, failed = self.executor.decode(rows, start, self._others_urgent, meanwhile)
         except Exception as exc:  # outside any one step (slot bookkeeping): every row fails
             log.exception("decoder step failed")
             for s, _ in rows:
-                self._fail(s, exc)
+                if s.spec.session_id in self._sessions:
+                    self._fail(s, exc)
             return
         now = time.monotonic()
+        # `meanwhile` may have failed some of the sessions that were stepped
+        chunks = [c for c in chunks if c.session.spec.session_id in self._sessions]
+        failed = [(s, why) for s, why in failed if s.spec.session_id in self._sessions]
         with stage("engine.deliver"):
             for c in chunks:
                 self.output.chunk(c.session, c.utterance, c.samples, c.precision, c.fallback, now)

@@ -183,7 +183,8 @@ class TtsEngine:
             "live_sessions": self.live_sessions, "cache_hits": snap.cache_hits, "cache_misses": snap.cache_misses,
             "cache_bytes": snap.cache_bytes, "steps": s.steps, "step_rows": s.rows, "max_step_rows": s.max_rows,
             "step_seconds": s.step_seconds, "step_audio_seconds": s.audio_seconds,
-            "acoustic_jobs": s.acoustic_jobs, "acoustic_batches": s.acoustic_batches, "fp32_fallbacks": s.fallbacks,
+            "acoustic_jobs": s.acoustic_jobs, "acoustic_batches": s.acoustic_batches,
+            "overlapped_acoustic": s.overlapped, "fp32_fallbacks": s.fallbacks,
             "shadow_verified": snap.shadow_verified, "shadow_min_psnr_db": snap.shadow_min_psnr_db,
         }
 

@@ -22,7 +22,7 @@ from service.engine.config import BatchConfig
 from service.engine.ranges import stage
 from service.engine.state import EngineStats, SessionState, UtteranceState, UtteranceStatus
 from service.models.family import StepRows, StreamingDecoder
-from service.synthesis import AcousticJob, PendingAcoustic, ShadowSampler, Synthesizer, finite, utterance_rng
+from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,15 +54,6 @@ class _InFlight:
     t0: float
 
 
-@dataclass
-class _Encoding:
-    """An acoustic batch launched on the device: its rows and when it was launched."""
-
-    rows: list[tuple[SessionState, UtteranceState]]
-    handle: PendingAcoustic
-    started: float
-
-
 class _Slots:
     """The decoder slots of one (voice, precision): a streaming decoder and its free list."""
 
@@ -88,7 +79,6 @@ class Executor:
         self.shadow = shadow
         self.on_trip = on_trip
         self._slots: dict[tuple[int, str], _Slots] = {}
-        self._encoding: list[_Encoding] = []  # acoustic batches on their way, in launch order
         # Audio seconds the engine thread makes per second of its work, measured while it was
         # busy (EngineCore.note_busy); 0 until then.
         self.engine_rate = 0.0
@@ -170,19 +160,8 @@ class Executor:
                                                                                    Hashable | None],
         cache_get: Callable[[Hashable], object | None],
     ) -> list[tuple[SessionState, BaseException]]:
-        """Run the acoustic stage for `jobs` (one voice) and wait for it; cached sentences skip
-        it. Returns the sessions that failed, with why."""
-        failed = self.acoustic_launch(jobs, cache_key, cache_get, time.monotonic())
-        _, bad = self.acoustic_land(block=True)
-        return failed + bad
-
-    def acoustic_launch(
-        self, jobs: list[tuple[SessionState, UtteranceState]], cache_key: Callable[[SessionState, UtteranceState],
-                                                                                   Hashable | None],
-        cache_get: Callable[[Hashable], object | None], now: float,
-    ) -> list[tuple[SessionState, BaseException]]:
-        """Start the acoustic stage for `jobs` (one voice): on a GPU it runs while the engine
-        goes on (its utterances are ENCODING until `acoustic_land`). Cached sentences skip it."""
+        """Run the acoustic stage for `jobs` (one voice); cached sentences skip it. Returns
+        the sessions that failed, with why."""
         pending: list[tuple[SessionState, UtteranceState, AcousticJob]] = []
         for s, u in jobs:
             u.precision = s.spec.precision
@@ -204,38 +183,14 @@ class Executor:
         for group in _groups(pending, self.config.acoustic_max_batch):
             try:
                 with stage("acoustic.batch"):
-                    handle = runtime.acoustic_launch([job for _, _, job in group])
+                    utts = runtime.acoustic_batch([job for _, _, job in group])
             except Exception as exc:
                 log.exception("acoustic stage failed")
                 failed += [(s, exc) for s, _, _ in group]
                 continue
-            for _, u, _ in group:
-                u.status = UtteranceStatus.ENCODING
-            self._encoding.append(_Encoding([(s, u) for s, u, _ in group], handle, now))
-        return failed
-
-    @property
-    def encoding(self) -> bool:
-        """An acoustic batch is still on its way."""
-        return bool(self._encoding)
-
-    def acoustic_land(self, block: bool) -> tuple[list[_Encoding], list[tuple[SessionState, BaseException]]]:
-        """Finish the acoustic batches the device is done with (all of them with `block`), in
-        launch order: their utterances start decoding. Returns (the batches, failed sessions)."""
-        landed: list[_Encoding] = []
-        failed: list[tuple[SessionState, BaseException]] = []
-        while self._encoding and (block or self._encoding[0].handle.ready()):
-            batch = self._encoding.pop(0)
-            try:
-                with stage("acoustic.land"):
-                    utts = batch.handle.finish()
-            except Exception as exc:
-                log.exception("acoustic stage failed")
-                failed += [(s, exc) for s, _ in batch.rows]
-                continue
-            self.stats.acoustic_jobs += len(batch.rows)
+            self.stats.acoustic_jobs += len(group)
             self.stats.acoustic_batches += 1
-            for (s, u), utt in zip(batch.rows, utts, strict=True):
+            for (s, u, _), utt in zip(group, utts, strict=True):
                 u.utt = utt
                 u.word_spans = utt.word_spans
                 u.status = UtteranceStatus.DECODING
@@ -243,21 +198,31 @@ class Executor:
                     first = s.spec.schedule.first_chunk(u.index)
                     u.bounds = s.spec.schedule.boundaries(utt.frames, first)
                     u.staged = s.spec.runtime.staged_decoder(utt)
-            landed.append(batch)
-        return landed, failed
+        return failed
 
     # --- decoder steps ---------------------------------------------------------------------------
 
     def overlaps(self, runtime: Synthesizer) -> bool:
-        """The backend runs asynchronously (CUDA): the acoustic stage can stay on the device while
-        the engine thread steps the decoder."""
+        """A decoder step runs on the device while the engine thread goes on (CUDA), so other
+        work can be done between its launch and its result."""
         return self.uses_slots(runtime) and bool(getattr(runtime.backend, "asynchronous", False))
 
     def decode(self, rows: list[tuple[SessionState, UtteranceState]], now: float,
-               others_urgent: Callable[[SessionState], bool]) -> tuple[list[Chunk], list[Failure]]:
+               others_urgent: Callable[[SessionState], bool],
+               meanwhile: Callable[[], None] | None = None) -> tuple[list[Chunk], list[Failure]]:
         """Advance the planned rows: (chunks, sessions that failed with why). A failing batched
         step is retried in halves, each row's decoder state rebuilt first, so a fault that
-        one row causes (or a batch too large for the device) fails only what it must."""
+        one row causes (or a batch too large for the device) fails only what it must.
+        `meanwhile` runs once the first step is launched, before any result is waited for
+        (after the chunk, where the decoder is synchronous)."""
+        once = _Once(meanwhile)
+        try:
+            return self._decode(rows, others_urgent, once)
+        finally:
+            once()
+
+    def _decode(self, rows: list[tuple[SessionState, UtteranceState]],
+                others_urgent: Callable[[SessionState], bool], meanwhile: _Once) -> tuple[list[Chunk], list[Failure]]:
         if not rows:
             return [], []
         runtime = rows[0][0].spec.runtime
@@ -289,6 +254,7 @@ class Executor:
         flight = self._launch_or_fallback(*batches[0])
         for i in range(len(batches)):
             following = self._launch_or_fallback(*batches[i + 1]) if i + 1 < len(batches) else None
+            meanwhile()
             chunks, bad = self._land(flight, *batches[i])
             out += chunks
             failed += bad
@@ -473,6 +439,18 @@ class Executor:
         self.stats.max_rows = max(self.stats.max_rows, 1)
         self.stats.audio_seconds += len(samples) / s.spec.runtime.sample_rate
         return Chunk(s, u, samples, "fp32", False)
+
+
+class _Once:
+    """Calls `fn` the first time it is called, then nothing."""
+
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
 
 
 def _halves(items: list[T], min_rows: int) -> list[list[T]]:

@@ -71,10 +71,7 @@ class Scheduler:
             head = s.utterances[0]
             if head.status is UtteranceStatus.DECODING and s.unread_s() < cfg.max_ahead_s:
                 ready.append((s, head, slack))
-            nxt = next((u for u in s.utterances if u.status in (UtteranceStatus.ACOUSTIC, UtteranceStatus.ENCODING)),
-                       None)
-            if nxt is not None and nxt.status is UtteranceStatus.ENCODING:
-                nxt = None  # one sentence of a session in the acoustic stage at a time
+            nxt = next((u for u in s.utterances if u.status is UtteranceStatus.ACOUSTIC), None)
             if nxt is not None:
                 if s.queued_audio_s() < cfg.acoustic_lookahead_s:
                     acoustic.append(((slack, s.ready_since), s, nxt))

@@ -103,8 +103,7 @@ class SessionStatus(enum.Enum):
 
 
 class UtteranceStatus(enum.Enum):
-    ACOUSTIC = "acoustic"  # waiting for the acoustic stage
-    ENCODING = "encoding"  # in the acoustic stage (on the device while the engine goes on)
+    ACOUSTIC = "acoustic"  # waiting for (or in) the acoustic stage
     DECODING = "decoding"  # latent frames ready; chunks being decoded
     CACHED = "cached"  # replayed from the result cache
     DONE = "done"
@@ -217,5 +216,6 @@ class EngineStats:
     audio_seconds: float = 0.0  # audio produced by them
     acoustic_jobs: int = 0
     acoustic_batches: int = 0
+    overlapped: int = 0  # acoustic-stage calls made while a decoder step ran on the device
     fallbacks: int = 0
     nonfinite_fp32: int = 0

@@ -141,35 +141,26 @@ def test_pipelined_halves_equal_one_batch(runtime: Synthesizer, loop: asyncio.Ab
                                    atol=1e-5, rtol=0)
 
 
-def test_an_acoustic_batch_in_flight_is_encoding_until_it_lands(
-    runtime: Synthesizer, loop: asyncio.AbstractEventLoop
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_meanwhile_runs_once_between_the_launches_and_the_first_result(
+    runtime: Synthesizer, loop: asyncio.AbstractEventLoop, pipelined: bool
 ) -> None:
-    """On a GPU the acoustic stage runs while the engine goes on: launched sentences are
-    ENCODING (the scheduler leaves them and their sessions' next sentences alone), and landing
-    them gives the same utterances as the stage run at once."""
-    from service.engine.scheduler import Scheduler
-
+    """The engine's overlap point: every step of the call is launched (each row's `fed` moved
+    on), none has been waited for (no step counted yet), and it runs once per call."""
+    stats = EngineStats()
+    executor = _executor(stats, pipelined)
     rows = _rows(runtime, "fp32", loop)
-    for _, u in rows:
-        u.status, u.utt = UtteranceStatus.ACOUSTIC, None
-        u.sentence = PhonemizedSentence(u.sentence.text, [], u.sentence.phoneme_ids, [])
-    follow = UtteranceState(1, PhonemizedSentence("Next.", [], rows[0][1].sentence.phoneme_ids[:9], []))
-    rows[0][0].utterances.append(follow)
-    executor = _executor(EngineStats(), False)
-    assert executor.acoustic_launch(rows, lambda s, u: None, lambda k: None, 0.0) == []
-    assert executor.encoding and all(u.status is UtteranceStatus.ENCODING for _, u in rows)
-    plan = Scheduler(BatchConfig()).plan([s for s, _ in rows], 0.0, 8, None)
-    assert plan.empty  # nothing to decode yet, nothing more to encode
-    landed, failed = executor.acoustic_land(block=True)
-    assert not failed and not executor.encoding
-    assert [r for b in landed for r in b.rows] == sorted(rows, key=lambda r: len(r[1].sentence.phoneme_ids))
-    reference = _rows(runtime, "fp32", loop)
-    for (_, u), (_, ref) in zip(rows, reference, strict=True):
-        assert u.status is UtteranceStatus.DECODING
-        assert np.array_equal(u.utt.durations, ref.utt.durations)
-        np.testing.assert_allclose(u.utt.prior.mean, ref.utt.prior.mean, rtol=0, atol=1e-5)
-    plan = Scheduler(BatchConfig()).plan([s for s, _ in rows], 0.0, 8, None)
-    assert len(plan.decode) == 3
+    seen: list[tuple[list[int], int]] = []
+    chunks, failed = executor.decode(rows, 0.0, lambda s: False,
+                                     meanwhile=lambda: seen.append(([u.fed for _, u in rows], stats.steps)))
+    assert not failed and len(chunks) == len(rows)
+    assert len(seen) == 1
+    fed, steps = seen[0]
+    assert steps == 0 and stats.steps == (2 if pipelined else 1)
+    assert all(f > 0 for f in fed)
+    # ... and a call with nothing to step still runs it
+    executor.decode([], 0.0, lambda s: False, meanwhile=lambda: seen.append(([], -1)))
+    assert seen[-1] == ([], -1)
 
 
 def test_an_utterance_waits_while_prior_memory_is_full_and_one_too_long_fails_alone(

@@ -198,7 +198,7 @@ def test_prior_memory_holds_256_phoneme_ids_per_slot_on_average(tiny_voice_path:
 
 
 def test_priors_left_on_the_device_decode_as_host_priors(tiny_voice_path: Path) -> None:
-    """The acoustic stage may leave the prior where it was made (`launch_prior`, on a GPU): the
+    """The acoustic stage may leave the prior where it was made (`encode_prior`, on a GPU): the
     same durations, mean and sigma (to exp's rounding), and the same audio from the slots."""
     syn = open_synthesizer(str(tiny_voice_path), backend="torch")
     text, params = "Hello there, this is a streaming test. Short one.", SynthesisParams(seed=7, speaker=1)

@@ -118,14 +118,14 @@ class PriorMemory:
             return []
         slots, staged = list(self._staged), list(self._staged.values())
         self._staged.clear()
-        on_device = [(c, p) for c, p in staged if p.device_values is not None]
-        on_host = [(c, p) for c, p in staged if p.device_values is None]
+        on_device = [(c, p) for c, p in staged if getattr(p, "device_values", None) is not None]
+        on_host = [(c, p) for c, p in staged if getattr(p, "device_values", None) is None]
         if on_device:
             columns = np.concatenate([c for c, _ in on_device])
-            values = torch.cat([p.device_values for _, p in on_device], dim=2)
+            values = torch.cat([p.device_values for _, p in on_device], dim=2)  # type: ignore[attr-defined]
             if values.device.type == "cuda":  # made on the acoustic stage's stream, read on this one
                 for _, p in on_device:
-                    p.device_values.record_stream(torch.cuda.current_stream(values.device))
+                    p.device_values.record_stream(torch.cuda.current_stream(values.device))  # type: ignore[attr-defined]
             self.table.index_copy_(2, upload(columns), values.to(self.table.device, torch.float32))
         if on_host:
             columns = np.concatenate([c for c, _ in on_host])
