@@ -263,13 +263,14 @@ class Executor:
 
     def _start(self, s: SessionState, u: UtteranceState) -> bool:
         """Take a slot for `u` and start its prior there; False when none is free."""
+        assert u.utt is not None
         pool = self.slots(s.spec.runtime, u.precision)
         slot = pool.take()
         if slot is None:
             return False
         started = False
         try:
-            started = pool.decoder.start(slot, u.utt.prior)  # type: ignore[union-attr]
+            started = pool.decoder.start(slot, u.utt.prior)
         finally:
             if not started:
                 pool.give(slot)

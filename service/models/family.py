@@ -21,12 +21,20 @@ class Prior(Protocol):
     noise has sigma = 0)."""
 
     key: int
-    mean: np.ndarray  # [C, P] per phoneme id
-    sigma: np.ndarray  # [C, P] noise scale per phoneme id
     src: np.ndarray  # [T] phoneme id of each latent frame
     # A family whose acoustic stage runs on the decoder's device may give mean and sigma there
     # instead, as one [2, C, P] tensor (the decoder then copies them on the device); else None.
     device_values: Any
+
+    @property
+    def mean(self) -> np.ndarray:
+        """[C, P] per phoneme id."""
+        ...
+
+    @property
+    def sigma(self) -> np.ndarray:
+        """[C, P] noise scale per phoneme id."""
+        ...
 
     @property
     def frames(self) -> int: ...

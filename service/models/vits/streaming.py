@@ -122,10 +122,10 @@ class PriorMemory:
         on_host = [(c, p) for c, p in staged if getattr(p, "device_values", None) is None]
         if on_device:
             columns = np.concatenate([c for c, _ in on_device])
-            values = torch.cat([p.device_values for _, p in on_device], dim=2)  # type: ignore[attr-defined]
+            values = torch.cat([p.device_values for _, p in on_device], dim=2)
             if values.device.type == "cuda":  # made on the acoustic stage's stream, read on this one
                 for _, p in on_device:
-                    p.device_values.record_stream(torch.cuda.current_stream(values.device))  # type: ignore[attr-defined]
+                    p.device_values.record_stream(torch.cuda.current_stream(values.device))
             self.table.index_copy_(2, upload(columns), values.to(self.table.device, torch.float32))
         if on_host:
             columns = np.concatenate([c for c, _ in on_host])
