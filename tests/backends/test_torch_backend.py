@@ -182,3 +182,60 @@ def test_gemm_convolutions_equal_the_library_ones() -> None:
     for a, b in zip(want[:3], got[:3], strict=True):
         np.testing.assert_allclose(b.numpy(), a.numpy(), atol=1e-4, rtol=0)
 
+
+
+def test_channels_last_convolutions_equal_the_library_ones() -> None:
+    """The decoder's convolutions run channels-last (what the CUDA backend does in FP16) give
+    what torch's own 1-D convolutions give: dilated, padded, grouped, transposed and strided
+    ones, each fed another's channels-last output, and the patched module survives a copy."""
+    import copy
+
+    from service.backends.torch_backend import nhwc_convs
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv1d(8, 16, 7, dilation=3, padding=9), torch.nn.LeakyReLU(0.1),
+        torch.nn.ConvTranspose1d(16, 8, 16, 8, padding=4), torch.nn.Conv1d(8, 8, 3, padding=1, groups=8),
+        torch.nn.ConvTranspose1d(8, 4, 5, 2, padding=1, output_padding=1), torch.nn.Conv1d(4, 1, 7, padding=3),
+    )
+    x = torch.randn(3, 8, 50)
+    want = net(x)
+    patched = copy.deepcopy(net)
+    assert nhwc_convs(patched, (torch.float16,)) == 0  # FP32 weights: left alone by default
+    assert nhwc_convs(patched, (torch.float32,)) == 5
+    for model in (patched, copy.deepcopy(patched)):
+        got = model(x)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), atol=1e-5, rtol=0)
+    inner = patched[0](x)
+    assert inner.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)  # the next one copies nothing
+
+
+def test_channels_last_generator_streams_equal_the_full_decode() -> None:
+    """The slot decoder over a generator whose convolutions run channels-last still equals the
+    full decode of the unpatched model (the exactness the engine relies on)."""
+    import copy
+
+    from service.backends.torch_backend import nhwc_convs
+    from service.models.family import StepRows
+    from service.models.vits.streaming import VitsStreamingDecoder
+    from service.synthesis import open_synthesizer
+
+    syn = open_synthesizer(None, backend="torch")
+    (u,) = syn.prepare("Channels last, the same audio.", SynthesisParams(seed=3))
+    model = syn.voice.model.eval()
+    patched = copy.deepcopy(model)
+    assert nhwc_convs(patched.dec, (torch.float32,)) > 20
+    dec = VitsStreamingDecoder(patched, "fp32", 2, torch.device("cpu"), torch.float32)
+    assert dec.start(1, u.prior)
+    pieces, fed = [], 0
+    while fed - dec.lag < u.frames:
+        n = 17 + dec.lag if fed == 0 else 23
+        pieces.append(dec.step(StepRows([1], [fed], n, None))[0].numpy())
+        fed += n
+    audio = np.concatenate(pieces)[dec.lag * dec.hop :][: u.frames * dec.hop]
+    with torch.inference_mode():
+        z_p = torch.from_numpy(u.z_p)[None]
+        full = model.vocode(model.flow_reverse(z_p, torch.ones(1, 1, z_p.shape[2]), None), None)[0].numpy()
+    assert audio.shape == full.shape
+    np.testing.assert_allclose(audio, full, atol=1e-4, rtol=0)
