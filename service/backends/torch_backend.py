@@ -99,10 +99,7 @@ class TorchBackend:
         if precision not in DTYPES:
             raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(DTYPES)}")
         if precision not in self.models:
-            model = to_mixed_precision(self.models["fp32"], self.pins, DTYPES[precision])
-            if self._device.type == "cuda":
-                nhwc_convs(model.dec)  # cuDNN's FP16 tensor-core convolutions work channels-last
-            self.models[precision] = model
+            self.models[precision] = to_mixed_precision(self.models["fp32"], self.pins, DTYPES[precision])
         return self.models[precision]
 
     def weight_bytes(self, precision: str) -> int:
@@ -405,46 +402,6 @@ def _gemm_conv1d(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     if conv.bias is not None:
         y = y + conv.bias.view(1, -1, 1)
     return y
-
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def nhwc_convs(module: torch.nn.Module, dtypes: Sequence[torch.dtype] = HALF_DTYPES) -> int:
-    """Run `module`'s 1-D convolutions (plain and transposed) whose weights are in `dtypes` as
-    2-D ones over channels-last views [B, C, 1, T]; returns how many.
-
-    cuDNN's half-precision tensor-core kernels work in NHWC. Given NCHW tensors, it transposes
-    the input and the weight before every call and the output after it (a sixth of an FP16
-    decoder step's device time, in three extra kernels per convolution). Here each weight is
-    stored channels-last once and each output stays channels-last, so a chain of convolutions,
-    and the elementwise ops between them (which keep their inputs' layout), pay no transposes.
-    Same arithmetic, same values to rounding. (`F.conv1d` would not do: it makes a 1-D
-    convolution's input contiguous, NCHW, first.)"""
-    count = 0
-    for conv in module.modules():
-        if not isinstance(conv, torch.nn.Conv1d | torch.nn.ConvTranspose1d) or conv.weight.dtype not in dtypes:
-            continue
-        if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
-            continue
-        with torch.no_grad():  # [O, I, k] with strides (k*I, 1, I): unsqueezed at 2, it is channels-last
-            conv.weight.data = conv.weight.data.unsqueeze(2).contiguous(memory_format=torch.channels_last).squeeze(2)
-        conv.forward = functools.partial(_nhwc_conv1d, conv)  # type: ignore[method-assign]
-        count += 1
-    return count
-
-
-def _nhwc_conv1d(conv: torch.nn.Conv1d | torch.nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
-    x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)  # no copy after another of these
-    w4 = conv.weight.unsqueeze(2)
-    (stride,), (dilation,) = conv.stride, conv.dilation
-    pad = int(conv.padding[0])  # a tuple: `nhwc_convs` leaves padding="same" convs alone
-    if isinstance(conv, torch.nn.ConvTranspose1d):
-        (extra,) = conv.output_padding
-        y = F.conv_transpose2d(x4, w4, conv.bias, (1, stride), (0, pad), (0, extra), conv.groups, (1, dilation))
-    else:
-        y = F.conv2d(x4, w4, conv.bias, (1, stride), (0, pad), (1, dilation), conv.groups)
-    return y.squeeze(2)
 
 
 class _GuardedCopy:
