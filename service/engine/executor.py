@@ -122,12 +122,14 @@ class Executor:
         was busy (acoustic stage, planning and delivery included). None before anything was
         measured."""
         best = 0.0
-        for (_, p), pool in self._slots.items():
+        # Read from the core's figures thread while the engine thread may add pools and timings:
+        # iterate over copies (list() of a dict view runs without giving up the GIL).
+        for (_, p), pool in list(self._slots.items()):
             if precision is not None and p != precision:
                 continue
             dec, frames = pool.decoder, self.config.step_frames
             audio = frames * dec.hop / pool.sample_rate  # seconds one row of one step makes
-            for (rows, n), seconds in dec.step_seconds.items():
+            for (rows, n), seconds in list(dec.step_seconds.items()):
                 if n == frames and seconds > 0:
                     best = max(best, rows * audio / seconds)
         if not best and self.stats.step_seconds > 0 and not self._slots:
