@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import loader
-from service.engine.guard import guard_reference
+from kernels.guard import guard_reference
 
 
 def gpu_median_us(fn: Callable[[], object], iters: int, warmup: int) -> float:

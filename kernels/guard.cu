@@ -2,7 +2,7 @@
 //   (a) counts non-finite samples per row,
 //   (b) finds the peak |x| over the finite samples per row,
 //   (c) writes clipped int16 PCM: __float2int_rn(clamp(x, -1, 1) * 32767.0f), 0 where non-finite.
-// The torch reference in service/engine/guard.py does exactly the same float32 arithmetic,
+// The torch reference in kernels/guard.py does exactly the same float32 arithmetic,
 // so results are bit-identical (round-to-nearest-even in both).
 //
 // Launch: grid = (blocks per row, rows), block = GUARD_THREADS threads. count[B] and

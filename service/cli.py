@@ -280,7 +280,7 @@ def _cmd_voices_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_voices_check(args: argparse.Namespace) -> int:
-    from service.voice_check import run_voice_check
+    from service.tools.voice_check import run_voice_check
 
     return run_voice_check(args.voice, args.voices_dir, args.backend, _resolved_device(args.device), args.threads)
 
@@ -288,7 +288,7 @@ def _cmd_voices_check(args: argparse.Namespace) -> int:
 def _cmd_bench_cpu(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from service.bench import run_cpu_bench
+    from service.tools.bench_cpu import run_cpu_bench
 
     return run_cpu_bench(Path(args.corpus) if args.corpus else None, args.threads, args.repeats, args.backend,
                          args.settle_ms / 1000, args.whole, args.stat)
@@ -430,14 +430,14 @@ def _cmd_client(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from service.precision_tools import run_compare
+    from service.tools.precision_tools import run_compare
 
     return run_compare(args.precision, args.voice, args.voices_dir, _resolved_device(args.device),
                        Path(args.out) if args.out else None, args.limit)
 
 
 def _cmd_sensitivity(args: argparse.Namespace) -> int:
-    from service.precision_tools import run_sensitivity
+    from service.tools.precision_tools import run_sensitivity
 
     return run_sensitivity(args.voice, args.voices_dir, _resolved_device(args.device), args.limit,
                            threads=args.threads)
@@ -446,7 +446,7 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
 def _cmd_bench_gpu(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from service.bench_gpu import run_gpu_bench
+    from service.tools.bench_gpu import run_gpu_bench
 
     batches = [int(b) for b in args.batches.split(",")]
     return run_gpu_bench(_resolved_device(args.device), batches, args.chunk_frames, args.iters,
@@ -454,7 +454,7 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_streams(args: argparse.Namespace) -> int:
-    from service.bench_streams import run_streams_bench
+    from service.tools.bench_streams import run_streams_bench
 
     counts = [int(n) for n in args.streams.split(",")]
     schedule = {"growth": args.growth, "first_frames": args.first_frames}
@@ -463,7 +463,7 @@ def _cmd_bench_streams(args: argparse.Namespace) -> int:
 
 
 def _add_profile_arg(parser: argparse.ArgumentParser) -> None:
-    from service.engine.ranges import BusyProfiler
+    from service.telemetry.ranges import BusyProfiler
 
     parser.add_argument("--profile", default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "profile_dir"),
                         metavar="DIR",

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.backends.base import Backend, DevicePriorOut, EncodeOut
-from service.engine.ranges import stage
 from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
 from service.staged_decoder import StagedDecoder
+from service.telemetry.ranges import stage
 from service.text.frontend import PhonemizedSentence
 from service.voices import Voice
 

@@ -55,7 +55,7 @@ def test_builtin_voice_chunks_equal_full_decode(onnx_cache_dir: str, backend: st
 
 
 def test_onnxruntime_stages_reproduce_torch(onnx_cache_dir: str) -> None:
-    from service.quality import psnr_db
+    from service.audio.quality import psnr_db
 
     params = SynthesisParams(seed=11)
     text = "The exported stage graphs compute the same function."
@@ -137,7 +137,7 @@ def word_error_rate(ref: list[str], hyp: list[str]) -> float:
 def test_batched_acoustic_stage_keeps_every_duration(builtin_ort: Synthesizer) -> None:
     """Sentences batched together get exactly the durations they get alone."""
     from service.synthesis import AcousticJob, utterance_rng
-    from service.voice_check import check_sentences
+    from service.tools.voice_check import check_sentences
 
     params = SynthesisParams(seed=21)
     sentences = [s for t in check_sentences() for s in builtin_ort.voice.frontend.sentences(t) if s.phoneme_ids]

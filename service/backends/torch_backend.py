@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.guard import guard
 from service.backends.base import DevicePriorOut, EncodeOut, VocodeOut
-from service.engine.guard import guard
 from service.models.cuda_graphs import GraphCapturer
 from service.models.vits.model import VitsModel
 from service.models.vits.precision import VITS_FP32_PINS, to_mixed_precision

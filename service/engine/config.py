@@ -94,7 +94,7 @@ class EngineConfig:
     # a temporary one with a warning.
     cache_dir: Path | None = None
     # Record the core's busy periods with torch.profiler into this directory (a Chrome trace and a
-    # summary per period, see engine/ranges.py); None = off.
+    # summary per period, see telemetry/ranges.py); None = off.
     profile_dir: Path | None = None
     # Long enough to reach every stage session at every size class the decoder uses (the
     # ORT lanes cut only long calls), so the first caller does not pay for a first run.

@@ -26,7 +26,6 @@ from service.engine.cache import ResultCache
 from service.engine.config import BatchConfig
 from service.engine.executor import Executor
 from service.engine.output import OutputStage
-from service.engine.ranges import BusyProfiler, stage
 from service.engine.scheduler import Scheduler
 from service.engine.state import (
     EngineStats,
@@ -37,6 +36,7 @@ from service.engine.state import (
 )
 from service.synthesis import ShadowSampler
 from service.telemetry import Telemetry
+from service.telemetry.ranges import BusyProfiler, stage
 from service.text.frontend import PhonemizedSentence
 from service.text.frontend_pool import FrontendPool, FrontendPoolConfig
 

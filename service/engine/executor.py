@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from service.engine.config import BatchConfig
-from service.engine.ranges import stage
 from service.engine.state import EngineStats, SessionState, UtteranceState, UtteranceStatus
 from service.models.family import StepRows, StreamingDecoder
 from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
+from service.telemetry.ranges import stage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.audio.quality import psnr_db
 from service.backends.base import Backend
-from service.quality import psnr_db
 from service.telemetry.histogram import Histogram
 from service.telemetry.telemetry import PSNR_BUCKETS_DB
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from service.audio.quality import psnr_db
 from service.backends.torch_backend import TorchBackend
 from service.engine.faults import inject_nonfinite
 from service.engine.shadow import ShadowVerifier
 from service.models.vits.precision import VITS_FP32_PINS, pinned_modules
-from service.quality import psnr_db
 from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer
 from service.voices import Voice, VoiceInfo, builtin_voice_info
 

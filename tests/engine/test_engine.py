@@ -230,9 +230,9 @@ def test_guard_trip_recomputes_in_fp32(layer: str, value: float) -> None:
     """A fault injected into the real FP16 model (vocoder or flow) trips the guard:
     no non-finite sample leaves, the chunk is redone in FP32, the rest of the
     utterance stays FP32, and the audio matches a pure FP32 run."""
+    from service.audio.quality import psnr_db
     from service.backends.torch_backend import TorchBackend
     from service.engine.faults import inject_nonfinite
-    from service.quality import psnr_db
 
     h = EngineHarness(tiny_engine_config())
     try:

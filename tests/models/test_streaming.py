@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from service.audio.quality import psnr_db
 from service.models.family import StepRows
 from service.models.vits.model import VitsModel
 from service.models.vits.streaming import PriorMemory, VitsStreamingDecoder
-from service.quality import psnr_db
 from service.synthesis import PriorSample, SynthesisParams, Utterance, open_synthesizer
 
 

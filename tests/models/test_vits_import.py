@@ -10,13 +10,13 @@ import onnxruntime
 import pytest
 import torch
 
+from service.audio.quality import psnr_db
 from service.models.vits.onnx_import import (
     VoiceMappingError,
     infer_hparams,
     load_vits_from_onnx,
     read_onnx_weights,
 )
-from service.quality import psnr_db
 
 IDS = [1, 0, 20, 0, 59, 0, 24, 0, 31, 0, 14, 0, 88, 0, 32, 0, 2]
 

@@ -1,9 +1,9 @@
 """The profile summary's arithmetic on a small hand-made Chrome trace (the GPU's own traces are
-summarised on the GPU host; on CPU, tests/test_bench_streams.py covers a real one)."""
+summarised on the GPU host; on CPU, tests/tools/test_bench_streams.py covers a real one)."""
 
 from __future__ import annotations
 
-from service.tools.trace_summary import summarise
+from service.telemetry.trace_summary import summarise
 
 
 def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, corr: int | None = None) -> dict[str, object]:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from service.bench_streams import run_streams_bench
-from service.engine.ranges import BusyProfiler
+from service.telemetry.ranges import BusyProfiler
+from service.tools.bench_streams import run_streams_bench
 
 
 def _range_rows(summary: str) -> dict[str, tuple[int, float]]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.engine.guard import GuardResult, guard, guard_reference
+from kernels.guard import GuardResult, guard, guard_reference
 
 NAN, INF = math.nan, math.inf
 
@@ -224,6 +224,6 @@ def test_kernel_on_side_stream_and_guard_dispatch() -> None:
     torch.cuda.current_stream().wait_stream(side)
     _assert_same(got, want)
     _assert_same(got2, want)
-    from service.engine import guard as guard_module
+    from kernels import guard as guard_module
 
     assert not guard_module._kernel_broken  # the kernel, not the fallback, ran

@@ -33,7 +33,7 @@ class BusyProfiler:
     """Records each busy period of the core (from the first open session until none is left,
     or MAX_PERIOD_S) with `torch.profiler`, every thread of the core's process and the device's
     kernels, and writes `core-N.json` (a Chrome trace) and `core-N.txt` (where the time went,
-    see service/tools/trace_summary.py). Runs on the engine thread: exporting a trace stalls the
+    see service/telemetry/trace_summary.py). Runs on the engine thread: exporting a trace stalls the
     engine, so a period that ends while sessions are still open adds a pause to them."""
 
     MAX_PERIODS = 4  # traces are tens of MB per second of a loaded GPU
@@ -73,7 +73,7 @@ class BusyProfiler:
         """End the period being recorded (if any) and write its files."""
         if self._prof is None:
             return
-        from service.tools.trace_summary import summarise
+        from service.telemetry.trace_summary import summarise
 
         global _recording
         _recording = False

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from service.audio.quality import psnr_db
 from service.backends.torch_backend import TorchBackend
 from service.models.vits.precision import VITS_FP32_PINS, VITS_PIN_CANDIDATES, fp16_only, pinned_modules
-from service.quality import psnr_db
 from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer
-from service.voice_check import check_sentences
+from service.tools.voice_check import check_sentences
 from service.voices import Voice, find_voice
 
 PLOT_HINT = "pip install matplotlib"

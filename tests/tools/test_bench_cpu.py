@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from service.bench import load_corpus, run_cpu_bench, time_cadenza, time_whole
 from service.engine.config import EngineConfig
 from service.engine.local import LocalEngine
 from service.synthesis import open_synthesizer
 from service.text.frontend_pool import FrontendPoolConfig
+from service.tools.bench_cpu import load_corpus, run_cpu_bench, time_cadenza, time_whole
 
 
 def test_bench_reports_ratios_and_the_cost_of_streaming(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

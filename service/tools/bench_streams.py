@@ -4,7 +4,7 @@ playback of its audio is simulated from the first chunk's arrival. Reports TTFA
 P50/P99 and the share of streams whose worst underrun is at most 100 ms.
 
 `--profile DIR`: the core records each round (a busy period) with `torch.profiler`, see
-service/engine/ranges.py; a profiled round's figures include the profiler's overhead."""
+service/telemetry/ranges.py; a profiled round's figures include the profiler's overhead."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from importlib import resources
 
 import numpy as np
 
-from service.quality import psnr_db
+from service.audio.quality import psnr_db
 from service.synthesis import SynthesisParams, open_synthesizer
 
 

@@ -1,9 +1,9 @@
 """Where a profiled period's time went, from a `torch.profiler` Chrome trace (`--profile DIR`
 on `serve` or `bench streams` writes one per busy period of the core, with this summary beside it).
 
-    python -m service.tools.trace_summary DIR/core-1.json
+    python -m service.telemetry.trace_summary DIR/core-1.json
 
-Prints: how busy the device was; for each engine range (service/engine/ranges.py) its count and
+Prints: how busy the device was; for each engine range (service/telemetry/ranges.py) its count and
 host time, the device time of the kernels launched inside it (summed, and first start to last
 end) and how long after the range's start that work ended; the runtime calls the host waited in;
 the kernels that took the most device time."""

@@ -82,11 +82,9 @@ def guard(x: torch.Tensor) -> GuardResult:
         and batch.dtype in (torch.float16, torch.float32)
         and not _kernel_broken
     ):
-        try:
-            from kernels import loader
-        except ImportError:
-            loader = None  # type: ignore[assignment]  # kernels/ not on the path (installed wheel)
-        if loader is not None and loader.available():
+        from kernels import loader
+
+        if loader.available():
             try:
                 nonfinite, peak, pcm = loader.guard_cuda(batch)
             except loader.KernelUnavailable as exc:

@@ -1,0 +1,63 @@
+"""Imports flow one way (README "How it works"): nothing low imports something high, so the
+engine never depends on a tool, nor a model on the engine."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Higher layers may import lower ones, never the reverse.
+LAYERS = {
+    "cli": 7,
+    "tools": 6,
+    "api": 5,
+    "engine": 4,
+    "synthesis": 3, "staged_decoder": 3, "backends": 3,
+    "models": 1, "text": 1, "voices": 1, "audio": 1, "telemetry": 1,
+    "kernels": 0,
+}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "kernels":
+        return "kernels"
+    if parts[0] == "service" and len(parts) > 1:
+        return parts[1]
+    return None
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_imports_flow_one_way() -> None:
+    files = [p for p in [*ROOT.joinpath("service").rglob("*.py"), *ROOT.joinpath("kernels").rglob("*.py")]
+             if "gen" not in p.relative_to(ROOT).parts]
+    unknown, wrong = set(), []
+    for path in files:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__" and len(parts) <= 2:
+            continue  # the package roots
+        source = _layer(".".join(parts))
+        if source not in LAYERS:
+            unknown.add(source)
+            continue
+        for name in _imports(path):
+            target = _layer(name)
+            if target is None or target == source:
+                continue
+            if target not in LAYERS:
+                unknown.add(target)
+            elif LAYERS[target] > LAYERS[source]:
+                wrong.append(f"{path.relative_to(ROOT)} ({source}) imports {name} ({target})")
+    assert not unknown, f"modules in no layer: {sorted(map(str, unknown))}; add them to LAYERS"
+    assert not wrong, "\n".join(wrong)
