@@ -5,17 +5,22 @@ takes the core's output off its pipe) is what a burst of new streams queues behi
 runs in a process of its own. Its CPU time per message delivered is the same work on any machine
 whatever the core's speed, so it can be compared here, on a small CPU, for the GPU host.
 
-    .venv/bin/python scripts/bench_server_cpu.py [--old DIR] [--rounds N] [--sessions N]
+    .venv/bin/python scripts/bench_server_cpu.py [--old DIR] [--rounds N] [--sessions N] [--cached]
 
 Starts `cadenza serve` from this tree ("new") and, with --old, from DIR (a `git archive` of an
-older commit's service/ and kernels/) on free ports, then runs `cadenza bench load --arrival burst`
+older commit's service/ and kernels/) on free ports, then runs a burst of `--sessions` streams
 against each in turn, `--rounds` times, and prints per burst: the server process's CPU ms
 (user + system, its threads included, the core's process and the frontend's not), the audio
-messages its sessions received, and the CPU microseconds per message."""
+messages its sessions received, the CPU per session and per message, and the client's TTFA.
+
+The burst is `cadenza bench load --arrival burst` (live synthesis: on a small CPU the core is
+the limit), or with --cached seeded sessions whose sentences the server's result cache already
+holds: the core then answers at once and the server's process is the limit, as on a GPU host."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
@@ -43,12 +48,12 @@ def _cpu_s(pid: int) -> float:
 
 
 class Server:
-    def __init__(self, name: str, tree: Path, log_dir: Path) -> None:
+    def __init__(self, name: str, tree: Path, log_dir: Path, extra: list[str]) -> None:
         self.name, self.port = name, _free_port()
         env = dict(os.environ, PYTHONPATH=str(tree))
         self.log = (log_dir / f"serve-{name}.log").open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", str(self.port)],
+            [sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", str(self.port), *extra],
             cwd=tree, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def burst(self, sessions: int, out: Path) -> tuple[float, int, float]:
@@ -63,10 +68,49 @@ class Server:
         messages = sum(s["chunks"] for s in report["sessions"])
         return cpu, messages, float(report["summary"]["ttfa_p99_ms"])
 
+    def cached_burst(self, sessions: int) -> tuple[float, int, float]:
+        """Seeded sessions (their audio comes from the result cache): as `burst`."""
+        before = _cpu_s(self.proc.pid)
+        ttfas, messages = asyncio.run(_cached_sessions(f"127.0.0.1:{self.port}", sessions))
+        cpu = _cpu_s(self.proc.pid) - before
+        return cpu, messages, statistics.quantiles(ttfas, n=100)[98] * 1000 if len(ttfas) > 1 else ttfas[0] * 1000
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
         self.log.close()
+
+
+async def _cached_sessions(target: str, sessions: int) -> tuple[list[float], int]:
+    """`sessions` streams at once, each two of bench load's sentences with seed 7; returns their
+    TTFAs (seconds) and the audio messages received."""
+    import grpc
+
+    from service.api.gen.cadenza.v1 import tts_pb2 as pb
+    from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
+    from service.tools.bench_load import SENTENCES
+
+    async def one(stub: pb_grpc.TextToSpeechStub, i: int) -> tuple[float, int]:
+        text = " ".join(SENTENCES[(i + k) % len(SENTENCES)] for k in range(2))
+        start = time.perf_counter()
+        first, count = None, 0
+
+        async def requests():  # type: ignore[no-untyped-def]
+            yield pb.StreamingSynthesizeRequest(config=pb.SessionConfig(seed=7))
+            yield pb.StreamingSynthesizeRequest(text=text)
+            yield pb.StreamingSynthesizeRequest(end_input=True)
+
+        async for response in stub.StreamingSynthesize(requests()):
+            if response.WhichOneof("response") == "audio":
+                first = first or time.perf_counter() - start
+                count += 1
+        assert first is not None
+        return first, count
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.TextToSpeechStub(channel)
+        results = await asyncio.gather(*(one(stub, i) for i in range(sessions)))
+    return [t for t, _ in results], sum(n for _, n in results)
 
 
 def main() -> int:
@@ -74,28 +118,43 @@ def main() -> int:
     parser.add_argument("--old", type=Path, default=None, help="an older tree to compare with")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--cached", action="store_true", help="seeded sessions served from the result cache")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cadenza-server-cpu-"))
-    servers = [Server("new", ROOT, work)] + ([Server("old", args.old.resolve(), work)] if args.old else [])
-    per_message: dict[str, list[float]] = {s.name: [] for s in servers}
+    # Cached bursts are larger than this CPU's capacity estimate for live audio: no admission control.
+    extra = ["--admission-wait", "0"] if args.cached else []
+    servers = [Server("new", ROOT, work, extra)] + ([Server("old", args.old.resolve(), work, extra)] if args.old else [])
+    per_session: dict[str, list[float]] = {s.name: [] for s in servers}
     try:
         for s in servers:  # warm: each waits for its server to say SERVING, then one burst not counted
             s.burst(1, work / "warm.json")
+            if args.cached:  # every sentence of the cached bursts synthesised once
+                asyncio.run(_cached_sessions(f"127.0.0.1:{s.port}", len_sentences()))
         for r in range(args.rounds):
             for s in servers if r % 2 == 0 else servers[::-1]:
-                cpu, messages, p99 = s.burst(args.sessions, work / f"{s.name}-{r}.json")
-                per_message[s.name].append(cpu / messages * 1e6)
-                print(f"{s.name} round {r + 1}: server CPU {cpu * 1000:.0f} ms for {messages} audio messages "
-                      f"({cpu / messages * 1e6:.0f} us each), TTFA p99 {p99:.0f} ms", flush=True)
+                if args.cached:
+                    cpu, messages, p99 = s.cached_burst(args.sessions)
+                else:
+                    cpu, messages, p99 = s.burst(args.sessions, work / f"{s.name}-{r}.json")
+                per_session[s.name].append(cpu / args.sessions * 1e3)
+                print(f"{s.name} round {r + 1}: server CPU {cpu * 1000:.0f} ms for {args.sessions} sessions, "
+                      f"{messages} audio messages ({cpu / args.sessions * 1e3:.2f} ms per session, "
+                      f"{cpu / messages * 1e6:.0f} us per message), TTFA p99 {p99:.0f} ms", flush=True)
                 time.sleep(0.5)
     finally:
         for s in servers:
             s.stop()
-    for name, values in per_message.items():
-        print(f"{name}: median {statistics.median(values):.0f} us of server CPU per audio message "
-              f"({', '.join(f'{v:.0f}' for v in values)})")
+    for name, values in per_session.items():
+        print(f"{name}: median {statistics.median(values):.2f} ms of server CPU per session "
+              f"({', '.join(f'{v:.2f}' for v in values)})")
     print(f"logs and reports in {work}")
     return 0
+
+
+def len_sentences() -> int:
+    from service.tools.bench_load import SENTENCES
+
+    return len(SENTENCES)
 
 
 if __name__ == "__main__":

@@ -63,12 +63,13 @@ class StreamingResampler:
         return self._stream is None
 
     def process(self, chunk: npt.ArrayLike) -> FloatArray:
-        """Resample the next chunk; output may lag input by the filter delay."""
+        """Resample the next chunk; output may lag input by the filter delay. Without resampling
+        the output is the input itself (as float32 mono): callers only read it."""
         if self._flushed:
             raise RuntimeError("StreamingResampler.process called after flush")
         x = _as_mono_f32(chunk)
         if self._stream is None:
-            return x.copy()
+            return x
         if x.size == 0:
             return np.zeros(0, dtype=np.float32)
         out: FloatArray = self._stream.resample_chunk(x, last=False)

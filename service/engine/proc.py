@@ -6,8 +6,9 @@ calls gives the GIL up and may wait to get it back. Here the core, the loaded vo
 result cache and the frontend pool live in a child process; the server keeps only the
 sessions' event-loop halves. Both sides exchange pickled messages over one pipe:
 
-server -> core: ("open", SessionRequest), ("text", id, text), ("end", id), ("cancel", id),
-  ("read", {id: seconds read}, wake), ("load", call, voice name), ("reset_rate",), ("stop",)
+server -> core: ("batch", [message, ...]) of ("open", SessionRequest), ("text", id, text), ("end", id),
+  ("cancel", id), ("read", {id: seconds read}, wake), ("load", call, voice name), ("reset_rate",),
+  ("stop",); the messages of one event-loop turn share a batch
 core -> server: ("ready", {name: LoadedVoice}) or ("failed", exception) once at start; then
   ("out", [(id, sink method, args)], [(telemetry method, args)]), ("snapshot", CoreSnapshot),
   ("reply", call, LoadedVoice or error text), ("trip", voice), ("died", why), ("stopped",)
@@ -71,7 +72,11 @@ class ProcessHost:
         self._call_ids = itertools.count()
         self._reads: dict[int, float] = {}
         self._wake = False
-        self._reads_due = False
+        # Session messages posted on the event loop go out together once per loop turn (one
+        # pickle and one write for a turn's many streams: each write gives the GIL up, and the
+        # loop may then wait for the relay thread to hand it back).
+        self._batch: list[tuple[object, ...]] = []
+        self._batch_due = False
         self._lock = threading.Lock()
         self._stopping = False
         self._conn: Connection | None = None
@@ -108,12 +113,35 @@ class ProcessHost:
         return dict(reply[1])
 
     def _post(self, *message: object) -> None:
-        if self._conn is None or self.dead.is_set():
-            return
+        """Send `message` to the core: at the end of this loop turn when called on an event loop
+        (in order with the turn's other messages), else now."""
         try:
-            _send(self._conn, self._lock, message)
-        except (OSError, EOFError):  # the core's process is gone; the relay thread reports it
-            log.debug("engine process gone: %s dropped", message[0])
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        with self._lock:
+            self._batch.append(message)
+            if loop is not None:
+                if not self._batch_due:
+                    self._batch_due = True
+                    loop.call_soon(self._flush)
+                return
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send what was posted, as one ("batch", messages) message, the reads last."""
+        with self._lock:
+            reads, wake = self._reads, self._wake
+            self._reads, self._wake = {}, False
+            batch, self._batch, self._batch_due = self._batch, [], False
+            if reads:
+                batch.append(("read", reads, wake))
+            if not batch or self._conn is None or self.dead.is_set():
+                return
+            try:
+                self._conn.send_bytes(pickle.dumps(("batch", batch), protocol=pickle.HIGHEST_PROTOCOL))
+            except (OSError, EOFError):  # the core's process is gone; the relay thread reports it
+                log.debug("engine process gone: %d messages dropped", len(batch))
 
     # --- what TtsEngine and the sessions call ------------------------------------------------------
 
@@ -145,17 +173,12 @@ class ProcessHost:
 
     def taken(self, session_id: int, read_s: float, wake: bool) -> None:
         """A client took audio: reported once per event-loop turn for all sessions."""
-        self._reads[session_id] = read_s
-        self._wake = self._wake or wake
-        if not self._reads_due:
-            self._reads_due = True
-            asyncio.get_running_loop().call_soon(self._send_reads)
-
-    def _send_reads(self) -> None:
-        reads, wake = self._reads, self._wake
-        self._reads, self._wake, self._reads_due = {}, False, False
-        if reads:
-            self._post("read", reads, wake)
+        with self._lock:
+            self._reads[session_id] = read_s
+            self._wake = self._wake or wake
+            if not self._batch_due:
+                self._batch_due = True
+                asyncio.get_running_loop().call_soon(self._flush)
 
     def snapshot(self) -> CoreSnapshot:
         return self._snapshot
@@ -372,39 +395,49 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
             log.exception("could not load voice %s", name)
             outbox.send("reply", call, f"cannot load voice {name}: {type(exc).__name__}: {exc}")
 
+    def apply(message: tuple[object, ...]) -> bool:
+        """Apply one of the server's messages; False once it says stop."""
+        kind = message[0]
+        if kind == "text":
+            core.submit_text(message[1], message[2])  # type: ignore[arg-type]
+        elif kind == "read":
+            for session_id, read_s in message[1].items():  # type: ignore[attr-defined]
+                cursor = outbox.cursors.get(session_id)
+                if cursor is not None:
+                    cursor.read_s = read_s
+            if message[2]:
+                core.poke()
+        elif kind == "open":
+            request = message[1]
+            assert isinstance(request, SessionRequest)
+            runtime = runtimes.get(voices[request.voice_name])
+            cursor = outbox.cursors[request.session_id] = ReadCursor()
+            sink = _RemoteSink(request.session_id, cursor, runtime.sample_rate)
+            core.submit_open(WorkSpec.of(request, runtime, sink, outbox, cursor))  # type: ignore[arg-type]
+        elif kind == "end":
+            core.submit_end(message[1])  # type: ignore[arg-type]
+        elif kind == "cancel":
+            outbox.cursors.pop(message[1], None)  # type: ignore[call-overload]
+            core.submit_cancel(message[1])  # type: ignore[arg-type]
+        elif kind == "load":
+            threading.Thread(target=load, args=message[1:], name="cadenza-voice-load", daemon=True).start()
+        elif kind == "reset_rate":
+            core.reset_rate()
+        elif kind == "stop":
+            return False
+        return True
+
     try:
-        while True:
+        running = True
+        while running:
             try:
-                message = pickle.loads(conn.recv_bytes())
+                batch = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):  # the server is gone
                 break
-            kind = message[0]
-            if kind == "text":
-                core.submit_text(message[1], message[2])
-            elif kind == "read":
-                for session_id, read_s in message[1].items():
-                    cursor = outbox.cursors.get(session_id)
-                    if cursor is not None:
-                        cursor.read_s = read_s
-                if message[2]:
-                    core.poke()
-            elif kind == "open":
-                request: SessionRequest = message[1]
-                runtime = runtimes.get(voices[request.voice_name])
-                cursor = outbox.cursors[request.session_id] = ReadCursor()
-                sink = _RemoteSink(request.session_id, cursor, runtime.sample_rate)
-                core.submit_open(WorkSpec.of(request, runtime, sink, outbox, cursor))  # type: ignore[arg-type]
-            elif kind == "end":
-                core.submit_end(message[1])
-            elif kind == "cancel":
-                outbox.cursors.pop(message[1], None)
-                core.submit_cancel(message[1])
-            elif kind == "load":
-                threading.Thread(target=load, args=message[1:], name="cadenza-voice-load", daemon=True).start()
-            elif kind == "reset_rate":
-                core.reset_rate()
-            elif kind == "stop":
-                break
+            assert batch[0] == "batch"
+            for message in batch[1]:
+                if not (running := apply(message)):
+                    break
     finally:
         stop.set()
         core.stop()

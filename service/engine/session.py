@@ -6,7 +6,9 @@ only reaches it through call_soon_threadsafe, so no state needs a lock."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -48,6 +50,73 @@ class SessionSetup:
     max_ahead_s: float = 3.0  # the engine holds the session back while this much audio is unread
 
 
+class _EventQueue:
+    """The session's events in order, waiting for its consumer (the RPC writing to the client).
+
+    Audio that arrives while the previous audio event is still waiting is appended to it (same
+    utterance, precision and fallback flag, no word timings, within `max_bytes`): when the
+    writer falls behind (a server loop busy with many streams) a session's chunks go out as
+    fewer, larger messages, each of which costs the loop about the same whatever its size. A
+    writer that keeps up sees every chunk as it came, so first audio is never held back."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._items: deque[object] = deque()
+        self._tail: list[AudioOut] = []  # audio appended to the last item (an AudioOut), joined when taken
+        self._tail_bytes = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._max_bytes = max_bytes
+        self.merged = 0  # audio events appended to the one before them
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def put(self, item: object) -> None:
+        self._seal()
+        self._items.append(item)
+        self._tail_bytes = len(item.audio) if isinstance(item, AudioOut) else 0
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def put_audio(self, event: AudioOut) -> bool:
+        """Queue `event`, or append it to the audio event still waiting before it; True if it
+        was appended (it then takes no sequence number of its own)."""
+        last = self._items[-1] if self._items else None
+        end = self._tail[-1] if self._tail else last
+        if (isinstance(last, AudioOut) and isinstance(end, AudioOut) and not event.words
+                and last.utterance == event.utterance and last.precision is event.precision
+                and last.fallback == event.fallback
+                and end.offset_samples + end.num_samples == event.offset_samples
+                and self._tail_bytes + len(event.audio) <= self._max_bytes):
+            self._tail.append(event)
+            self._tail_bytes += len(event.audio)
+            self.merged += 1
+            return True
+        self.put(event)
+        return False
+
+    async def get(self) -> object:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if len(self._items) == 1:
+            self._seal()
+            self._tail_bytes = 0
+        return self._items.popleft()
+
+    def _seal(self) -> None:
+        """Join the audio appended to the last item into it."""
+        if self._tail:
+            last = self._items[-1]
+            assert isinstance(last, AudioOut)
+            parts = [last, *self._tail]
+            self._items[-1] = dataclasses.replace(last, audio=b"".join(p.audio for p in parts),
+                                                  num_samples=sum(p.num_samples for p in parts))
+            self._tail = []
+
+
 class EngineSession:
     """One stream. Implements `service.engine.api.Session`. With `telemetry` it has a span and
     its figures are recorded (the server's own warm-up sessions have none)."""
@@ -59,7 +128,7 @@ class EngineSession:
         self._engine_loop = loop
         self._on_close = on_close
         self._aloop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._queue = _EventQueue(setup.max_audio_bytes)
         self._interrupt: BaseException | None = None  # see interrupt()
         self._segmenter = IncrementalSegmenter(setup.segmenter)
         cfg = setup.config
@@ -118,11 +187,11 @@ class EngineSession:
         ended_by = error if isinstance(error, Exception) else None  # not CancelledError: the client left
         self._close(error=ended_by, cancelled=ended_by is None)
         self._engine_loop.submit_cancel(self.id)
-        self._queue.put_nowait(_END)
+        self._queue.put(_END)
 
     def interrupt(self, error: BaseException) -> None:
         self._interrupt = error
-        self._queue.put_nowait(_WAKE)
+        self._queue.put(_WAKE)
 
     async def events(self) -> AsyncIterator[SessionEvent]:
         while True:
@@ -217,12 +286,12 @@ class EngineSession:
             lo = 0 if start == 0 else header + start * width
             piece = data[lo : header + (start + n) * width]
             self.setup.cursor.delivered_s += n / self.setup.out_rate
-            self._queue.put_nowait(AudioOut(
+            if not self._queue.put_audio(AudioOut(
                 audio=piece, seq=self._seq, offset_samples=offset + start, num_samples=n,
                 sample_rate=self.setup.out_rate, utterance=utterance, precision=Precision(precision),
                 fallback=fallback, words=words if start == 0 else [],
-            ))
-            self._seq += 1
+            )):
+                self._seq += 1
             start += n
             if start >= count:
                 return
@@ -255,7 +324,7 @@ class EngineSession:
         count = self._output.samples_out - before
         if count or (tail and self._seq == 0):
             self._emit_audio(tail, count, -1, self.setup.precision.value, False, [])
-        self._queue.put_nowait(SessionSummary(
+        self._queue.put(SessionSummary(
             characters=self._chars,
             audio_seconds=self._output.samples_out / self.setup.out_rate,
             ttfa_seconds=self._ttfa,
@@ -271,7 +340,7 @@ class EngineSession:
     def on_error(self, exc: BaseException) -> None:
         if self._state == "closed":
             return
-        self._queue.put_nowait(exc)
+        self._queue.put(exc)
         self._close(error=exc)
 
 

@@ -106,16 +106,21 @@ def test_acoustic_stage_run_during_a_step_keeps_each_session_result(harness: Eng
             return await harness.engine.synthesize_all(_cfg(i), TEXT)
         return await asyncio.gather(*[one(i) for i in range(6)])
 
+    # Whether a sentence arrives while a step is planned depends on timing: stagger until the
+    # overlapped path ran (bounded), checking every session of every run.
     backend.asynchronous = True
     try:
-        results = harness.run(staggered())
+        for _ in range(8):
+            results = harness.run(staggered())
+            for i, (data, _, _) in enumerate(results):
+                a, b = _samples(alone[i]), _samples(data)
+                assert a.shape == b.shape, i
+                np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+            if harness.engine.stats()["overlapped_acoustic"] > before:
+                break
     finally:
         backend.asynchronous = False
     assert harness.engine.stats()["overlapped_acoustic"] > before
-    for i, (data, _, _) in enumerate(results):
-        a, b = _samples(alone[i]), _samples(data)
-        assert a.shape == b.shape, i
-        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
 
 
 def test_staged_decoding_equals_slot_steps(harness: EngineHarness, staged_harness: EngineHarness) -> None:
