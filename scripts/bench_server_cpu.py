@@ -123,7 +123,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="cadenza-server-cpu-"))
     # Cached bursts are larger than this CPU's capacity estimate for live audio: no admission control.
     extra = ["--admission-wait", "0"] if args.cached else []
-    servers = [Server("new", ROOT, work, extra)] + ([Server("old", args.old.resolve(), work, extra)] if args.old else [])
+    servers = [Server("new", ROOT, work, extra)]
+    if args.old is not None:
+        servers.append(Server("old", args.old.resolve(), work, extra))
     per_session: dict[str, list[float]] = {s.name: [] for s in servers}
     try:
         for s in servers:  # warm: each waits for its server to say SERVING, then one burst not counted
