@@ -159,6 +159,21 @@ def encode(samples: npt.ArrayLike, encoding: AudioEncoding) -> bytes:
     return _ENCODERS[encoding](samples)
 
 
+PCM16_ENCODINGS = (AudioEncoding.LINEAR16, AudioEncoding.MULAW, AudioEncoding.ALAW)
+
+
+def encode_pcm16(pcm: Int16Array, encoding: AudioEncoding) -> bytes:
+    """Encode samples already converted by `float_to_int16` (the same bytes `encode` gives for
+    the float samples); only for the encodings in PCM16_ENCODINGS."""
+    if encoding is AudioEncoding.LINEAR16:
+        return np.asarray(pcm, dtype="<i2").tobytes()
+    if encoding is AudioEncoding.MULAW:
+        return linear16_to_mulaw(pcm).tobytes()
+    if encoding is AudioEncoding.ALAW:
+        return linear16_to_alaw(pcm).tobytes()
+    raise ValueError(f"{encoding.name} is not made from 16-bit PCM")
+
+
 _ENCODERS = {
     AudioEncoding.LINEAR16: encode_linear16,
     AudioEncoding.MULAW: encode_mulaw,

@@ -10,13 +10,17 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from service.audio.encoding import AudioEncoding, encode
+from service.audio.encoding import PCM16_ENCODINGS, AudioEncoding, encode, encode_pcm16
 from service.audio.resample import Quality, StreamingResampler
 from service.audio.wav import wav_header as make_wav_header
 
 
 class AudioOutput:
-    """Converts one session's float32 chunks at ``in_rate`` to encoded bytes at ``out_rate``."""
+    """Converts one session's float32 chunks at ``in_rate`` to encoded bytes at ``out_rate``.
+
+    Where the output needs no resampling and is made from 16-bit PCM (`accepts_pcm16`), chunks
+    may also come as int16 PCM already (`float_to_int16`'s, made where the audio was: the engine
+    core's process), with the same bytes out."""
 
     def __init__(
         self,
@@ -35,9 +39,16 @@ class AudioOutput:
         self._finished = False
         self.samples_out = 0
 
-    def _emit(self, samples: npt.NDArray[np.float32]) -> bytes:
+    @property
+    def accepts_pcm16(self) -> bool:
+        return self._resampler.passthrough and self.encoding in PCM16_ENCODINGS
+
+    def _emit(self, samples: npt.NDArray[np.float32] | npt.NDArray[np.int16]) -> bytes:
         self.samples_out += len(samples)
-        payload = encode(samples, self.encoding)
+        if samples.dtype == np.int16:
+            payload = encode_pcm16(samples, self.encoding)  # type: ignore[arg-type]
+        else:
+            payload = encode(samples, self.encoding)
         if self._header_pending:
             self._header_pending = False
             payload = make_wav_header(self.out_rate, self.encoding, None) + payload
@@ -47,6 +58,10 @@ class AudioOutput:
         """Bytes for the next model chunk (the first call carries the WAV header, if asked)."""
         if self._finished:
             raise RuntimeError("AudioOutput.convert called after finish")
+        if isinstance(chunk, np.ndarray) and chunk.dtype == np.int16:
+            if not self.accepts_pcm16:
+                raise ValueError(f"int16 PCM given, but this output resamples or is {self.encoding.name}")
+            return self._emit(chunk)
         return self._emit(self._resampler.process(chunk))
 
     def finish(self) -> bytes:

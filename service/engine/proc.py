@@ -6,7 +6,7 @@ calls gives the GIL up and may wait to get it back. Here the core, the loaded vo
 result cache and the frontend pool live in a child process; the server keeps only the
 sessions' event-loop halves. Both sides exchange pickled messages over one pipe:
 
-server -> core: ("batch", [message, ...]) of ("open", SessionRequest), ("text", id, text), ("end", id),
+server -> core: ("batch", [message, ...]) of ("open", SessionRequest, takes int16 PCM), ("text", id, text), ("end", id),
   ("cancel", id), ("read", {id: seconds read}, wake), ("load", call, voice name), ("reset_rate",),
   ("stop",); the messages of one event-loop turn share a batch
 core -> server: ("ready", {name: LoadedVoice}) or ("failed", exception) once at start; then
@@ -19,6 +19,7 @@ took (coalesced per event-loop turn), so backpressure works as in one process.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -32,10 +33,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from service.audio.encoding import float_to_int16
 from service.engine.config import EngineConfig
 from service.engine.host import CoreSnapshot, LoadedVoice, Runtimes, build_core, snapshot
 from service.engine.output import Delivery, hand_over
-from service.engine.state import Loop, ReadCursor, SessionRequest, Sink, WorkSpec
+from service.engine.state import ChunkResult, Loop, ReadCursor, SessionRequest, Sink, WorkSpec
 from service.telemetry import Telemetry
 from service.telemetry.config import LogConfig
 from service.text.frontend_pool import FrontendPoolConfig
@@ -158,7 +160,7 @@ class ProcessHost:
     def submit_open(self, request: SessionRequest, voice: VoiceInfo, sink: Sink,
                     loop: asyncio.AbstractEventLoop, cursor: ReadCursor) -> None:
         self._sinks[request.session_id] = (sink, loop)
-        self._post("open", request)
+        self._post("open", request, bool(getattr(sink, "accepts_pcm16", False)))
 
     def submit_text(self, session_id: int, text: str) -> None:
         self._post("text", session_id, text)
@@ -262,6 +264,9 @@ class _RemoteSink:
     session_id: int
     cursor: ReadCursor
     sample_rate: int
+    # The session's output is made from 16-bit PCM at the voice's rate: its chunks cross as int16
+    # (converted on the outbox's thread, half the bytes, no conversion on the server's event loop).
+    pcm16: bool = False
 
 
 class _Outbox:
@@ -285,16 +290,19 @@ class _Outbox:
     def call_soon_threadsafe(self, callback: Callable[..., object], *args: object) -> None:
         """Called by `OutputStage.flush` with `run_all` and one flush's deliveries."""
         calls: list[tuple[_RemoteSink, str, tuple[object, ...]]] = args[0]  # type: ignore[assignment]
-        out = []
+        out: list[tuple[int, str, tuple[object, ...]]] = []
+        pcm16: list[int] = []  # which of `out` are chunks for sessions that take int16 PCM
         for sink, method, call_args in calls:
             if method == "on_chunk":
                 sink.cursor.delivered_s += len(call_args[0].samples) / sink.sample_rate  # type: ignore[attr-defined]
+                if sink.pcm16:
+                    pcm16.append(len(out))
             else:
                 self.cursors.pop(sink.session_id, None)
                 if method == "on_error":
                     call_args = (_portable(call_args[0]),)  # type: ignore[arg-type]
             out.append((sink.session_id, method, call_args))
-        self.send("out", out, self.take_telemetry())
+        self._queue.put(("out", out, self.take_telemetry(), pcm16))
 
     def record(self, name: str, args: tuple[object, ...]) -> None:
         with self._tlock:
@@ -311,6 +319,13 @@ class _Outbox:
 
     def _send_all(self) -> None:
         while (message := self._queue.get()) is not None:
+            if message[0] == "out" and len(message) == 4:  # chunks to convert first (off the engine thread)
+                out: list[tuple[int, str, tuple[object, ...]]] = message[1]  # type: ignore[assignment]
+                for i in message[3]:  # type: ignore[attr-defined]
+                    session_id, method, (chunk,) = out[i]
+                    assert isinstance(chunk, ChunkResult)
+                    out[i] = (session_id, method, (dataclasses.replace(chunk, samples=float_to_int16(chunk.samples)),))
+                message = message[:3]
             try:
                 _send(self._conn, self._lock, message)
             except (OSError, EOFError):  # the server is gone
@@ -412,7 +427,7 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
             assert isinstance(request, SessionRequest)
             runtime = runtimes.get(voices[request.voice_name])
             cursor = outbox.cursors[request.session_id] = ReadCursor()
-            sink = _RemoteSink(request.session_id, cursor, runtime.sample_rate)
+            sink = _RemoteSink(request.session_id, cursor, runtime.sample_rate, pcm16=bool(message[2]))
             core.submit_open(WorkSpec.of(request, runtime, sink, outbox, cursor))  # type: ignore[arg-type]
         elif kind == "end":
             core.submit_end(message[1])  # type: ignore[arg-type]

@@ -151,6 +151,11 @@ class EngineSession:
             setup.out_rate, cfg.request_id)) if telemetry is not None else None
 
     @property
+    def accepts_pcm16(self) -> bool:
+        """Its chunks may come as int16 PCM (see AudioOutput)."""
+        return self._output.accepts_pcm16
+
+    @property
     def closed(self) -> bool:
         return self._state == "closed"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.audio.encoding import AudioEncoding, decode
+from service.audio.encoding import PCM16_ENCODINGS, AudioEncoding, decode, float_to_int16
 from service.audio.output import AudioOutput
 from service.audio.resample import StreamingResampler
 from service.audio.wav import wav_header
@@ -89,3 +89,26 @@ def test_interleaved_sessions_do_not_interact() -> None:
 def test_rejects_out_of_range_rate() -> None:
     with pytest.raises(ValueError, match=r"8000\.\.48000"):
         AudioOutput(IN_RATE, 96000, AudioEncoding.LINEAR16)
+
+
+@pytest.mark.parametrize("encoding", PCM16_ENCODINGS)
+def test_int16_chunks_give_the_bytes_float_chunks_give(encoding: AudioEncoding) -> None:
+    """Chunks converted to int16 PCM where they were made (the engine core's process) encode to
+    the same bytes as the float chunks, header included; only outputs that need no resampling and
+    are made from 16-bit PCM take them."""
+    x = speech_like(IN_RATE, 0.5, seed=5) * 1.3  # some samples past full scale: clipped alike
+    want_out, got_out = AudioOutput(IN_RATE, IN_RATE, encoding, wav_header=True), \
+        AudioOutput(IN_RATE, IN_RATE, encoding, wav_header=True)
+    assert got_out.accepts_pcm16
+    pieces = np.array_split(x, 7)
+    want = b"".join(want_out.convert(p) for p in pieces) + want_out.finish()
+    got = b"".join(got_out.convert(float_to_int16(p)) for p in pieces) + got_out.finish()
+    assert got == want and got_out.samples_out == want_out.samples_out == x.size
+
+
+def test_int16_chunks_are_refused_where_the_output_needs_floats() -> None:
+    pcm = float_to_int16(speech_like(IN_RATE, 0.1, seed=6))
+    for out in (AudioOutput(IN_RATE, 8000, AudioEncoding.MULAW), AudioOutput(IN_RATE, IN_RATE, AudioEncoding.FLOAT32)):
+        assert not out.accepts_pcm16
+        with pytest.raises(ValueError, match="int16 PCM"):
+            out.convert(pcm)

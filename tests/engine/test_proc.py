@@ -44,7 +44,10 @@ def test_same_audio_and_words_as_the_core_on_a_thread(harness: EngineHarness, pr
     assert proc_harness.engine.core_mode == "process" and harness.engine.core_mode == "thread"
     configs = [SessionConfig(seed=5, encoding=FLOAT, word_timings=True),
                SessionConfig(seed=6, speaker="bob", speaking_rate=1.3, sample_rate=8000, encoding=FLOAT),
-               SessionConfig(seed=7, speaker=2, encoding=AudioEncoding.LINEAR16, word_timings=True)]
+               SessionConfig(seed=7, speaker=2, encoding=AudioEncoding.LINEAR16, word_timings=True),
+               # 16-bit outputs at the voice's rate cross the pipe as int16 PCM (converted in the core's process)
+               SessionConfig(seed=8, encoding=AudioEncoding.MULAW, wav_header=True),
+               SessionConfig(seed=9, encoding=AudioEncoding.ALAW)]
     for config in configs:
         here, ev_here, sum_here = harness.run(_collect(harness, config, TEXT))
         there, ev_there, sum_there = proc_harness.run(_collect(proc_harness, config, TEXT))
@@ -137,3 +140,28 @@ def test_samples_are_float32_and_finite(proc_harness: EngineHarness) -> None:
     audio, _, _ = proc_harness.run(_collect(proc_harness, SessionConfig(seed=12, encoding=FLOAT), "Finite."))
     samples = np.frombuffer(audio, dtype=np.float32)
     assert samples.size > 0 and np.isfinite(samples).all()
+
+
+def test_chunks_for_pcm16_sessions_cross_the_pipe_as_int16() -> None:
+    """The core's outbox converts the chunks of sessions whose output is made from 16-bit PCM at
+    the voice's rate (`float_to_int16`, on its own thread) and leaves the others' floats alone."""
+    import multiprocessing
+
+    from service.audio.encoding import float_to_int16
+    from service.engine.output import run_all
+    from service.engine.proc import _Outbox, _RemoteSink
+    from service.engine.state import ChunkResult, ReadCursor
+
+    here, there = multiprocessing.Pipe()
+    outbox = _Outbox(there)
+    samples = np.linspace(-1.2, 1.2, 1001, dtype=np.float32)
+    chunk = ChunkResult(samples, 0, [], "fp32", False, False)
+    pcm16, floats = _RemoteSink(1, ReadCursor(), 22050, pcm16=True), _RemoteSink(2, ReadCursor(), 22050)
+    outbox.call_soon_threadsafe(run_all, [(pcm16, "on_chunk", (chunk,)), (floats, "on_chunk", (chunk,))])
+    kind, out, _ = pickle.loads(here.recv_bytes())
+    outbox.close()
+    assert kind == "out" and [(sid, method) for sid, method, _ in out] == [(1, "on_chunk"), (2, "on_chunk")]
+    converted, untouched = out[0][2][0].samples, out[1][2][0].samples
+    assert converted.dtype == np.int16 and np.array_equal(converted, float_to_int16(samples))
+    assert untouched.dtype == np.float32 and np.array_equal(untouched, samples)
+    assert chunk.samples is samples and pcm16.cursor.delivered_s == floats.cursor.delivered_s == 1001 / 22050
