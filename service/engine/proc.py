@@ -6,9 +6,9 @@ calls gives the GIL up and may wait to get it back. Here the core, the loaded vo
 result cache and the frontend pool live in a child process; the server keeps only the
 sessions' event-loop halves. Both sides exchange pickled messages over one pipe:
 
-server -> core: ("batch", [message, ...]) of ("open", SessionRequest, takes int16 PCM), ("text", id, text), ("end", id),
-  ("cancel", id), ("read", {id: seconds read}, wake), ("load", call, voice name), ("reset_rate",),
-  ("stop",); the messages of one event-loop turn share a batch
+server -> core: ("batch", [message, ...]), the messages of one event-loop turn, each one of
+  ("open", SessionRequest, takes int16 PCM), ("text", id, text), ("end", id), ("cancel", id),
+  ("read", {id: seconds read}, wake), ("load", call, voice name), ("reset_rate",), ("stop",)
 core -> server: ("ready", {name: LoadedVoice}) or ("failed", exception) once at start; then
   ("out", [(id, sink method, args)], [(telemetry method, args)]), ("snapshot", CoreSnapshot),
   ("reply", call, LoadedVoice or error text), ("trip", voice), ("died", why), ("stopped",)
