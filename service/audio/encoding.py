@@ -127,7 +127,7 @@ def alaw_to_linear16(codes: UInt8Array) -> Int16Array:
 
 def float_to_int16(samples: npt.ArrayLike) -> Int16Array:
     """Clip to [-1, 1], scale by 32767 and round to nearest (ties to even). One temporary,
-    worked on in place: this runs on the server's event loop for every chunk."""
+    worked on in place: it runs for every chunk of every session."""
     x = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)
     np.multiply(x, np.float32(PCM16_SCALE), out=x)
     np.rint(x, out=x)
@@ -136,17 +136,17 @@ def float_to_int16(samples: npt.ArrayLike) -> Int16Array:
 
 def encode_linear16(samples: npt.ArrayLike) -> bytes:
     """PCM s16le bytes."""
-    return float_to_int16(samples).astype("<i2", copy=False).tobytes()
+    return encode_pcm16(float_to_int16(samples), AudioEncoding.LINEAR16)
 
 
 def encode_mulaw(samples: npt.ArrayLike) -> bytes:
     """G.711 mu-law bytes, quantised from the LINEAR16 values."""
-    return linear16_to_mulaw(float_to_int16(samples)).tobytes()
+    return encode_pcm16(float_to_int16(samples), AudioEncoding.MULAW)
 
 
 def encode_alaw(samples: npt.ArrayLike) -> bytes:
     """G.711 A-law bytes, quantised from the LINEAR16 values."""
-    return linear16_to_alaw(float_to_int16(samples)).tobytes()
+    return encode_pcm16(float_to_int16(samples), AudioEncoding.ALAW)
 
 
 def encode_float32(samples: npt.ArrayLike) -> bytes:
@@ -163,8 +163,8 @@ PCM16_ENCODINGS = (AudioEncoding.LINEAR16, AudioEncoding.MULAW, AudioEncoding.AL
 
 
 def encode_pcm16(pcm: Int16Array, encoding: AudioEncoding) -> bytes:
-    """Encode samples already converted by `float_to_int16` (the same bytes `encode` gives for
-    the float samples); only for the encodings in PCM16_ENCODINGS."""
+    """Wire bytes of `float_to_int16`'s samples, for the encodings in PCM16_ENCODINGS (what
+    `encode` gives for the float samples: its 16-bit encoders come through here)."""
     if encoding is AudioEncoding.LINEAR16:
         return np.asarray(pcm, dtype="<i2").tobytes()
     if encoding is AudioEncoding.MULAW:

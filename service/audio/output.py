@@ -43,12 +43,12 @@ class AudioOutput:
     def accepts_pcm16(self) -> bool:
         return self._resampler.passthrough and self.encoding in PCM16_ENCODINGS
 
-    def _emit(self, samples: npt.NDArray[np.float32] | npt.NDArray[np.int16]) -> bytes:
-        self.samples_out += len(samples)
-        if samples.dtype == np.int16:
-            payload = encode_pcm16(samples, self.encoding)  # type: ignore[arg-type]
-        else:
-            payload = encode(samples, self.encoding)
+    def _emit(self, samples: npt.NDArray[np.float32]) -> bytes:
+        return self._framed(len(samples), encode(samples, self.encoding))
+
+    def _framed(self, count: int, payload: bytes) -> bytes:
+        """`payload` (`count` samples) as sent: the WAV header before the first bytes, if asked."""
+        self.samples_out += count
         if self._header_pending:
             self._header_pending = False
             payload = make_wav_header(self.out_rate, self.encoding, None) + payload
@@ -61,7 +61,7 @@ class AudioOutput:
         if isinstance(chunk, np.ndarray) and chunk.dtype == np.int16:
             if not self.accepts_pcm16:
                 raise ValueError(f"int16 PCM given, but this output resamples or is {self.encoding.name}")
-            return self._emit(chunk)
+            return self._framed(len(chunk), encode_pcm16(chunk, self.encoding))
         return self._emit(self._resampler.process(chunk))
 
     def finish(self) -> bytes:

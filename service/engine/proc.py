@@ -32,12 +32,13 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 from service.audio.encoding import float_to_int16
 from service.engine.config import EngineConfig
 from service.engine.host import CoreSnapshot, LoadedVoice, Runtimes, build_core, snapshot
 from service.engine.output import Delivery, hand_over
-from service.engine.state import ChunkResult, Loop, ReadCursor, SessionRequest, Sink, WorkSpec
+from service.engine.state import Loop, ReadCursor, SessionRequest, Sink, WorkSpec
 from service.telemetry import Telemetry
 from service.telemetry.config import LogConfig
 from service.text.frontend_pool import FrontendPoolConfig
@@ -269,6 +270,23 @@ class _RemoteSink:
     pcm16: bool = False
 
 
+@dataclass
+class _Flush:
+    """One output flush on its way to the server: deliveries (session id, sink method, args),
+    the core's telemetry calls, and which deliveries are chunks of sessions taking int16 PCM."""
+
+    out: list[tuple[int, str, tuple[Any, ...]]]
+    telemetry: list[tuple[str, tuple[object, ...]]]
+    pcm16: list[int]
+
+    def wire(self) -> tuple[object, ...]:
+        """The ("out", ...) message, those chunks converted to int16."""
+        for i in self.pcm16:
+            session_id, method, (chunk,) = self.out[i]
+            self.out[i] = (session_id, method, (dataclasses.replace(chunk, samples=float_to_int16(chunk.samples)),))
+        return ("out", self.out, self.telemetry)
+
+
 class _Outbox:
     """The core's way back to the server: the output stage hands it each flush as if it were
     an event loop; a sender thread pickles and writes, so the core's thread never waits on
@@ -277,7 +295,7 @@ class _Outbox:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[object, ...] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[object, ...] | _Flush | None] = queue.SimpleQueue()
         self._telemetry: list[tuple[str, tuple[object, ...]]] = []
         self._tlock = threading.Lock()
         self.cursors: dict[int, ReadCursor] = {}
@@ -290,7 +308,7 @@ class _Outbox:
     def call_soon_threadsafe(self, callback: Callable[..., object], *args: object) -> None:
         """Called by `OutputStage.flush` with `run_all` and one flush's deliveries."""
         calls: list[tuple[_RemoteSink, str, tuple[object, ...]]] = args[0]  # type: ignore[assignment]
-        out: list[tuple[int, str, tuple[object, ...]]] = []
+        out: list[tuple[int, str, tuple[Any, ...]]] = []
         pcm16: list[int] = []  # which of `out` are chunks for sessions that take int16 PCM
         for sink, method, call_args in calls:
             if method == "on_chunk":
@@ -302,7 +320,7 @@ class _Outbox:
                 if method == "on_error":
                     call_args = (_portable(call_args[0]),)  # type: ignore[arg-type]
             out.append((sink.session_id, method, call_args))
-        self._queue.put(("out", out, self.take_telemetry(), pcm16))
+        self._queue.put(_Flush(out, self.take_telemetry(), pcm16))
 
     def record(self, name: str, args: tuple[object, ...]) -> None:
         with self._tlock:
@@ -319,13 +337,8 @@ class _Outbox:
 
     def _send_all(self) -> None:
         while (message := self._queue.get()) is not None:
-            if message[0] == "out" and len(message) == 4:  # chunks to convert first (off the engine thread)
-                out: list[tuple[int, str, tuple[object, ...]]] = message[1]  # type: ignore[assignment]
-                for i in message[3]:  # type: ignore[attr-defined]
-                    session_id, method, (chunk,) = out[i]
-                    assert isinstance(chunk, ChunkResult)
-                    out[i] = (session_id, method, (dataclasses.replace(chunk, samples=float_to_int16(chunk.samples)),))
-                message = message[:3]
+            if isinstance(message, _Flush):  # its int16 chunks are converted here, off the engine thread
+                message = message.wire()
             try:
                 _send(self._conn, self._lock, message)
             except (OSError, EOFError):  # the server is gone
@@ -410,30 +423,29 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
             log.exception("could not load voice %s", name)
             outbox.send("reply", call, f"cannot load voice {name}: {type(exc).__name__}: {exc}")
 
-    def apply(message: tuple[object, ...]) -> bool:
+    def apply(message: tuple[Any, ...]) -> bool:
         """Apply one of the server's messages; False once it says stop."""
         kind = message[0]
         if kind == "text":
-            core.submit_text(message[1], message[2])  # type: ignore[arg-type]
+            core.submit_text(message[1], message[2])
         elif kind == "read":
-            for session_id, read_s in message[1].items():  # type: ignore[attr-defined]
+            for session_id, read_s in message[1].items():
                 cursor = outbox.cursors.get(session_id)
                 if cursor is not None:
                     cursor.read_s = read_s
             if message[2]:
                 core.poke()
         elif kind == "open":
-            request = message[1]
-            assert isinstance(request, SessionRequest)
+            request: SessionRequest = message[1]
             runtime = runtimes.get(voices[request.voice_name])
             cursor = outbox.cursors[request.session_id] = ReadCursor()
             sink = _RemoteSink(request.session_id, cursor, runtime.sample_rate, pcm16=bool(message[2]))
             core.submit_open(WorkSpec.of(request, runtime, sink, outbox, cursor))  # type: ignore[arg-type]
         elif kind == "end":
-            core.submit_end(message[1])  # type: ignore[arg-type]
+            core.submit_end(message[1])
         elif kind == "cancel":
-            outbox.cursors.pop(message[1], None)  # type: ignore[call-overload]
-            core.submit_cancel(message[1])  # type: ignore[arg-type]
+            outbox.cursors.pop(message[1], None)
+            core.submit_cancel(message[1])
         elif kind == "load":
             threading.Thread(target=load, args=message[1:], name="cadenza-voice-load", daemon=True).start()
         elif kind == "reset_rate":

@@ -81,7 +81,7 @@ class _EventQueue:
         """Queue `event`, or append it to the audio event still waiting before it; True if it
         was appended (it then takes no sequence number of its own)."""
         last = self._items[-1] if self._items else None
-        end = self._tail[-1] if self._tail else last
+        end = self._tail[-1] if self._tail else last  # the audio it would follow
         if (isinstance(last, AudioOut) and isinstance(end, AudioOut) and not event.words
                 and last.utterance == event.utterance and last.precision is event.precision
                 and last.fallback == event.fallback
