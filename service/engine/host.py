@@ -10,6 +10,7 @@ import asyncio
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -127,16 +128,37 @@ def build_core(config: EngineConfig, telemetry: Telemetry, on_trip: Callable[[st
                       frontend=config.frontend, telemetry=telemetry, profile_dir=config.profile_dir)
 
 
+class _GpuMemory:
+    """Bytes the device's caching allocator holds, read at most every `EVERY_S`. Torch builds its
+    memory statistics as a large dict while holding the GIL, and snapshots are taken every few
+    tens of milliseconds, while the engine thread needs the GIL back after each native call."""
+
+    EVERY_S = 1.0
+
+    def __init__(self) -> None:
+        self._read: dict[str, tuple[float, dict[str, int]]] = {}
+
+    def read(self, device: str) -> dict[str, int]:
+        now = time.monotonic()
+        at, value = self._read.get(device, (-math.inf, {}))
+        if now - at >= self.EVERY_S:
+            import torch
+
+            dev = torch.device(device)
+            value = {str(dev): int(torch.cuda.memory_reserved(dev))}
+            self._read[device] = (now, value)
+        return value
+
+
+_GPU_MEMORY = _GpuMemory()
+
+
 def snapshot(core: EngineCore, device: str) -> CoreSnapshot:
     """The core's figures now (read from another thread: plain numbers, no lock needed)."""
     cache, executor = core.output.cache, core.executor
     shadow = core.shadow if isinstance(core.shadow, ShadowVerifier) else None
     capacity = {p: c for p in ("", "fp16", "fp32") if (c := executor.capacity_streams(p or None))}
-    gpu: dict[str, int] = {}
-    if device.startswith("cuda"):
-        import torch
-
-        gpu[str(torch.device(device))] = int(torch.cuda.memory_reserved(torch.device(device)))
+    gpu = _GPU_MEMORY.read(device) if device.startswith("cuda") else {}
     return CoreSnapshot(
         stats=EngineStats(**vars(core.stats)), cache_hits=cache.hits, cache_misses=cache.misses,
         cache_bytes=cache.bytes, first_audio_wait_s=core.first_audio_wait(), active_work=core.active_work,

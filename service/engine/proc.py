@@ -8,7 +8,7 @@ sessions' event-loop halves. Both sides exchange pickled messages over one pipe:
 
 server -> core: ("batch", [message, ...]), the messages of one event-loop turn, each one of
   ("open", SessionRequest, takes int16 PCM), ("text", id, text), ("end", id), ("cancel", id),
-  ("read", {id: seconds read}, wake), ("load", call, voice name), ("reset_rate",), ("stop",)
+  ("read", {id: seconds read}), ("load", call, voice name), ("reset_rate",), ("stop",)
 core -> server: ("ready", {name: LoadedVoice}) or ("failed", exception) once at start; then
   ("out", [(id, sink method, args)], [(telemetry method, args)]), ("snapshot", CoreSnapshot),
   ("reply", call, LoadedVoice or error text), ("trip", voice), ("died", why), ("stopped",)
@@ -49,10 +49,13 @@ log = logging.getLogger(__name__)
 SNAPSHOT_S = 0.05  # how often the core sends its figures (admission control reads them)
 
 
-def _send(conn: Connection, lock: threading.Lock, message: tuple[object, ...]) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    with lock:
-        conn.send_bytes(data)
+def _send(conn: Connection, message: tuple[object, ...]) -> None:
+    """One message, pickled (one writer per pipe end: the outbox's thread; the server under its lock)."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
 
 
 # --- server side ---------------------------------------------------------------------------------
@@ -74,7 +77,6 @@ class ProcessHost:
         self._calls: dict[int, Future[LoadedVoice]] = {}
         self._call_ids = itertools.count()
         self._reads: dict[int, float] = {}
-        self._wake = False
         # Session messages posted on the event loop go out together once per loop turn (one
         # pickle and one write for a turn's many streams: each write gives the GIL up, and the
         # loop may then wait for the relay thread to hand it back).
@@ -103,7 +105,7 @@ class ProcessHost:
         child.close()
         self._conn = conn
         try:
-            reply = pickle.loads(conn.recv_bytes())
+            reply = _recv(conn)
         except EOFError:
             self._proc.join(5)
             reply = ("failed", RuntimeError(
@@ -134,15 +136,14 @@ class ProcessHost:
     def _flush(self) -> None:
         """Send what was posted, as one ("batch", messages) message, the reads last."""
         with self._lock:
-            reads, wake = self._reads, self._wake
-            self._reads, self._wake = {}, False
+            reads, self._reads = self._reads, {}
             batch, self._batch, self._batch_due = self._batch, [], False
             if reads:
-                batch.append(("read", reads, wake))
+                batch.append(("read", reads))
             if not batch or self._conn is None or self.dead.is_set():
                 return
             try:
-                self._conn.send_bytes(pickle.dumps(("batch", batch), protocol=pickle.HIGHEST_PROTOCOL))
+                _send(self._conn, ("batch", batch))
             except (OSError, EOFError):  # the core's process is gone; the relay thread reports it
                 log.debug("engine process gone: %d messages dropped", len(batch))
 
@@ -175,10 +176,10 @@ class ProcessHost:
         self._post("cancel", session_id)
 
     def taken(self, session_id: int, read_s: float, wake: bool) -> None:
-        """A client took audio: reported once per event-loop turn for all sessions."""
+        """A client took audio: reported once per event-loop turn for all sessions. `wake` is
+        this side's guess; the core decides from its own count (`_Outbox.take_reads`)."""
         with self._lock:
             self._reads[session_id] = read_s
-            self._wake = self._wake or wake
             if not self._batch_due:
                 self._batch_due = True
                 asyncio.get_running_loop().call_soon(self._flush)
@@ -208,7 +209,7 @@ class ProcessHost:
         why = "the engine process exited"
         while True:
             try:
-                message = pickle.loads(self._conn.recv_bytes())
+                message = _recv(self._conn)
             except (EOFError, OSError):
                 break
             kind = message[0]
@@ -294,7 +295,6 @@ class _Outbox:
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[tuple[object, ...] | _Flush | None] = queue.SimpleQueue()
         self._telemetry: list[tuple[str, tuple[object, ...]]] = []
         self._tlock = threading.Lock()
@@ -322,6 +322,20 @@ class _Outbox:
             out.append((sink.session_id, method, call_args))
         self._queue.put(_Flush(out, self.take_telemetry(), pcm16))
 
+    def take_reads(self, reads: Mapping[int, float], limit_s: float) -> bool:
+        """Apply the server's read cursors; True when one of them let a session that was held
+        back (`limit_s` or more unread, as the core counts it) step again. Decided here, from what
+        the core delivered: audio still in the pipe counts as delivered for the core but not yet
+        for the server, so a client that keeps up with a slow pipe never looks held back there."""
+        wake = False
+        for session_id, read_s in reads.items():
+            cursor = self.cursors.get(session_id)
+            if cursor is not None:
+                unread = cursor.delivered_s - cursor.read_s
+                cursor.read_s = read_s
+                wake = wake or (unread >= limit_s and cursor.delivered_s - read_s < limit_s)
+        return wake
+
     def record(self, name: str, args: tuple[object, ...]) -> None:
         with self._tlock:
             self._telemetry.append((name, args))
@@ -340,7 +354,7 @@ class _Outbox:
             if isinstance(message, _Flush):  # its int16 chunks are converted here, off the engine thread
                 message = message.wire()
             try:
-                _send(self._conn, self._lock, message)
+                _send(self._conn, message)
             except (OSError, EOFError):  # the server is gone
                 return
 
@@ -429,11 +443,7 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
         if kind == "text":
             core.submit_text(message[1], message[2])
         elif kind == "read":
-            for session_id, read_s in message[1].items():
-                cursor = outbox.cursors.get(session_id)
-                if cursor is not None:
-                    cursor.read_s = read_s
-            if message[2]:
+            if outbox.take_reads(message[1], config.batch.max_ahead_s):
                 core.poke()
         elif kind == "open":
             request: SessionRequest = message[1]
@@ -458,7 +468,7 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
         running = True
         while running:
             try:
-                batch = pickle.loads(conn.recv_bytes())
+                batch = _recv(conn)
             except (EOFError, OSError):  # the server is gone
                 break
             assert batch[0] == "batch"

@@ -149,7 +149,7 @@ def test_chunks_for_pcm16_sessions_cross_the_pipe_as_int16() -> None:
 
     from service.audio.encoding import float_to_int16
     from service.engine.output import run_all
-    from service.engine.proc import _Outbox, _RemoteSink
+    from service.engine.proc import _Outbox, _recv, _RemoteSink
     from service.engine.state import ChunkResult, ReadCursor
 
     here, there = multiprocessing.Pipe()
@@ -158,10 +158,34 @@ def test_chunks_for_pcm16_sessions_cross_the_pipe_as_int16() -> None:
     chunk = ChunkResult(samples, 0, [], "fp32", False, False)
     pcm16, floats = _RemoteSink(1, ReadCursor(), 22050, pcm16=True), _RemoteSink(2, ReadCursor(), 22050)
     outbox.call_soon_threadsafe(run_all, [(pcm16, "on_chunk", (chunk,)), (floats, "on_chunk", (chunk,))])
-    kind, out, _ = pickle.loads(here.recv_bytes())
+    kind, out, _ = _recv(here)
     outbox.close()
     assert kind == "out" and [(sid, method) for sid, method, _ in out] == [(1, "on_chunk"), (2, "on_chunk")]
     converted, untouched = out[0][2][0].samples, out[1][2][0].samples
     assert converted.dtype == np.int16 and np.array_equal(converted, float_to_int16(samples))
     assert untouched.dtype == np.float32 and np.array_equal(untouched, samples)
     assert chunk.samples is samples and pcm16.cursor.delivered_s == floats.cursor.delivered_s == 1001 / 22050
+
+
+def test_core_wakes_when_a_read_frees_a_session_it_holds_back() -> None:
+    """Backpressure is decided by the core's count of what it delivered. Audio still in the pipe
+    is delivered for the core but not yet for the server, so a client that keeps up with a slow
+    pipe never looks held back on the server's side: the core must wake itself when a read
+    brings a session it holds back (`max_ahead_s` unread) under the limit, and only then."""
+    import multiprocessing
+
+    from service.engine.proc import _Outbox
+    from service.engine.state import ReadCursor
+
+    _here, there = multiprocessing.Pipe()
+    outbox = _Outbox(there)
+    try:
+        held, ahead = ReadCursor(delivered_s=3.2), ReadCursor(delivered_s=1.0)
+        outbox.cursors.update({1: held, 2: ahead})
+        assert not outbox.take_reads({2: 0.5}, limit_s=3.0)  # not held back: nothing to wake
+        assert not outbox.take_reads({1: 0.1}, limit_s=3.0)  # still 3.1 s unread
+        assert held.read_s == 0.1 and ahead.read_s == 0.5
+        assert outbox.take_reads({1: 0.7, 99: 1.0}, limit_s=3.0)  # under the limit now; 99 is gone
+        assert not outbox.take_reads({1: 1.0}, limit_s=3.0)  # was not held back any more
+    finally:
+        outbox.close()
