@@ -339,6 +339,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             cache_bytes=args.cache_mb << 20,
             preload=args.preload, cache_dir=_path(args.cache_dir),
             shadow_fraction=args.shadow_fraction, core=args.core, profile_dir=_path(args.profile),
+            timeline_dir=_path(args.timeline),
         ),
         limits=Limits(
             max_sessions=args.max_sessions, max_text_chars=args.max_text_chars,
@@ -471,6 +472,18 @@ def _add_profile_arg(parser: argparse.ArgumentParser) -> None:
                              f"{BusyProfiler.MAX_PERIODS}, each cut at {BusyProfiler.MAX_PERIOD_S:.0f} s) with "
                              "torch.profiler: a Chrome trace core-N.json and a summary core-N.txt (engine stages, "
                              "device time, top kernels) per period in DIR; writing one pauses the core")
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from service.telemetry.timeline_summary import report
+
+    directory = Path(args.directory)
+    if not directory.is_dir():
+        raise UsageError(f"{directory} is not a directory (give the DIR of serve --timeline)")
+    print("\n".join(report(directory)).rstrip())
+    return 0
 
 
 def _cmd_bench_load(args: argparse.Namespace) -> int:
@@ -788,6 +801,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where the synthesis core runs: process (its own, so its Python does not share a GIL "
                             "with the gRPC event loop) or thread (in the server's process)")
     _add_profile_arg(serve)
+    serve.add_argument("--timeline", default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "timeline_dir"),
+                       metavar="DIR",
+                       help="record, per busy period, each engine iteration and each session's way to its first "
+                            "audio into JSON-lines files in DIR (cheap enough under load; summarise with "
+                            "`cadenza timeline DIR`)")
     _add_cache_dir_arg(serve)
 
     def telemetry_option(name: str) -> ConfigDefault:
@@ -813,6 +831,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of FP16 chunks re-run in FP32 between engine steps, into the shadow PSNR "
                             "metric (0 = off, 0.01 = one chunk in 100)")
     serve.set_defaults(func=_cmd_serve, precheck=_serve_precheck)
+
+    timeline = _subcommand(sub, "timeline", "summarise the files `serve --timeline DIR` wrote: where each busy "
+                           "period's sessions spent their time to first audio, and what the engine thread did")
+    timeline.add_argument("directory", metavar="DIR", help="the directory given to serve --timeline")
+    timeline.set_defaults(func=_cmd_timeline)
 
     check = _subcommand(sub, "health", "ask a server's grpc.health.v1 service; exit 0 when SERVING, else 1")
     check.add_argument("--addr", default=f"localhost:{DEFAULT_PORT}", metavar="HOST:PORT", help="the server")

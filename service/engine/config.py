@@ -96,6 +96,9 @@ class EngineConfig:
     # Record the core's busy periods with torch.profiler into this directory (a Chrome trace and a
     # summary per period, see telemetry/ranges.py); None = off.
     profile_dir: Path | None = None
+    # Record a timeline of the core's iterations and of each session's way to its first audio
+    # into this directory, one file per busy period and side (see telemetry/timeline.py); None = off.
+    timeline_dir: Path | None = None
     # Long enough to reach every stage session at every size class the decoder uses (the
     # ORT lanes cut only long calls), so the first caller does not pay for a first run.
     warmup_text: str = (

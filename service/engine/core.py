@@ -37,6 +37,7 @@ from service.engine.state import (
 from service.synthesis import ShadowSampler
 from service.telemetry import Telemetry
 from service.telemetry.ranges import BusyProfiler, stage
+from service.telemetry.timeline import Timeline
 from service.text.frontend import PhonemizedSentence
 from service.text.frontend_pool import FrontendPool, FrontendPoolConfig
 
@@ -56,7 +57,7 @@ class EngineCore:
     def __init__(
         self, batch: BatchConfig, cache: ResultCache, on_trip: Callable[[str], None] | None = None,
         shadow: ShadowSampler | None = None, frontend: FrontendPoolConfig | None = None,
-        telemetry: Telemetry | None = None, profile_dir: Path | None = None,
+        telemetry: Telemetry | None = None, profile_dir: Path | None = None, timeline: Timeline | None = None,
     ) -> None:
         self.batch = batch
         self.profiler = BusyProfiler(profile_dir) if profile_dir is not None else None
@@ -66,8 +67,9 @@ class EngineCore:
         self.frontend_config = frontend or FrontendPoolConfig()
         self.stats = EngineStats()
         self.scheduler = Scheduler(batch)
-        self.executor = Executor(batch, self.stats, shadow, on_trip)
-        self.output = OutputStage(cache, self.executor.release, self.telemetry)
+        self.timeline = timeline or Timeline()
+        self.executor = Executor(batch, self.stats, shadow, on_trip, self.timeline)
+        self.output = OutputStage(cache, self.executor.release, self.telemetry, self.timeline)
         self._cv = threading.Condition()
         self._inbox = _Inbox()
         self._sessions: dict[int, SessionState] = {}  # engine thread only
@@ -267,6 +269,7 @@ class EngineCore:
                 seed = payload.params.seed
                 rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little")) if seed is None else None
                 self._sessions[sid] = _Tracked(payload, rng, ready_since=now)
+                self.timeline.add("open", sid=sid)
                 continue
             s = self._sessions.get(sid)
             if s is None:
@@ -275,6 +278,7 @@ class EngineCore:
             if kind == "text":
                 assert isinstance(payload, tuple)
                 seq, sent, done, sentences = payload
+                self.timeline.add("text", sid=sid, seq=seq, sentences=len(sentences), sent=sent, phonemized=done)
                 s.arrived[seq] = (sent, done, sentences)
                 while s.applied in s.arrived:
                     sent, done, sentences = s.arrived.pop(s.applied)
@@ -318,10 +322,16 @@ class EngineCore:
         with stage("engine.plan"):
             plan = self.scheduler.plan(sessions, now, max_rows, free, self._acoustic_job_s)
         if plan.empty:
+            if not self._sessions:
+                self.timeline.flush()  # the busy period is over
             if self._shadow_run is not None and self._shadow_run():
                 return False, None
             wakes = [t for t in (plan.wake_at, stall_check) if t is not None]
             return True, min(wakes) if wakes else None
+        if self.timeline.on:
+            self.timeline.add("plan", sessions=len(sessions), acoustic=len(plan.acoustic),
+                              acoustic_first=sum(u.index == 0 for _, u in plan.acoustic), decode=len(plan.decode),
+                              decode_first=sum(u.chunk_index == 0 for _, u in plan.decode))
         if plan.decode and plan.acoustic and runtime is not None and self.executor.overlaps(runtime):
             # The device runs the step while this thread runs the acoustic stage (on its own
             # stream); the sentences that stage readied start in a step of their own right after.
@@ -376,7 +386,8 @@ class EngineCore:
         if not jobs:
             return
         start = time.monotonic()
-        with stage("engine.acoustic"):
+        first = sum(u.index == 0 for _, u in jobs) if self.timeline.on else 0
+        with stage("engine.acoustic"), self.timeline.timed("acoustic", sentences=len(jobs), first=first):
             failed = self.executor.acoustic(jobs, self.output.cache_key, self.output.cache.get)
         for s, why in failed:
             self._fail(s, why)

@@ -41,6 +41,7 @@ from service.engine.session import EngineSession, SessionSetup
 from service.engine.state import SessionRequest
 from service.synthesis import ChunkSchedule, SynthesisParams, default_backend
 from service.telemetry import Telemetry
+from service.telemetry.timeline import Timeline
 from service.voices import Voice, VoiceInfo, VoiceNotFoundError, list_voices
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class TtsEngine:
         self.device = resolve_device(config.device)
         self.backend_name = default_backend(self.device) if config.backend == "auto" else config.backend
         self.telemetry = telemetry or Telemetry()
+        self.timeline = Timeline(config.timeline_dir, "api")
         self.core_mode = config.core
         host = ProcessHost if self.core_mode == "process" else LocalHost
         self.host: Host = host(config, self.device, self.backend_name, self.telemetry, self._on_trip)
@@ -291,7 +293,7 @@ class TtsEngine:
             max_ahead_s=self.config.batch.max_ahead_s,
         )
         session = EngineSession(setup, self.host, self._forget, telemetry=None if internal else self.telemetry,
-                                voice=info.name)
+                                voice=info.name, timeline=None if internal else self.timeline)
         if not internal:
             self.telemetry.admission(True, waited)
         self._sessions[session.id] = session
@@ -304,6 +306,8 @@ class TtsEngine:
 
     def _forget(self, session: EngineSession) -> None:
         self._sessions.pop(session.id, None)
+        if not self._sessions:
+            self.timeline.flush()  # the busy period is over
 
     def _resolve_voice(self, config: SessionConfig) -> VoiceInfo:
         assert self._default is not None

@@ -23,6 +23,7 @@ from service.engine.state import EngineStats, SessionState, UtteranceState, Utte
 from service.models.family import StepRows, StreamingDecoder
 from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
 from service.telemetry.ranges import stage
+from service.telemetry.timeline import Timeline
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,9 +73,10 @@ class _Slots:
 class Executor:
     def __init__(
         self, config: BatchConfig, stats: EngineStats, shadow: ShadowSampler | None = None,
-        on_trip: Callable[[str], None] | None = None,
+        on_trip: Callable[[str], None] | None = None, timeline: Timeline | None = None,
     ) -> None:
         self.config = config
+        self.timeline = timeline or Timeline()
         self.stats = stats
         self.shadow = shadow
         self.on_trip = on_trip
@@ -359,7 +361,7 @@ class Executor:
         sids = None if rows[0][0].spec.sid is None else [s.spec.sid or 0 for s, _ in rows]
         step = StepRows([u.slot for u in utts], fed, frames, sids)  # type: ignore[misc]
         t0 = time.perf_counter()
-        with stage("step.launch"):
+        with stage("step.launch"), self.timeline.timed("launch", rows=len(rows), first=first, frames=frames):
             pending = runtime.backend.guard_async(dec.step(step))  # type: ignore[attr-defined]
         for u in utts:
             u.fed += frames
@@ -377,7 +379,7 @@ class Executor:
             raise
 
     def _cut(self, flight: _InFlight) -> list[Chunk]:
-        with stage("step.wait"):
+        with stage("step.wait"), self.timeline.timed("landed", rows=len(flight.rows)):
             audio, nonfinite = flight.pending.result()
         rows, precision, frames = flight.rows, flight.precision, flight.frames
         runtime = rows[0][0].spec.runtime
@@ -435,7 +437,8 @@ class Executor:
             b = a + quantum
             u.bounds.insert(k + 1, b)  # the rest of the planned chunk comes next
         t0 = time.perf_counter()
-        samples = finite(u.staged.audio(a * hop, b * hop))
+        with self.timeline.timed("chunk", rows=1, frames=b - a):
+            samples = finite(u.staged.audio(a * hop, b * hop))
         self.stats.step_seconds += time.perf_counter() - t0
         self.stats.steps += 1
         self.stats.rows += 1

@@ -23,6 +23,7 @@ from service.engine.shadow import ShadowVerifier
 from service.engine.state import EngineStats, ReadCursor, SessionRequest, Sink, WorkSpec
 from service.synthesis import Synthesizer
 from service.telemetry import Telemetry
+from service.telemetry.timeline import Timeline
 from service.text.frontend_pool import FrontendPoolConfig
 from service.voices import Voice, VoiceInfo
 
@@ -125,7 +126,8 @@ def build_core(config: EngineConfig, telemetry: Telemetry, on_trip: Callable[[st
     shadow = ShadowVerifier(config.shadow_fraction, on_psnr=telemetry.shadow_psnr) \
         if config.shadow_fraction > 0 else None
     return EngineCore(config.batch, ResultCache(config.cache_bytes), on_trip=on_trip, shadow=shadow,
-                      frontend=config.frontend, telemetry=telemetry, profile_dir=config.profile_dir)
+                      frontend=config.frontend, telemetry=telemetry, profile_dir=config.profile_dir,
+                      timeline=Timeline(config.timeline_dir, "core"))
 
 
 class _GpuMemory:

@@ -11,6 +11,7 @@ import numpy as np
 from service.engine.cache import CachedUtterance, ResultCache
 from service.engine.state import ChunkResult, Loop, SessionState, SessionStatus, Sink, UtteranceState, UtteranceStatus
 from service.telemetry import Telemetry
+from service.telemetry.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +21,9 @@ Delivery = tuple[Sink, str, tuple[object, ...]]
 
 class OutputStage:
     def __init__(self, cache: ResultCache, release: Callable[[SessionState, UtteranceState], None],
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None, timeline: Timeline | None = None) -> None:
         self.cache = cache
+        self.timeline = timeline or Timeline()
         self._release = release  # gives an utterance's decoder slot back
         self.telemetry = telemetry or Telemetry()
         self._pending: dict[Loop, list[Delivery]] = {}
@@ -67,6 +69,9 @@ class OutputStage:
         if s.first_audio_at is None:
             s.first_audio_at = now
             self.telemetry.first_audio_stages(s.marks.stages(now))
+            m = s.marks
+            self.timeline.add("first_audio", sid=s.spec.session_id, sent=m.sent, phonemized=m.phonemized,
+                              acoustic_start=m.acoustic_start, acoustic_end=m.acoustic_end, step_start=m.step_start)
         s.samples_out += len(chunk.samples)
         s.ready_since = now
         self._deliver(s, "on_chunk", chunk)

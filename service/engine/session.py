@@ -27,6 +27,7 @@ from service.engine.api import (
 from service.engine.host import Host
 from service.engine.state import ChunkResult, ReadCursor
 from service.telemetry import SessionInfo, Telemetry
+from service.telemetry.timeline import Timeline
 from service.text.segment import IncrementalSegmenter, SegmenterConfig
 
 _END = object()
@@ -122,8 +123,9 @@ class EngineSession:
     its figures are recorded (the server's own warm-up sessions have none)."""
 
     def __init__(self, setup: SessionSetup, loop: Host, on_close: Callable[[EngineSession], None],
-                 telemetry: Telemetry | None = None, voice: str = "") -> None:
+                 telemetry: Telemetry | None = None, voice: str = "", timeline: Timeline | None = None) -> None:
         self.setup = setup
+        self._timeline = timeline or Timeline()  # the server's side: first text in, first audio out
         self.id = setup.session_id
         self._engine_loop = loop
         self._on_close = on_close
@@ -172,6 +174,7 @@ class EngineSession:
         now = time.monotonic()
         if self._first_text_at is None and delta:
             self._first_text_at = now
+            self._timeline.add("text_in", sid=self.id)
         self._submit(self._segmenter.push(delta, now))
         self._arm_idle()
 
@@ -277,6 +280,7 @@ class EngineSession:
         now = time.monotonic()
         if self._ttfa is None and self._first_text_at is not None:
             self._ttfa = now - self._first_text_at
+            self._timeline.add("audio_out", sid=self.id)
             if self._trace is not None and self._telemetry is not None:
                 self._telemetry.first_audio(self._trace, self._ttfa)
         if self._trace is not None and count:

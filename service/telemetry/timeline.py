@@ -1,0 +1,91 @@
+"""A timeline of the synthesis core's work (`serve --timeline DIR`), for finding where a burst's
+time to first audio goes.
+
+The core records each engine iteration's plan, each acoustic-stage call and each decoder step
+(launch and landing, with the engine thread's wall and CPU time), and each session's way to its
+first audio; the server records when each session's first text came in and its first audio went
+out. Times are `time.monotonic()` seconds, one clock for every process of the host, so both
+sides line up. Recording appends to a list: cheap enough to leave on under load, unlike
+`--profile` (torch.profiler), which slows the core down while it watches it.
+
+Each side writes one JSON-lines file per busy period (from the first session until none is
+left) to DIR, `core-PID-N.jsonl` and `api-PID-N.jsonl`; `cadenza timeline DIR` summarises them
+(service/telemetry/timeline_summary.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class Timeline:
+    """Events of one side (`core` or `api`) of one process; off (records nothing) without a
+    directory. Not thread-safe: each side records from one thread (the engine thread, the
+    server's event loop)."""
+
+    MAX_EVENTS = 500_000  # per busy period; later events are dropped (and counted)
+    MAX_PERIODS = 200
+
+    def __init__(self, directory: Path | None = None, side: str = "core") -> None:
+        self.directory = directory
+        self.side = side
+        self.periods = 0
+        self.dropped = 0
+        self._events: list[tuple[float, str, dict[str, object]]] = []
+
+    @property
+    def on(self) -> bool:
+        return self.directory is not None and self.periods < self.MAX_PERIODS
+
+    def add(self, kind: str, **fields: object) -> None:
+        if not self.on:
+            return
+        if len(self._events) >= self.MAX_EVENTS:
+            self.dropped += 1
+            return
+        self._events.append((time.monotonic(), kind, fields))
+
+    @contextmanager
+    def timed(self, kind: str, **fields: object) -> Iterator[dict[str, object]]:
+        """Record `kind` when the block ends, with its start (`s`), and the calling thread's CPU
+        seconds in it (`cpu`: a thread waiting for the GIL uses none; one spinning on a device
+        synchronisation uses it all). The block may add fields to the dict it is given."""
+        if not self.on:
+            yield fields
+            return
+        start, cpu = time.monotonic(), time.thread_time()
+        try:
+            yield fields
+        finally:
+            self.add(kind, s=start, cpu=time.thread_time() - cpu, **fields)
+
+    def flush(self) -> Path | None:
+        """End the busy period: write its events (if any) and start a new period."""
+        if not self._events or self.directory is None:
+            self._events.clear()
+            return None
+        events, self._events = self._events, []
+        self.periods += 1
+        path = self.directory / f"{self.side}-{os.getpid()}-{self.periods}.jsonl"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with path.open("w", encoding="utf-8") as f:
+                for t, kind, fields in events:
+                    f.write(json.dumps({"t": t, "k": kind, **fields}) + "\n")
+                if self.dropped:
+                    f.write(json.dumps({"t": events[-1][0], "k": "dropped", "n": self.dropped}) + "\n")
+        except OSError as exc:
+            log.warning("cannot write the timeline to %s: %s (--timeline)", path, exc)
+            return None
+        self.dropped = 0
+        return path
+
+
+__all__ = ["Timeline"]

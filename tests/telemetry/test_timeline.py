@@ -1,0 +1,115 @@
+"""`serve --timeline`: the recorder, and its summary over a real server's files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from service.cli import main
+from service.telemetry.timeline import Timeline
+from service.telemetry.timeline_summary import STAGES, load, quantile, session_paths
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_off_without_a_directory() -> None:
+    timeline = Timeline()
+    timeline.add("plan", sessions=1)
+    with timeline.timed("acoustic") as fields:
+        fields["sentences"] = 2
+    assert not timeline.on and timeline.flush() is None
+
+
+def test_periods_are_files_of_json_lines(tmp_path: Path) -> None:
+    timeline = Timeline(tmp_path / "tl", "core")
+    before = time.monotonic()
+    timeline.add("open", sid=3)
+    with timeline.timed("launch", rows=2) as fields:
+        fields["frames"] = 64
+        sum(range(100_000))  # some CPU for the thread's clock
+    first = timeline.flush()
+    assert first is not None and first.name.endswith("-1.jsonl") and first.name.startswith("core-")
+    events = [json.loads(line) for line in first.read_text().splitlines()]
+    assert [e["k"] for e in events] == ["open", "launch"]
+    launch = events[1]
+    assert launch["rows"] == 2 and launch["frames"] == 64
+    assert before <= events[0]["t"] <= launch["s"] <= launch["t"]
+    assert 0 < launch["cpu"] <= launch["t"] - launch["s"] + 0.01
+    assert timeline.flush() is None  # nothing new: no file
+    timeline.add("open", sid=4)
+    second = timeline.flush()
+    assert second is not None and second.name.endswith("-2.jsonl")
+
+
+def test_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Timeline, "MAX_EVENTS", 3)
+    monkeypatch.setattr(Timeline, "MAX_PERIODS", 1)
+    timeline = Timeline(tmp_path, "api")
+    for sid in range(5):
+        timeline.add("text_in", sid=sid)
+    path = timeline.flush()
+    assert path is not None
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["k"] for e in events] == ["text_in"] * 3 + ["dropped"] and events[-1]["n"] == 2
+    timeline.add("text_in", sid=9)  # past MAX_PERIODS: off
+    assert not timeline.on and timeline.flush() is None
+
+
+def test_an_unwritable_directory_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    timeline = Timeline(blocker / "sub", "core")
+    timeline.add("open", sid=1)
+    with caplog.at_level(logging.WARNING):
+        assert timeline.flush() is None
+    assert "cannot write the timeline" in caplog.text
+
+
+def test_quantile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(101)]
+    assert quantile(values, 0.0) == 0 and quantile(values, 0.5) == 50 and quantile(values, 0.99) == 99
+    assert quantile([7.0], 0.9) == 7.0
+
+
+def test_a_real_server_s_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Sessions through a real server (core in its own process, as served): every client session
+    of the burst is in the summary, its stages follow each other and add up to its server-side
+    time to first audio, and the engine thread's calls are there."""
+    from service.api.server import ServerConfig
+    from service.engine.config import EngineConfig, Limits
+    from tests.api.native_server import ServerThread
+
+    directory = tmp_path / "tl"
+    server = ServerThread(ServerConfig(
+        host="127.0.0.1", port=0, limits=Limits(max_sessions=16),
+        engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
+                            cache_bytes=0, timeline_dir=directory),
+    ))
+    try:
+        assert main(["bench", "load", "--target", server.addr, "--sessions", "3", "--arrival", "burst"]) == 0
+    finally:
+        server.close()
+    capsys.readouterr()
+    periods, api = load(directory)
+    assert periods and len(api) == 3  # the warm-up sessions are not the server's clients
+    paths = [p for _, events in periods for p in session_paths(events, api)]
+    assert sorted(p.sid for p in paths) == sorted(api)
+    for p in paths:
+        assert set(p.stages) == set(STAGES)
+        assert sum(p.stages.values()) == pytest.approx(p.ttfa_s, abs=1e-6)  # no stage negative, none missing
+    assert main(["timeline", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert "3 sessions; first text in to last first audio out" in out
+    for name in (*STAGES, "server TTFA", "acoustic calls", "step launches", "step results"):  # torch: slot steps
+        assert name in out
+
+
+def test_the_command_says_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["timeline", str(tmp_path)]) == 0
+    assert "no client sessions" in capsys.readouterr().out
+    assert main(["timeline", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
