@@ -30,7 +30,7 @@ class Timeline:
     directory. Not thread-safe: each side records from one thread (the engine thread, the
     server's event loop)."""
 
-    MAX_EVENTS = 500_000  # per busy period; later events are dropped (and counted)
+    MAX_EVENTS = 100_000  # per busy period (tens of MB); later events are dropped (and counted)
     MAX_PERIODS = 200
 
     def __init__(self, directory: Path | None = None, side: str = "core") -> None:
