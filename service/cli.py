@@ -499,7 +499,7 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout,
     )
     return run_bench_load(config, args.sweep, Path(args.json) if args.json else None,
-                          Path(args.png) if args.png else None, connection)
+                          Path(args.png) if args.png else None, connection, _path(args.timeline))
 
 
 def _path(value: str | Path | None) -> Path | None:
@@ -740,6 +740,10 @@ def build_parser() -> argparse.ArgumentParser:
     bload.add_argument("--json", default=None, metavar="FILE",
                        help="write per-session records and the summary here (default: none)")
     bload.add_argument("--png", default=None, metavar="FILE", help="write the TTFA CDF plot here (default: none)")
+    bload.add_argument("--timeline", default=None, metavar="DIR",
+                       help="write each run's sessions (first text sent, first audio received) as a client "
+                            "timeline to DIR; with a server's `serve --timeline DIR` on the same host, "
+                            "`cadenza timeline DIR` adds the way from and back to the client (default: none)")
     bload.add_argument("--seed", type=int, default=load("seed"),
                        help="picks each session's texts and the poisson arrivals")
     bload.add_argument("--connect-timeout", type=float, default=load("connect_timeout_s"),

@@ -174,7 +174,7 @@ class EngineSession:
         now = time.monotonic()
         if self._first_text_at is None and delta:
             self._first_text_at = now
-            self._timeline.add("text_in", sid=self.id)
+            self._timeline.add("text_in", sid=self.id, rid=self.setup.config.request_id)
         self._submit(self._segmenter.push(delta, now))
         self._arm_idle()
 

@@ -1,10 +1,12 @@
 """A small thread-safe histogram (fixed bucket bounds), exportable later to
-OpenTelemetry/Prometheus as explicit-bucket histograms."""
+OpenTelemetry/Prometheus as explicit-bucket histograms; and the percentile every report uses."""
 
 from __future__ import annotations
 
 import bisect
+import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -35,3 +37,14 @@ class Histogram:
             return {"name": self.name, "bounds": list(self.bounds), "counts": list(self.counts),
                     "sum": self.total, "count": self.count,
                     "min": self.minimum if self.count else None}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default); nan when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

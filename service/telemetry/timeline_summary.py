@@ -15,6 +15,11 @@ the server's and the core's processes):
 * decoder step: until that chunk was delivered;
 * to the server: until the server queued it for the client (the pipe back, the relay thread).
 
+With a client timeline in the same directory (`cadenza bench load --timeline DIR` on the same
+host), two more: from the client to the server (the client sent its first text until the server
+took it: the client's loop, the network, gRPC and the server's event loop), and from the server
+to the client (until the client had the first audio), with the client's own TTFA.
+
 The engine thread's calls carry their wall time and the thread's CPU time in them: a thread
 waiting for the GIL uses no CPU; one waiting for the device in a synchronisation spins, so it
 does."""
@@ -27,18 +32,37 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.telemetry.histogram import percentile
+
 STAGES = ("to the core", "phonemise", "to the engine thread", "wait for acoustic", "acoustic",
           "wait for a step", "decoder step", "to the server")
 
 
+CLIENT_STAGES = ("client to server", "server to client")
+
+
 @dataclass(frozen=True)
 class SessionPath:
-    """One session's first audio, stage by stage (seconds), and its server-side TTFA."""
+    """One session's first audio, stage by stage (seconds), and its server-side TTFA; with
+    the client's side, `client` holds CLIENT_STAGES and "client TTFA"."""
 
     sid: int
     stages: dict[str, float]
     ttfa_s: float
     text_in: float
+    client: dict[str, float] | None = None
+
+
+@dataclass
+class Recorded:
+    """Everything under a timeline directory: the core's busy periods (file, events) in time
+    order; per server session id its first text in and first audio out, and its request id;
+    per request id the client's sessions (first text sent, first audio received)."""
+
+    periods: list[tuple[Path, list[dict[str, object]]]]
+    api: dict[int, dict[str, float]]
+    request_ids: dict[int, str]
+    client: dict[str, list[tuple[float, float]]]
 
 
 Event = Mapping[str, object]
@@ -60,54 +84,81 @@ def read_events(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
 
 
-def load(directory: Path) -> tuple[list[tuple[Path, list[dict[str, object]]]], dict[int, dict[str, float]]]:
-    """The core's busy periods (file, events) in time order, and the server's first text and
-    first audio per session id (session ids are the server's, shared by both sides)."""
+def load(directory: Path) -> Recorded:
+    """What `serve --timeline` (and `bench load --timeline`) wrote under `directory`. Session
+    ids are the server's, shared by its two sides; request ids tie the client to the server."""
     periods = [(p, read_events(p)) for p in directory.glob("core-*.jsonl")]
     periods = [(p, ev) for p, ev in periods if ev]
     periods.sort(key=lambda item: _f(item[1][0], "t"))
-    api: dict[int, dict[str, float]] = {}
+    recorded = Recorded(periods, {}, {}, {})
     for path in directory.glob("api-*.jsonl"):
         for e in read_events(path):
             if e["k"] in ("text_in", "audio_out"):
-                api.setdefault(_i(e, "sid"), {})[str(e["k"])] = _f(e, "t")
-    return periods, api
+                recorded.api.setdefault(_i(e, "sid"), {})[str(e["k"])] = _f(e, "t")
+            if e["k"] == "text_in" and e.get("rid"):
+                recorded.request_ids[_i(e, "sid")] = str(e["rid"])
+    for path in directory.glob("client-*.jsonl"):
+        for e in read_events(path):
+            if e["k"] == "client":
+                recorded.client.setdefault(str(e["rid"]), []).append((_f(e, "first_text"), _f(e, "first_audio")))
+    return recorded
 
 
-def session_paths(core: Sequence[Event], api: Mapping[int, Mapping[str, float]]) -> list[SessionPath]:
+def _client_side(recorded: Recorded, sid: int, text_in: float, audio_out: float) -> dict[str, float] | None:
+    """The client's stages of server session `sid`: its session with the same request id that
+    sent its first text last before the server took it in (request ids repeat across runs)."""
+    rid = recorded.request_ids.get(sid)
+    sent = [c for c in recorded.client.get(rid, []) if c[0] <= text_in] if rid else []
+    if not sent:
+        return None
+    first_text, first_audio = max(sent)
+    return {"client to server": text_in - first_text, "server to client": max(0.0, first_audio - audio_out),
+            "client TTFA": first_audio - first_text}
+
+
+def _taken_in(texts: Sequence[Event], sent: float) -> float | None:
+    """When the engine thread took in the text that was handed to the frontend at `sent` (the
+    one that gave the first sentence). Texts are taken in in the order they were sent, so that
+    is once it and every text sent before it had arrived (they may finish phonemising out of order)."""
+    seq = next((_i(e, "seq") for e in texts if _f(e, "sent") == sent), None)
+    if seq is None:
+        return None
+    return max(_f(e, "t") for e in texts if _i(e, "seq") <= seq)
+
+
+def session_paths(core: Sequence[Event], recorded: Recorded) -> list[SessionPath]:
     """The period's client sessions (those the server recorded) that got their first audio."""
-    taken_in: dict[int, float] = {}  # sid -> when the engine thread took its first sentences in
+    api = recorded.api
+    texts: dict[int, list[Event]] = {}  # sid -> its texts, as they reached the engine thread
     for e in core:
-        if e["k"] == "text" and e["sentences"] and _i(e, "sid") not in taken_in:
-            taken_in[_i(e, "sid")] = _f(e, "t")
+        if e["k"] == "text":
+            texts.setdefault(_i(e, "sid"), []).append(e)
     out = []
     for e in core:
         if e["k"] != "first_audio":
             continue
         sid = _i(e, "sid")
         server = api.get(sid, {})
-        if "text_in" not in server or "audio_out" not in server or sid not in taken_in:
-            continue  # a warm-up session, or a cached replay
+        if "text_in" not in server or "audio_out" not in server:
+            continue  # a warm-up session
         if any(e[k] is None for k in ("sent", "phonemized", "acoustic_start", "acoustic_end", "step_start")):
+            continue  # a cached replay
+        taken = _taken_in(texts.get(sid, []), _f(e, "sent"))
+        if taken is None:
             continue
-        points = [server["text_in"], _f(e, "sent"), _f(e, "phonemized"), taken_in[sid], _f(e, "acoustic_start"),
+        points = [server["text_in"], _f(e, "sent"), _f(e, "phonemized"), taken, _f(e, "acoustic_start"),
                   _f(e, "acoustic_end"), _f(e, "step_start"), _f(e, "t"), server["audio_out"]]
         stages = {name: max(0.0, b - a) for name, (a, b) in zip(STAGES, itertools.pairwise(points), strict=True)}
-        out.append(SessionPath(sid, stages, server["audio_out"] - server["text_in"], server["text_in"]))
+        out.append(SessionPath(sid, stages, server["audio_out"] - server["text_in"], server["text_in"],
+                               _client_side(recorded, sid, server["text_in"], server["audio_out"])))
     return out
 
 
-def quantile(values: Sequence[float], q: float) -> float:
-    """Nearest rank, as `bench load` reports its percentiles."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
-QUANTILES = (0.0, 0.5, 0.9, 0.99, 1.0)
+PERCENTILES = (0, 50, 90, 99, 100)  # linear between ranks, as `bench load` reports them
 
 
 def _row(name: str, seconds: Sequence[float]) -> str:
-    return f"  {name:22s}" + "".join(f"{quantile(seconds, q) * 1000:8.1f}" for q in QUANTILES)
+    return f"  {name:22s}" + "".join(f"{percentile(seconds, q) * 1000:8.1f}" for q in PERCENTILES)
 
 
 def _calls(core: Sequence[Event], kind: str, size: str) -> tuple[int, float, float, float]:
@@ -120,17 +171,23 @@ def _calls(core: Sequence[Event], kind: str, size: str) -> tuple[int, float, flo
     return len(calls), sum(_i(e, size) for e in calls) / len(calls), wall, cpu
 
 
-def summarise(core: Sequence[Event], api: Mapping[int, Mapping[str, float]]) -> list[str]:
+def summarise(core: Sequence[Event], recorded: Recorded) -> list[str]:
     """Lines for one busy period of the core; empty when it served no client session."""
-    paths = session_paths(core, api)
+    paths = session_paths(core, recorded)
     if not paths:
         return []
     start = min(p.text_in for p in paths)
     end = max(p.text_in + p.ttfa_s for p in paths)
     lines = [f"{len(paths)} sessions; first text in to last first audio out: {(end - start) * 1000:.1f} ms",
              f"  {'ms':22s}" + "".join(f"{name:>8s}" for name in ("min", "p50", "p90", "p99", "max"))]
+    clients = [p.client for p in paths if p.client is not None]
+    if clients:
+        lines.append(_row("client to server", [c["client to server"] for c in clients]))
     lines += [_row(name, [p.stages[name] for p in paths]) for name in STAGES]
     lines.append(_row("server TTFA", [p.ttfa_s for p in paths]))
+    if clients:
+        lines.append(_row("server to client", [c["server to client"] for c in clients]))
+        lines.append(_row("client TTFA", [c["client TTFA"] for c in clients]) + f"   ({len(clients)} sessions)")
     window = [e for e in core if start <= _f(e, "t") <= end]
     plans = sum(1 for e in window if e["k"] == "plan")
     lines.append(f"engine thread in that window: {plans} iterations with work")
@@ -144,13 +201,14 @@ def summarise(core: Sequence[Event], api: Mapping[int, Mapping[str, float]]) -> 
 
 
 def report(directory: Path) -> list[str]:
-    periods, api = load(directory)
+    recorded = load(directory)
     out: list[str] = []
-    for path, events in periods:
-        lines = summarise(events, api)
+    for path, events in recorded.periods:
+        lines = summarise(events, recorded)
         if lines:
             out += [f"{path.name}: {lines[0]}", *lines[1:], ""]
     return out or [f"no client sessions in the timeline files under {directory} (serve --timeline DIR)"]
 
 
-__all__ = ["STAGES", "SessionPath", "load", "quantile", "report", "session_paths", "summarise"]
+__all__ = ["CLIENT_STAGES", "STAGES", "Recorded", "SessionPath", "load", "report", "session_paths",
+           "summarise"]

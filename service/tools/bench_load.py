@@ -38,6 +38,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
+from service.telemetry.histogram import percentile
+from service.telemetry.timeline import Timeline
 
 UNDERRUN_LIMIT_S = 0.100  # a session passes when no chunk is later than this
 SWEEP_PASS_RATE = 0.99  # --sweep: a probe passes at this pass rate ...
@@ -197,17 +199,6 @@ def worst_underrun(arrivals: Sequence[float], durations: Sequence[float]) -> flo
         worst = max(worst, at - due)
         due += duration
     return worst
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between closest ranks (numpy's default); nan when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def concurrency(intervals: Sequence[tuple[float, float]], window_s: float) -> tuple[float, int]:
@@ -375,7 +366,7 @@ def _ms(seconds: float) -> float | None:
 
 
 async def _session(stub: pb_grpc.TextToSpeechStub, cfg: LoadConfig, index: int, sentences: list[str],
-                   start_at: float, t0: float) -> SessionRecord:
+                   start_at: float, t0: float, timeline: Timeline) -> SessionRecord:
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     opened = time.perf_counter()
     config = pb.SessionConfig(precision=PRECISIONS[cfg.precision], request_id=f"bench-load-{index}")
@@ -400,6 +391,11 @@ async def _session(stub: pb_grpc.TextToSpeechStub, cfg: LoadConfig, index: int, 
         code, message = exc.code().name, exc.details() or ""
     ended = time.perf_counter()
     first = arrivals[0] if arrivals else math.nan
+    if timeline.on and arrivals and not math.isnan(marks[0]):
+        # perf_counter and monotonic are one clock on Linux; converted anyway, for the server's side
+        shift = time.monotonic() - time.perf_counter()
+        timeline.add("client", rid=config.request_id, first_text=marks[0] + shift,
+                     first_sentence=marks[ref] + shift, first_audio=first + shift)
     from_sentence = _ms(first - marks[ref])  # None when there was no audio or the sentence was never sent
     return SessionRecord(
         index=index, start_s=opened - t0, end_s=ended - t0, text=" ".join(sentences),
@@ -422,9 +418,11 @@ async def _watch_loop(stop: asyncio.Event, period_s: float = 0.01) -> float:
     return worst
 
 
-async def run_load(stubs: Sequence[pb_grpc.TextToSpeechStub], cfg: LoadConfig, n: int
-                   ) -> tuple[list[SessionRecord], Summary]:
-    """One load run at level `n` (see the module docstring); sessions take the stubs in turn."""
+async def run_load(stubs: Sequence[pb_grpc.TextToSpeechStub], cfg: LoadConfig, n: int,
+                   timeline: Timeline | None = None) -> tuple[list[SessionRecord], Summary]:
+    """One load run at level `n` (see the module docstring); sessions take the stubs in turn.
+    `timeline`: each session's first text sent and first audio received go there (one period)."""
+    timeline = timeline or Timeline()
     rng = random.Random(cfg.seed)
     if cfg.arrival == "poisson":
         rate, window, cap = poisson_schedule(n, cfg.rate, cfg.duration_s)
@@ -439,8 +437,9 @@ async def run_load(stubs: Sequence[pb_grpc.TextToSpeechStub], cfg: LoadConfig, n
     watcher = asyncio.create_task(_watch_loop(stop))
     t0 = time.perf_counter()
     records = await asyncio.gather(*(
-        _session(stubs[i % len(stubs)], cfg, i, texts[i], starts[i], t0) for i in range(len(starts))
+        _session(stubs[i % len(stubs)], cfg, i, texts[i], starts[i], t0, timeline) for i in range(len(starts))
     ))
+    timeline.flush()
     wall = time.perf_counter() - t0
     stop.set()
     return list(records), summarise(records, wall, await watcher, target, rate, window_s)
@@ -545,18 +544,18 @@ def _arrival_text(cfg: LoadConfig) -> str:
 
 
 async def _main(cfg: LoadConfig, sweep: bool, json_path: Path | None, png_path: Path | None,
-                connection: Connection) -> int:
+                connection: Connection, timeline: Timeline) -> int:
     # Separate connections: grpc shares one subchannel between channels with the same target and arguments.
     channels = [connection.channel(cfg.target, [("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(math.ceil(cfg.sessions / SESSIONS_PER_CHANNEL))]
     try:
-        return await _drive(channels, cfg, sweep, json_path, png_path)
+        return await _drive(channels, cfg, sweep, json_path, png_path, timeline)
     finally:
         await asyncio.gather(*(c.close() for c in channels))
 
 
 async def _drive(channels: Sequence[grpc.aio.Channel], cfg: LoadConfig, sweep: bool, json_path: Path | None,
-                 png_path: Path | None) -> int:
+                 png_path: Path | None, timeline: Timeline) -> int:
     await wait_until_serving(channels[0], cfg.target, cfg.connect_timeout_s)
     stubs = [pb_grpc.TextToSpeechStub(c) for c in channels]
     info = await stubs[0].GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
@@ -566,14 +565,14 @@ async def _drive(channels: Sequence[grpc.aio.Channel], cfg: LoadConfig, sweep: b
           f"{_arrival_text(cfg)}, {pacing}, precision {cfg.precision}, {len(channels)} channel(s)", flush=True)
     report: dict[str, Any] = {"config": asdict(cfg)}
     if not sweep:
-        records, summary = await run_load(stubs, cfg, cfg.sessions)
+        records, summary = await run_load(stubs, cfg, cfg.sessions, timeline)
         print(_describe(records, summary))
         curves = [(f"{summary.sessions} sessions", _ttfas(records))]
     else:
         results: dict[int, bool] = {}
         runs: dict[int, tuple[list[SessionRecord], Summary]] = {}
         while (n := next_probe(results, cfg.sessions)) is not None:
-            runs[n] = await run_load(stubs, cfg, n)
+            runs[n] = await run_load(stubs, cfg, n, timeline)
             results[n] = sweep_passes(runs[n][1])
             print(f"probe N={n}: {summary_line(runs[n][1])} -> {'pass' if results[n] else 'fail'}", flush=True)
         best = best_probe(results)
@@ -598,8 +597,11 @@ async def _drive(channels: Sequence[grpc.aio.Channel], cfg: LoadConfig, sweep: b
 
 
 def run_bench_load(cfg: LoadConfig, sweep: bool = False, json_path: Path | None = None,
-                   png_path: Path | None = None, connection: Connection | None = None) -> int:
-    """Validate, run (or sweep), report. Raises ConnectionError when the target cannot be used."""
+                   png_path: Path | None = None, connection: Connection | None = None,
+                   timeline_dir: Path | None = None) -> int:
+    """Validate, run (or sweep), report. Raises ConnectionError when the target cannot be used.
+    `timeline_dir`: each run's sessions (first text sent, first audio received) as a client
+    timeline there, next to a server's `--timeline` files (`cadenza timeline DIR`)."""
     if cfg.sessions < 1:
         raise ValueError("--sessions must be at least 1")
     if (cfg.rate is not None and cfg.rate <= 0) or cfg.tokens_per_s <= 0:
@@ -614,4 +616,5 @@ def run_bench_load(cfg: LoadConfig, sweep: bool = False, json_path: Path | None 
         raise ValueError("--arrival is burst or poisson, --pace is sentence or llm")
     if connection is not None and (connection.tls_cert is None) != (connection.tls_key is None):
         raise ValueError("a client certificate needs its key: give --tls-cert and --tls-key together")
-    return asyncio.run(_main(cfg, sweep, json_path, png_path, connection or Connection()))
+    return asyncio.run(_main(cfg, sweep, json_path, png_path, connection or Connection(),
+                             Timeline(timeline_dir, "client")))

@@ -11,7 +11,7 @@ import pytest
 
 from service.cli import main
 from service.telemetry.timeline import Timeline
-from service.telemetry.timeline_summary import STAGES, load, quantile, session_paths
+from service.telemetry.timeline_summary import CLIENT_STAGES, STAGES, load, session_paths
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -69,16 +69,11 @@ def test_an_unwritable_directory_is_a_warning(tmp_path: Path, caplog: pytest.Log
     assert "cannot write the timeline" in caplog.text
 
 
-def test_quantile_is_nearest_rank() -> None:
-    values = [float(v) for v in range(101)]
-    assert quantile(values, 0.0) == 0 and quantile(values, 0.5) == 50 and quantile(values, 0.99) == 99
-    assert quantile([7.0], 0.9) == 7.0
-
-
 def test_a_real_server_s_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Sessions through a real server (core in its own process, as served): every client session
-    of the burst is in the summary, its stages follow each other and add up to its server-side
-    time to first audio, and the engine thread's calls are there."""
+    """Sessions through a real server (core in its own process, as served) from `bench load
+    --timeline` into the same directory: every client session of the burst is in the summary,
+    its stages follow each other and add up to its server-side time to first audio, and with
+    the client's two legs to the client's own; the engine thread's calls are there."""
     from service.api.server import ServerConfig
     from service.engine.config import EngineConfig, Limits
     from tests.api.native_server import ServerThread
@@ -90,21 +85,27 @@ def test_a_real_server_s_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[
                             cache_bytes=0, timeline_dir=directory),
     ))
     try:
-        assert main(["bench", "load", "--target", server.addr, "--sessions", "3", "--arrival", "burst"]) == 0
+        assert main(["bench", "load", "--target", server.addr, "--sessions", "3", "--arrival", "burst",
+                     "--timeline", str(directory)]) == 0
     finally:
         server.close()
     capsys.readouterr()
-    periods, api = load(directory)
-    assert periods and len(api) == 3  # the warm-up sessions are not the server's clients
-    paths = [p for _, events in periods for p in session_paths(events, api)]
-    assert sorted(p.sid for p in paths) == sorted(api)
+    recorded = load(directory)
+    assert recorded.periods and len(recorded.api) == 3  # the warm-up sessions are not the server's clients
+    assert sorted(recorded.client) == [f"bench-load-{i}" for i in range(3)]
+    paths = [p for _, events in recorded.periods for p in session_paths(events, recorded)]
+    assert sorted(p.sid for p in paths) == sorted(recorded.api)
     for p in paths:
         assert set(p.stages) == set(STAGES)
         assert sum(p.stages.values()) == pytest.approx(p.ttfa_s, abs=1e-6)  # no stage negative, none missing
+        assert p.client is not None and all(p.client[name] >= 0 for name in CLIENT_STAGES)
+        legs = p.client["client to server"] + p.ttfa_s + p.client["server to client"]
+        assert legs == pytest.approx(p.client["client TTFA"], abs=1e-6)
     assert main(["timeline", str(directory)]) == 0
     out = capsys.readouterr().out
     assert "3 sessions; first text in to last first audio out" in out
-    for name in (*STAGES, "server TTFA", "acoustic calls", "step launches", "step results"):  # torch: slot steps
+    for name in (*CLIENT_STAGES, *STAGES, "server TTFA", "client TTFA", "acoustic calls", "step launches",
+                 "step results"):  # torch on CPU: slot steps
         assert name in out
 
 
