@@ -187,7 +187,7 @@ def summarise(core: Sequence[Event], recorded: Recorded) -> list[str]:
     lines.append(_row("server TTFA", [p.ttfa_s for p in paths]))
     if clients:
         lines.append(_row("server to client", [c["server to client"] for c in clients]))
-        lines.append(_row("client TTFA", [c["client TTFA"] for c in clients]) + f"   ({len(clients)} sessions)")
+        lines.append(_row("client TTFA", [c["client TTFA"] for c in clients]) + f"   (client side of {len(clients)})")
     window = [e for e in core if start <= _f(e, "t") <= end]
     plans = sum(1 for e in window if e["k"] == "plan")
     lines.append(f"engine thread in that window: {plans} iterations with work")
