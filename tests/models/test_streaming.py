@@ -221,3 +221,22 @@ def test_priors_left_on_the_device_decode_as_host_priors(tiny_voice_path: Path) 
         outs.append(_stream_together(dec, utts, [0, 1], [24, 40]))
     for a, b in zip(*outs, strict=True):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+
+
+def test_priors_of_one_acoustic_call_share_one_device_tensor(tiny_voice_path: Path) -> None:
+    """Every prior an acoustic call leaves on the device is a view of that call's one output, so
+    the prior memory's flush records the tensor's use on the decoder's stream once per call,
+    not once per sentence (each record is a native call that gives the GIL up)."""
+    from service.synthesis import AcousticJob
+
+    syn = open_synthesizer(str(tiny_voice_path), backend="torch")
+    params = SynthesisParams(speaker=0)  # unseeded: no sentence is encoded again alone (ceil ambiguity)
+    sentences = syn._sentences("One sentence here. And a second, longer one. A third.", params)
+    jobs = [AcousticJob(s, 0, params, np.random.default_rng(i)) for i, s in enumerate(sentences)]
+    syn.backend.priors_on_device = True  # type: ignore[attr-defined]
+    try:
+        utts = syn.acoustic_batch(jobs)
+    finally:
+        syn.backend.priors_on_device = False  # type: ignore[attr-defined]
+    assert len(utts) == 3
+    assert len({u.prior.device_values.untyped_storage().data_ptr() for u in utts}) == 1

@@ -124,8 +124,11 @@ class PriorMemory:
             columns = np.concatenate([c for c, _ in on_device])
             values = torch.cat([p.device_values for _, p in on_device], dim=2)
             if values.device.type == "cuda":  # made on the acoustic stage's stream, read on this one
-                for _, p in on_device:
-                    p.device_values.record_stream(torch.cuda.current_stream(values.device))
+                # Once per allocation, not per prior: the priors of one acoustic call are views of
+                # one tensor, and each call gives the GIL up and may wait to get it back.
+                shared = {p.device_values.untyped_storage().data_ptr(): p.device_values for _, p in on_device}
+                for view in shared.values():
+                    view.record_stream(torch.cuda.current_stream(values.device))
             self.table.index_copy_(2, upload(columns), values.to(self.table.device, torch.float32))
         if on_host:
             columns = np.concatenate([c for c, _ in on_host])
