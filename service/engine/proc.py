@@ -305,22 +305,34 @@ class _Outbox:
     def send(self, *message: object) -> None:
         self._queue.put(message)
 
+    # Audio one pipe message carries at most (bytes as sent; a flush with more goes as several).
+    # Pickling a message holds the GIL from start to end (C code: no bytecode to switch at), and
+    # the engine thread needs the GIL back after each of its native calls: a whole step's output
+    # in one message kept it waiting for milliseconds.
+    MAX_MESSAGE_AUDIO_BYTES = 1 << 20
+
     def call_soon_threadsafe(self, callback: Callable[..., object], *args: object) -> None:
         """Called by `OutputStage.flush` with `run_all` and one flush's deliveries."""
         calls: list[tuple[_RemoteSink, str, tuple[object, ...]]] = args[0]  # type: ignore[assignment]
         out: list[tuple[int, str, tuple[Any, ...]]] = []
         pcm16: list[int] = []  # which of `out` are chunks for sessions that take int16 PCM
+        audio_bytes = 0
         for sink, method, call_args in calls:
             if method == "on_chunk":
-                sink.cursor.delivered_s += len(call_args[0].samples) / sink.sample_rate  # type: ignore[attr-defined]
+                samples = len(call_args[0].samples)  # type: ignore[attr-defined]
+                sink.cursor.delivered_s += samples / sink.sample_rate
                 if sink.pcm16:
                     pcm16.append(len(out))
+                audio_bytes += samples * (2 if sink.pcm16 else 4)
             else:
                 self.cursors.pop(sink.session_id, None)
                 if method == "on_error":
                     call_args = (_portable(call_args[0]),)  # type: ignore[arg-type]
             out.append((sink.session_id, method, call_args))
-        self._queue.put(_Flush(out, self.take_telemetry(), pcm16))
+            if audio_bytes >= self.MAX_MESSAGE_AUDIO_BYTES:
+                self._queue.put(_Flush(out, [], pcm16))
+                out, pcm16, audio_bytes = [], [], 0
+        self._queue.put(_Flush(out, self.take_telemetry(), pcm16))  # the telemetry goes with the last part
 
     def take_reads(self, reads: Mapping[int, float], limit_s: float) -> bool:
         """Apply the server's read cursors; True when one of them let a session that was held

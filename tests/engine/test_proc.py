@@ -189,3 +189,41 @@ def test_core_wakes_when_a_read_frees_a_session_it_holds_back() -> None:
         assert not outbox.take_reads({1: 1.0}, limit_s=3.0)  # was not held back any more
     finally:
         outbox.close()
+
+
+def test_a_large_flush_crosses_the_pipe_as_several_messages_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush with more audio than one pipe message may carry goes as several, each holding at
+    most about `MAX_MESSAGE_AUDIO_BYTES` of samples (pickling one holds the GIL throughout): the
+    same deliveries in the same order, the telemetry once, with the last."""
+    import multiprocessing
+
+    from service.engine.output import run_all
+    from service.engine.proc import _Outbox, _recv, _RemoteSink
+    from service.engine.state import ChunkResult, ReadCursor
+
+    monkeypatch.setattr(_Outbox, "MAX_MESSAGE_AUDIO_BYTES", 10_000)
+    here, there = multiprocessing.Pipe()
+    outbox = _Outbox(there)
+    try:
+        floats, pcm16 = _RemoteSink(1, ReadCursor(), 22050), _RemoteSink(2, ReadCursor(), 22050, pcm16=True)
+        chunks = [ChunkResult(np.full(1000, i / 10, dtype=np.float32), 0, [], "fp32", False, False) for i in range(9)]
+        calls = [((floats, pcm16)[i % 2], "on_chunk", (c,)) for i, c in enumerate(chunks)]
+        calls.append((floats, "on_done", ()))
+        outbox.record("decoder_step", ("x",))
+        outbox.call_soon_threadsafe(run_all, calls)
+        messages = [_recv(here)]
+        while not messages[-1][2]:  # the telemetry comes with the last part
+            messages.append(_recv(here))
+    finally:
+        outbox.close()
+    assert len(messages) > 1 and all(kind == "out" for kind, _, _ in messages)
+    assert [t for _, _, t in messages] == [[]] * (len(messages) - 1) + [[("decoder_step", ("x",))]]
+    for _, out, _ in messages[:-1]:  # 4 bytes a float sample, 2 an int16 one
+        sent = sum(args[0].samples.nbytes for _, method, args in out if method == "on_chunk")
+        assert 10_000 <= sent < 10_000 + 4_000
+    delivered = [item for _, out, _ in messages for item in out]
+    assert [(sid, method) for sid, method, _ in delivered] == [(1 + i % 2, "on_chunk") for i in range(9)] + [
+        (1, "on_done")]
+    for i, (_, _, (chunk,)) in enumerate(delivered[:9]):
+        assert chunk.samples.dtype == (np.int16 if i % 2 else np.float32)
+        assert np.allclose(chunk.samples.astype(np.float64) / (32767 if i % 2 else 1), i / 10, atol=1e-4)
