@@ -68,6 +68,7 @@ class EngineCore:
         self.stats = EngineStats()
         self.scheduler = Scheduler(batch)
         self.timeline = timeline or Timeline()
+        self.timeline.watch_gc()  # this process's collections (the server records its own in process mode)
         self.executor = Executor(batch, self.stats, shadow, on_trip, self.timeline)
         self.output = OutputStage(cache, self.executor.release, self.telemetry, self.timeline)
         self._cv = threading.Condition()

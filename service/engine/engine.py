@@ -71,6 +71,8 @@ class TtsEngine:
         self.core_mode = config.core
         host = ProcessHost if self.core_mode == "process" else LocalHost
         self.host: Host = host(config, self.device, self.backend_name, self.telemetry, self._on_trip)
+        if self.core_mode == "process":
+            self.timeline.watch_gc()  # the core's own process records its collections itself
         self.telemetry.observe(cache=self._cache_lookups,
                                gpu_memory=self._gpu_memory if self.device.startswith("cuda") else None)
         self._policy: PrecisionPolicy | None = None
@@ -100,6 +102,7 @@ class TtsEngine:
         self.host.reset_rate()
         session = await self._open_session(SessionConfig(seed=1), internal=True)
         await self._collect(session, self.config.warmup_text)
+        self.host.settle()  # after warm-up: what the server built is not scanned by the collector again
         capacity = self.host.snapshot().capacity
         for precision in self._warm_precisions():
             estimate = capacity.get(precision.value)

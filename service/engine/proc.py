@@ -8,7 +8,7 @@ sessions' event-loop halves. Both sides exchange pickled messages over one pipe:
 
 server -> core: ("batch", [message, ...]), the messages of one event-loop turn, each one of
   ("open", SessionRequest, takes int16 PCM), ("text", id, text), ("end", id), ("cancel", id),
-  ("read", {id: seconds read}), ("load", call, voice name), ("reset_rate",), ("stop",)
+  ("read", {id: seconds read}), ("load", call, voice name), ("reset_rate",), ("settle",), ("stop",)
 core -> server: ("ready", {name: LoadedVoice}) or ("failed", exception) once at start; then
   ("out", [(id, sink method, args)], [(telemetry method, args)]), ("snapshot", CoreSnapshot),
   ("reply", call, LoadedVoice or error text), ("trip", voice), ("died", why), ("stopped",)
@@ -36,7 +36,7 @@ from typing import Any
 
 from service.audio.encoding import float_to_int16
 from service.engine.config import EngineConfig
-from service.engine.host import CoreSnapshot, LoadedVoice, Runtimes, build_core, snapshot
+from service.engine.host import CoreSnapshot, LoadedVoice, Runtimes, build_core, settle_heap, snapshot
 from service.engine.output import Delivery, hand_over
 from service.engine.state import Loop, ReadCursor, SessionRequest, Sink, WorkSpec
 from service.telemetry import Telemetry
@@ -189,6 +189,10 @@ class ProcessHost:
 
     def reset_rate(self) -> None:
         self._post("reset_rate")
+
+    def settle(self) -> None:
+        self._post("settle")
+        settle_heap()
 
     def stop(self) -> None:
         self._stopping = True
@@ -472,6 +476,8 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
             threading.Thread(target=load, args=message[1:], name="cadenza-voice-load", daemon=True).start()
         elif kind == "reset_rate":
             core.reset_rate()
+        elif kind == "settle":
+            settle_heap()
         elif kind == "stop":
             return False
         return True

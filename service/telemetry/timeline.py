@@ -14,6 +14,7 @@ left) to DIR, `core-PID-N.jsonl` and `api-PID-N.jsonl`; `cadenza timeline DIR` s
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -27,8 +28,9 @@ log = logging.getLogger(__name__)
 
 class Timeline:
     """Events of one side (`core` or `api`) of one process; off (records nothing) without a
-    directory. Not thread-safe: each side records from one thread (the engine thread, the
-    server's event loop)."""
+    directory. Each side records from one thread (the engine thread, the server's event loop),
+    except `watch_gc`'s events, which come from whichever thread collects (appending to a list
+    is atomic; one collected while a period is written may land in the next file)."""
 
     MAX_EVENTS = 100_000  # per busy period (tens of MB); later events are dropped (and counted)
     MAX_PERIODS = 200
@@ -39,6 +41,7 @@ class Timeline:
         self.periods = 0
         self.dropped = 0
         self._events: list[tuple[float, str, dict[str, object]]] = []
+        self._gc_start: float | None = None
 
     @property
     def on(self) -> bool:
@@ -65,6 +68,19 @@ class Timeline:
             yield fields
         finally:
             self.add(kind, s=start, cpu=time.thread_time() - cpu, **fields)
+
+    def watch_gc(self) -> None:
+        """Record each garbage collection of this process (`gc`: generation, `s`, collected):
+        a collection holds the GIL, so it stops every thread of the process while it runs."""
+        if self.on:
+            gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.monotonic()
+        elif self._gc_start is not None:
+            self.add("gc", s=self._gc_start, generation=info.get("generation", -1), collected=info.get("collected", 0))
+            self._gc_start = None
 
     def flush(self) -> Path | None:
         """End the busy period: write its events (if any) and start a new period."""

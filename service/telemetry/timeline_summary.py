@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.telemetry.histogram import percentile
@@ -63,6 +63,7 @@ class Recorded:
     api: dict[int, dict[str, float]]
     request_ids: dict[int, str]
     client: dict[str, list[tuple[float, float]]]
+    api_gc: list[dict[str, object]] = field(default_factory=list)  # the server process's collections
 
 
 Event = Mapping[str, object]
@@ -97,6 +98,8 @@ def load(directory: Path) -> Recorded:
                 recorded.api.setdefault(_i(e, "sid"), {})[str(e["k"])] = _f(e, "t")
             if e["k"] == "text_in" and e.get("rid"):
                 recorded.request_ids[_i(e, "sid")] = str(e["rid"])
+            if e["k"] == "gc":
+                recorded.api_gc.append(e)
     for path in directory.glob("client-*.jsonl"):
         for e in read_events(path):
             if e["k"] == "client":
@@ -197,6 +200,13 @@ def summarise(core: Sequence[Event], recorded: Recorded) -> list[str]:
         if n:
             lines.append(f"  {label:15s} {n:4d} x {mean:5.1f} {size:9s} wall {wall * 1000:7.1f} ms, "
                          f"CPU {cpu * 1000:7.1f} ms")
+    for side, events in (("core", window), ("server", [e for e in recorded.api_gc if start <= _f(e, "t") <= end])):
+        collections = [e for e in events if e["k"] == "gc"]
+        if collections:
+            pauses = [_f(e, "t") - _f(e, "s") for e in collections]
+            full = sum(1 for e in collections if e["generation"] == 2)
+            lines.append(f"garbage collections in the {side} process: {len(pauses)} ({full} full), "
+                         f"{sum(pauses) * 1000:.1f} ms in all, longest {max(pauses) * 1000:.1f} ms")
     return lines
 
 

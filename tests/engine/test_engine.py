@@ -469,3 +469,24 @@ def test_engine_start_sets_the_gil_switch_interval() -> None:
         sys.setswitchinterval(before)
     with pytest.raises(ValueError, match="gil_switch_interval_s"):
         BatchConfig(gil_switch_interval_s=0.0)
+
+
+
+def test_a_warm_engine_leaves_its_heap_out_of_the_collector_s_scans() -> None:
+    """Once warm, the server freezes what it built (models, graphs, modules), so a full
+    collection scans only what was made since (bench/RESULTS.md has what one costs otherwise)."""
+    import gc
+
+    from service.engine.engine import TtsEngine
+
+    async def start_and_stop() -> int:
+        engine = TtsEngine(tiny_engine_config())
+        await engine.start()
+        try:
+            return gc.get_freeze_count()
+        finally:
+            await engine.stop()
+
+    gc.unfreeze()  # whatever an earlier test's server froze
+    assert gc.get_freeze_count() == 0
+    assert asyncio.run(start_and_stop()) > 0

@@ -69,6 +69,7 @@ def test_figures_come_back_from_the_core(proc_harness: EngineHarness) -> None:
         time.sleep(0.02)
     assert engine.engine_sessions == 0  # the core let the finished session go
     assert engine.server_info().precisions and engine.voices()[0].loaded
+    assert engine.host.snapshot().frozen_objects > 0  # the warm core settled its heap (settle_heap)
 
 
 def test_errors_keep_their_type_across_the_pipe(proc_harness: EngineHarness) -> None:

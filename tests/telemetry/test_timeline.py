@@ -114,3 +114,49 @@ def test_the_command_says_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFi
     assert "no client sessions" in capsys.readouterr().out
     assert main(["timeline", str(tmp_path / "missing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_collections_are_recorded(tmp_path: Path) -> None:
+    import gc
+
+    timeline = Timeline(tmp_path, "core")
+    timeline.watch_gc()
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(timeline._gc)
+    path = timeline.flush()
+    assert path is not None
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    full = [e for e in events if e["k"] == "gc" and e["generation"] == 2]
+    assert full and full[0]["s"] <= full[0]["t"] and full[0]["collected"] >= 0
+
+
+def test_summary_of_a_hand_made_period() -> None:
+    """Two sessions' marks, the engine thread's calls and the collections of both processes:
+    each stage is the gap between two marks, and only what falls in the window is counted."""
+    from service.telemetry.timeline_summary import Recorded, summarise
+
+    def first(sid: int, base: float) -> list[dict[str, object]]:
+        return [
+            {"t": base + 0.004, "k": "text", "sid": sid, "seq": 0, "sentences": 1, "sent": base + 0.002,
+             "phonemized": base + 0.003},
+            {"t": base + 0.040, "k": "first_audio", "sid": sid, "sent": base + 0.002, "phonemized": base + 0.003,
+             "acoustic_start": base + 0.010, "acoustic_end": base + 0.020, "step_start": base + 0.025},
+        ]
+
+    core = [*first(1, 10.0), *first(2, 10.1),
+            {"t": 10.020, "k": "acoustic", "s": 10.010, "cpu": 0.004, "sentences": 1, "first": 1},
+            {"t": 10.030, "k": "launch", "s": 10.025, "cpu": 0.002, "rows": 2, "first": True, "frames": 77},
+            {"t": 10.031, "k": "gc", "s": 10.030, "generation": 2, "collected": 5},
+            {"t": 99.0, "k": "gc", "s": 98.0, "generation": 2, "collected": 0}]  # outside the window
+    api = {1: {"text_in": 10.001, "audio_out": 10.045}, 2: {"text_in": 10.101, "audio_out": 10.145}}
+    recorded = Recorded([], api, {}, {}, [{"t": 10.05, "k": "gc", "s": 10.049, "generation": 0}])
+    lines = summarise(core, recorded)
+    assert lines[0].startswith("2 sessions; first text in to last first audio out: 144.0 ms")
+    rows = {line.split("  ")[1].strip(): line.split()[-5:] for line in lines[2:12] if line.startswith("  ")}
+    assert rows["to the core"] == ["1.0"] * 5 and rows["acoustic"] == ["10.0"] * 5
+    assert rows["wait for a step"] == ["5.0"] * 5 and rows["server TTFA"] == ["44.0"] * 5
+    assert any("acoustic calls" in line and "wall    10.0 ms" in line for line in lines)
+    assert "garbage collections in the core process: 1 (1 full), 1.0 ms in all, longest 1.0 ms" in lines
+    assert "garbage collections in the server process: 1 (0 full), 1.0 ms in all, longest 1.0 ms" in lines
