@@ -133,8 +133,13 @@ class ProcessHost:
                 return
         self._flush()
 
+    # Session messages one pipe message carries at most: the core's thread that reads the pipe
+    # unpickles a message in one go, holding the GIL (a burst's first loop turns post hundreds of
+    # opens and texts), while the engine thread needs it back after each of its native calls.
+    MAX_BATCH = 64
+
     def _flush(self) -> None:
-        """Send what was posted, as one ("batch", messages) message, the reads last."""
+        """Send what was posted, as ("batch", messages) messages of at most `MAX_BATCH`, the reads last."""
         with self._lock:
             reads, self._reads = self._reads, {}
             batch, self._batch, self._batch_due = self._batch, [], False
@@ -143,7 +148,8 @@ class ProcessHost:
             if not batch or self._conn is None or self.dead.is_set():
                 return
             try:
-                _send(self._conn, ("batch", batch))
+                for i in range(0, len(batch), self.MAX_BATCH):
+                    _send(self._conn, ("batch", batch[i : i + self.MAX_BATCH]))
             except (OSError, EOFError):  # the core's process is gone; the relay thread reports it
                 log.debug("engine process gone: %d messages dropped", len(batch))
 

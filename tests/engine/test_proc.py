@@ -228,3 +228,26 @@ def test_a_large_flush_crosses_the_pipe_as_several_messages_in_order(monkeypatch
     for i, (_, _, (chunk,)) in enumerate(delivered[:9]):
         assert chunk.samples.dtype == (np.int16 if i % 2 else np.float32)
         assert np.allclose(chunk.samples.astype(np.float64) / (32767 if i % 2 else 1), i / 10, atol=1e-4)
+
+
+def test_a_busy_loop_turn_reaches_the_core_in_order_across_several_messages(
+        proc_harness: EngineHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server sends one loop turn's session messages as pipe messages of at most `MAX_BATCH`
+    (the core unpickles each while holding the GIL); split, they still arrive whole and in order:
+    sessions opened and fed in one turn get the audio they get one at a time."""
+    monkeypatch.setattr(ProcessHost, "MAX_BATCH", 2)
+    texts = ["One short sentence.", "Another one, a bit longer than the first.", "A third."]
+
+    async def together() -> list[bytes]:
+        sessions = [await proc_harness.engine.open_session(SessionConfig(seed=20 + i, encoding=FLOAT))
+                    for i in range(len(texts))]
+        results = await asyncio.gather(*(drive(s, [t]) for s, t in zip(sessions, texts, strict=True)))
+        return [audio for audio, _, _ in results]
+
+    split = proc_harness.run(together())
+    monkeypatch.setattr(ProcessHost, "MAX_BATCH", 64)
+    alone = [proc_harness.run(_collect(proc_harness, SessionConfig(seed=20 + i, encoding=FLOAT), t))[0]
+             for i, t in enumerate(texts)]
+    for a, b in zip(split, alone, strict=True):
+        x, y = np.frombuffer(a, np.float32), np.frombuffer(b, np.float32)
+        assert len(x) == len(y) and np.allclose(x, y, atol=1e-4)  # batched with others: kernel rounding only
