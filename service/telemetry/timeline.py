@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,15 @@ class Timeline:
             return
         self._events.append((time.monotonic(), kind, fields))
 
-    @contextmanager
-    def timed(self, kind: str, **fields: object) -> Iterator[dict[str, object]]:
+    def timed(self, kind: str, **fields: object) -> AbstractContextManager[dict[str, object]]:
         """Record `kind` when the block ends, with its start (`s`), and the calling thread's CPU
         seconds in it (`cpu`: a thread waiting for the GIL uses none; one spinning on a device
-        synchronisation uses it all). The block may add fields to the dict it is given."""
-        if not self.on:
-            yield fields
-            return
+        synchronisation uses it all). The block may add fields to the dict it is given. Off, a
+        plain context (the engine thread enters one per step)."""
+        return self._timed(kind, fields) if self.on else nullcontext(fields)
+
+    @contextmanager
+    def _timed(self, kind: str, fields: dict[str, object]) -> Iterator[dict[str, object]]:
         start, cpu = time.monotonic(), time.thread_time()
         try:
             yield fields
