@@ -112,6 +112,31 @@ def micro(repeats: int = 2000) -> None:
             t.session_ended(r, None, True, 0, 0)
     tracer.shutdown()
     sink.close()
+    timeline_micro(repeats * 50)
+
+
+def timeline_micro(repeats: int) -> None:
+    """`serve --timeline`'s cost per event on the recording thread, on and off."""
+    import tempfile
+    import time
+
+    from service.telemetry.timeline import Timeline
+
+    with tempfile.TemporaryDirectory() as directory:
+        for name, timeline in (("off", Timeline()), ("on", Timeline(Path(directory), "core"))):
+            def timed(t: Timeline = timeline) -> None:
+                with t.timed("launch", rows=64, first=True, frames=77):
+                    pass
+
+            cases: dict[str, Callable[[], None]] = {
+                "event (add)": lambda t=timeline: t.add("text", sid=1, seq=0, sentences=1, sent=0.0, phonemized=0.0),
+                "timed call (launch, acoustic, ...)": timed}
+            for label, case in cases.items():
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    case()
+                print(f"  timeline  {name:3}: {label:45} {(time.perf_counter() - start) / repeats * 1e6:7.2f} us")
+                timeline._events.clear()
 
 
 def main() -> int:
