@@ -115,7 +115,8 @@ def _client_side(recorded: Recorded, sid: int, text_in: float, audio_out: float)
     if not sent:
         return None
     first_text, first_audio = max(sent)
-    return {"client to server": text_in - first_text, "server to client": max(0.0, first_audio - audio_out),
+    to_server, to_client = CLIENT_STAGES
+    return {to_server: text_in - first_text, to_client: max(0.0, first_audio - audio_out),
             "client TTFA": first_audio - first_text}
 
 
@@ -158,6 +159,7 @@ def session_paths(core: Sequence[Event], recorded: Recorded) -> list[SessionPath
 
 
 PERCENTILES = (0, 50, 90, 99, 100)  # linear between ranks, as `bench load` reports them
+_LABELS = {0: "min", 100: "max"}
 
 
 def _row(name: str, seconds: Sequence[float]) -> str:
@@ -182,14 +184,15 @@ def summarise(core: Sequence[Event], recorded: Recorded) -> list[str]:
     start = min(p.text_in for p in paths)
     end = max(p.text_in + p.ttfa_s for p in paths)
     lines = [f"{len(paths)} sessions; first text in to last first audio out: {(end - start) * 1000:.1f} ms",
-             f"  {'ms':22s}" + "".join(f"{name:>8s}" for name in ("min", "p50", "p90", "p99", "max"))]
+             f"  {'ms':22s}" + "".join(f"{_LABELS.get(q, f'p{q}'):>8s}" for q in PERCENTILES)]
     clients = [p.client for p in paths if p.client is not None]
+    to_server, to_client = CLIENT_STAGES
     if clients:
-        lines.append(_row("client to server", [c["client to server"] for c in clients]))
+        lines.append(_row(to_server, [c[to_server] for c in clients]))
     lines += [_row(name, [p.stages[name] for p in paths]) for name in STAGES]
     lines.append(_row("server TTFA", [p.ttfa_s for p in paths]))
     if clients:
-        lines.append(_row("server to client", [c["server to client"] for c in clients]))
+        lines.append(_row(to_client, [c[to_client] for c in clients]))
         lines.append(_row("client TTFA", [c["client TTFA"] for c in clients]) + f"   (client side of {len(clients)})")
     window = [e for e in core if start <= _f(e, "t") <= end]
     plans = sum(1 for e in window if e["k"] == "plan")
