@@ -26,6 +26,16 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def runqueue_wait_s() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (the second field of
+    Linux's per-thread schedstat); 0 where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class Timeline:
     """Events of one side (`core` or `api`) of one process; off (records nothing) without a
     directory. Each side records from one thread (the engine thread, the server's event loop),
@@ -56,19 +66,21 @@ class Timeline:
         self._events.append((time.monotonic(), kind, fields))
 
     def timed(self, kind: str, **fields: object) -> AbstractContextManager[dict[str, object]]:
-        """Record `kind` when the block ends, with its start (`s`), and the calling thread's CPU
+        """Record `kind` when the block ends, with its start (`s`), the calling thread's CPU
         seconds in it (`cpu`: a thread waiting for the GIL uses none; one spinning on a device
-        synchronisation uses it all). The block may add fields to the dict it is given. Off, a
-        plain context (the engine thread enters one per step)."""
+        synchronisation uses it all) and the seconds it was ready to run but had no CPU
+        (`ready`: the host's cores were all busy; Linux only, else 0). Wall time less both is
+        what the thread slept: the GIL, or a blocking call. The block may add fields to the dict
+        it is given. Off, a plain context (the engine thread enters one per step)."""
         return self._timed(kind, fields) if self.on else nullcontext(fields)
 
     @contextmanager
     def _timed(self, kind: str, fields: dict[str, object]) -> Iterator[dict[str, object]]:
-        start, cpu = time.monotonic(), time.thread_time()
+        start, cpu, ready = time.monotonic(), time.thread_time(), runqueue_wait_s()
         try:
             yield fields
         finally:
-            self.add(kind, s=start, cpu=time.thread_time() - cpu, **fields)
+            self.add(kind, s=start, cpu=time.thread_time() - cpu, ready=runqueue_wait_s() - ready, **fields)
 
     def watch_gc(self) -> None:
         """Record each garbage collection of this process (`gc`: generation, `s`, collected):

@@ -166,14 +166,16 @@ def _row(name: str, seconds: Sequence[float]) -> str:
     return f"  {name:22s}" + "".join(f"{percentile(seconds, q) * 1000:8.1f}" for q in PERCENTILES)
 
 
-def _calls(core: Sequence[Event], kind: str, size: str) -> tuple[int, float, float, float]:
-    """(count, mean `size` per call, wall seconds, CPU seconds) of the engine thread's `kind` calls."""
+def _calls(core: Sequence[Event], kind: str, size: str) -> tuple[int, float, float, float, float]:
+    """(count, mean `size` per call, wall, CPU and run-queue seconds) of the engine thread's
+    `kind` calls (timelines from before the run-queue figure count 0 for it)."""
     calls = [e for e in core if e["k"] == kind]
     if not calls:
-        return 0, 0.0, 0.0, 0.0
+        return 0, 0.0, 0.0, 0.0, 0.0
     wall = sum(_f(e, "t") - _f(e, "s") for e in calls)
     cpu = sum(_f(e, "cpu") for e in calls)
-    return len(calls), sum(_i(e, size) for e in calls) / len(calls), wall, cpu
+    ready = sum(float(e.get("ready", 0.0)) for e in calls)  # type: ignore[arg-type]
+    return len(calls), sum(_i(e, size) for e in calls) / len(calls), wall, cpu, ready
 
 
 def summarise(core: Sequence[Event], recorded: Recorded) -> list[str]:
@@ -199,10 +201,10 @@ def summarise(core: Sequence[Event], recorded: Recorded) -> list[str]:
     lines.append(f"engine thread in that window: {plans} iterations with work")
     for kind, size, label in (("acoustic", "sentences", "acoustic calls"), ("launch", "rows", "step launches"),
                               ("landed", "rows", "step results"), ("chunk", "frames", "staged chunks")):
-        n, mean, wall, cpu = _calls(window, kind, size)
+        n, mean, wall, cpu, ready = _calls(window, kind, size)
         if n:
             lines.append(f"  {label:15s} {n:4d} x {mean:5.1f} {size:9s} wall {wall * 1000:7.1f} ms, "
-                         f"CPU {cpu * 1000:7.1f} ms")
+                         f"CPU {cpu * 1000:7.1f} ms, waiting for a CPU {ready * 1000:7.1f} ms")
     for side, events in (("core", window), ("server", [e for e in recorded.api_gc if start <= _f(e, "t") <= end])):
         collections = [e for e in events if e["k"] == "gc"]
         if collections:

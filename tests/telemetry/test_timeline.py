@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -43,6 +45,37 @@ def test_periods_are_files_of_json_lines(tmp_path: Path) -> None:
     timeline.add("open", sid=4)
     second = timeline.flush()
     assert second is not None and second.name.endswith("-2.jsonl")
+
+
+def _burn(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists(), reason="Linux schedstat")
+def test_timed_calls_count_the_time_a_thread_waited_for_a_cpu(tmp_path: Path) -> None:
+    """With more busy processes than CPUs, a spinning thread is runnable but off a CPU part of
+    the time: `ready` says how long, and CPU plus that stays within the wall time."""
+    timeline = Timeline(tmp_path, "core")
+    ctx = multiprocessing.get_context("spawn")
+    burners = [ctx.Process(target=_burn, args=(3.0,)) for _ in range((os.cpu_count() or 1) + 1)]
+    for p in burners:
+        p.start()
+    try:
+        time.sleep(0.5)  # the burners are running
+        with timeline.timed("launch"):
+            _burn(0.5)
+    finally:
+        for p in burners:
+            p.terminate()
+            p.join()
+    path = timeline.flush()
+    assert path is not None
+    (launch,) = [json.loads(line) for line in path.read_text().splitlines()]
+    wall = launch["t"] - launch["s"]
+    assert launch["ready"] > 0.05
+    assert launch["cpu"] + launch["ready"] <= wall + 0.02
 
 
 def test_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,7 +180,8 @@ def test_summary_of_a_hand_made_period() -> None:
 
     core = [*first(1, 10.0), *first(2, 10.1),
             {"t": 10.020, "k": "acoustic", "s": 10.010, "cpu": 0.004, "sentences": 1, "first": 1},
-            {"t": 10.030, "k": "launch", "s": 10.025, "cpu": 0.002, "rows": 2, "first": True, "frames": 77},
+            {"t": 10.030, "k": "launch", "s": 10.025, "cpu": 0.002, "ready": 0.001, "rows": 2, "first": True,
+             "frames": 77},
             {"t": 10.031, "k": "gc", "s": 10.030, "generation": 2, "collected": 5},
             {"t": 99.0, "k": "gc", "s": 98.0, "generation": 2, "collected": 0}]  # outside the window
     api = {1: {"text_in": 10.001, "audio_out": 10.045}, 2: {"text_in": 10.101, "audio_out": 10.145}}
@@ -158,5 +192,6 @@ def test_summary_of_a_hand_made_period() -> None:
     assert rows["to the core"] == ["1.0"] * 5 and rows["acoustic"] == ["10.0"] * 5
     assert rows["wait for a step"] == ["5.0"] * 5 and rows["server TTFA"] == ["44.0"] * 5
     assert any("acoustic calls" in line and "wall    10.0 ms" in line for line in lines)
+    assert any("step launches" in line and "CPU     2.0 ms, waiting for a CPU     1.0 ms" in line for line in lines)
     assert "garbage collections in the core process: 1 (1 full), 1.0 ms in all, longest 1.0 ms" in lines
     assert "garbage collections in the server process: 1 (0 full), 1.0 ms in all, longest 1.0 ms" in lines
