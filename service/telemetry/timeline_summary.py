@@ -174,7 +174,7 @@ def _calls(core: Sequence[Event], kind: str, size: str) -> tuple[int, float, flo
         return 0, 0.0, 0.0, 0.0, 0.0
     wall = sum(_f(e, "t") - _f(e, "s") for e in calls)
     cpu = sum(_f(e, "cpu") for e in calls)
-    ready = sum(float(e.get("ready", 0.0)) for e in calls)  # type: ignore[arg-type]
+    ready = sum(_f(e, "ready") if "ready" in e else 0.0 for e in calls)
     return len(calls), sum(_i(e, size) for e in calls) / len(calls), wall, cpu, ready
 
 
