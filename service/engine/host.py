@@ -127,13 +127,17 @@ class Runtimes:
                            tuple(getattr(backend, "fp32_pins", ()) or ()))
 
 
-def settle_heap() -> None:
+def settle_heap() -> int:
     """Collect once, then freeze every object left (`gc.freeze`): a full collection scans every
     object the process holds (the models, CUDA graphs, gRPC's modules: tens of milliseconds) and
     holds the GIL while it does, so it stops every thread. A burst of sessions allocates enough to
-    set one off. Frozen objects are never scanned again; only what is made afterwards is."""
+    set one off. Frozen objects are never scanned again; only what is made afterwards is.
+
+    Returns how many objects are frozen, counted here once: `gc.get_freeze_count` walks the
+    whole frozen list holding the GIL (milliseconds), so the figures thread must not call it."""
     gc.collect()
     gc.freeze()
+    return gc.get_freeze_count()
 
 
 def build_core(config: EngineConfig, telemetry: Telemetry, on_trip: Callable[[str], None]) -> EngineCore:
@@ -181,7 +185,7 @@ def snapshot(core: EngineCore, device: str) -> CoreSnapshot:
         cache_bytes=cache.bytes, first_audio_wait_s=core.first_audio_wait(), active_work=core.active_work,
         capacity=capacity, shadow_verified=shadow.verified if shadow else 0,
         shadow_min_psnr_db=shadow.psnr.minimum if shadow and shadow.verified else math.inf, gpu_memory=gpu,
-        frozen_objects=gc.get_freeze_count())
+        frozen_objects=core.frozen_objects)
 
 
 class LocalHost:
@@ -225,7 +229,7 @@ class LocalHost:
         self.core.reset_rate()
 
     def settle(self) -> None:
-        settle_heap()  # one process for both sides
+        self.core.frozen_objects = settle_heap()  # one process for both sides
 
     def stop(self) -> None:
         self.core.stop()

@@ -483,7 +483,7 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
         elif kind == "reset_rate":
             core.reset_rate()
         elif kind == "settle":
-            settle_heap()
+            core.frozen_objects = settle_heap()
         elif kind == "stop":
             return False
         return True
