@@ -58,6 +58,41 @@ def _recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
+class _PipeWriter:
+    """Pickles and writes messages to one pipe end on a thread of its own, in the order they
+    were put. A write blocks while the pipe is full (a burst's opens and texts are more than it
+    holds, and the thread that reads the other end may be waiting for the GIL), and whoever
+    puts (the server's event loop, the core's output stage) must never wait for that.
+    `prepare` turns a message into what is pickled, on the writer's thread."""
+
+    def __init__(self, conn: Connection, name: str,
+                 prepare: Callable[[Any], tuple[object, ...]] = lambda message: message) -> None:
+        self._conn = conn
+        self._prepare = prepare
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, message: object) -> None:
+        self._queue.put(message)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Write what was put, then stop."""
+        self._queue.put(_CLOSE)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not _CLOSE:
+            try:
+                _send(self._conn, self._prepare(message))
+            except (OSError, EOFError):  # the other side is gone (its side reports why)
+                log.debug("pipe closed: messages dropped")
+                return
+
+
+_CLOSE = object()
+
+
 # --- server side ---------------------------------------------------------------------------------
 
 
@@ -85,6 +120,7 @@ class ProcessHost:
         self._lock = threading.Lock()
         self._stopping = False
         self._conn: Connection | None = None
+        self._writer: _PipeWriter | None = None  # the event loop never writes to the pipe itself
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._receiver: threading.Thread | None = None
 
@@ -115,6 +151,7 @@ class ProcessHost:
             raise reply[1]
         self._receiver = threading.Thread(target=self._receive, name="cadenza-engine-relay", daemon=True)
         self._receiver.start()
+        self._writer = _PipeWriter(conn, "cadenza-engine-sender")
         return dict(reply[1])
 
     def _post(self, *message: object) -> None:
@@ -145,13 +182,10 @@ class ProcessHost:
             batch, self._batch, self._batch_due = self._batch, [], False
             if reads:
                 batch.append(("read", reads))
-            if not batch or self._conn is None or self.dead.is_set():
+            if not batch or self._writer is None or self.dead.is_set():
                 return
-            try:
-                for i in range(0, len(batch), self.MAX_BATCH):
-                    _send(self._conn, ("batch", batch[i : i + self.MAX_BATCH]))
-            except (OSError, EOFError):  # the core's process is gone; the relay thread reports it
-                log.debug("engine process gone: %d messages dropped", len(batch))
+            for i in range(0, len(batch), self.MAX_BATCH):
+                self._writer.put(("batch", batch[i : i + self.MAX_BATCH]))
 
     # --- what TtsEngine and the sessions call ------------------------------------------------------
 
@@ -203,6 +237,8 @@ class ProcessHost:
     def stop(self) -> None:
         self._stopping = True
         self._post("stop")
+        if self._writer is not None:
+            self._writer.close()  # after writing "stop" and everything before it
         if self._proc is not None:
             self._proc.join(10)
             if self._proc.is_alive():
@@ -304,16 +340,15 @@ class _Outbox:
     the pipe."""
 
     def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._queue: queue.SimpleQueue[tuple[object, ...] | _Flush | None] = queue.SimpleQueue()
+        # A flush's int16 chunks are converted on the writer's thread, off the engine thread.
+        self._writer = _PipeWriter(conn, "cadenza-engine-outbox",
+                                   lambda m: m.wire() if isinstance(m, _Flush) else m)
         self._telemetry: list[tuple[str, tuple[object, ...]]] = []
         self._tlock = threading.Lock()
         self.cursors: dict[int, ReadCursor] = {}
-        self._sender = threading.Thread(target=self._send_all, name="cadenza-engine-outbox", daemon=True)
-        self._sender.start()
 
     def send(self, *message: object) -> None:
-        self._queue.put(message)
+        self._writer.put(message)
 
     # Audio one pipe message carries at most (bytes as sent; a flush with more goes as several).
     # Pickling a message holds the GIL from start to end (C code: no bytecode to switch at), and
@@ -340,9 +375,9 @@ class _Outbox:
                     call_args = (_portable(call_args[0]),)  # type: ignore[arg-type]
             out.append((sink.session_id, method, call_args))
             if audio_bytes >= self.MAX_MESSAGE_AUDIO_BYTES:
-                self._queue.put(_Flush(out, [], pcm16))
+                self._writer.put(_Flush(out, [], pcm16))
                 out, pcm16, audio_bytes = [], [], 0
-        self._queue.put(_Flush(out, self.take_telemetry(), pcm16))  # the telemetry goes with the last part
+        self._writer.put(_Flush(out, self.take_telemetry(), pcm16))  # the telemetry goes with the last part
 
     def take_reads(self, reads: Mapping[int, float], limit_s: float) -> bool:
         """Apply the server's read cursors; True when one of them let a session that was held
@@ -368,17 +403,7 @@ class _Outbox:
         return taken
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._sender.join(5)
-
-    def _send_all(self) -> None:
-        while (message := self._queue.get()) is not None:
-            if isinstance(message, _Flush):  # its int16 chunks are converted here, off the engine thread
-                message = message.wire()
-            try:
-                _send(self._conn, message)
-            except (OSError, EOFError):  # the server is gone
-                return
+        self._writer.close(5)
 
 
 def _portable(exc: BaseException) -> BaseException:

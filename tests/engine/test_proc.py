@@ -251,3 +251,59 @@ def test_a_busy_loop_turn_reaches_the_core_in_order_across_several_messages(
     for a, b in zip(split, alone, strict=True):
         x, y = np.frombuffer(a, np.float32), np.frombuffer(b, np.float32)
         assert len(x) == len(y) and np.allclose(x, y, atol=1e-4)  # batched with others: kernel rounding only
+
+
+def test_whoever_sends_never_waits_for_a_full_pipe() -> None:
+    """The server's event loop and the core's output stage hand messages to a writer thread: a
+    pipe whose reader is slow (here: not reading at all) holds far less than a burst sends, and
+    waiting on it would stop every stream. Once read, everything arrives whole and in order."""
+    import multiprocessing
+
+    from service.engine.proc import _PipeWriter, _recv
+
+    ours, theirs = multiprocessing.Pipe()
+    writer = _PipeWriter(ours, "test-writer")
+    messages = [("batch", [("text", i, "x" * 100_000)]) for i in range(50)]  # 5 MB
+    start = time.monotonic()
+    for m in messages:
+        writer.put(m)
+    assert time.monotonic() - start < 0.5  # nothing was read yet
+    assert [_recv(theirs) for _ in messages] == messages
+    writer.close()
+    assert not writer._thread.is_alive()
+
+
+def test_a_core_slow_to_read_never_stops_the_server_s_event_loop() -> None:
+    """With the core's process stopped (SIGSTOP: nothing reads its pipe), the server's event
+    loop goes on posting; the core takes it all in once it runs again, and sessions work."""
+    import os
+    import signal
+    import threading
+
+    h = EngineHarness(tiny_engine_config(core="process"))
+    host = h.engine.host
+    assert isinstance(host, ProcessHost) and host._proc is not None and host._proc.pid is not None
+    pid = host._proc.pid
+    resume = threading.Timer(3.0, os.kill, (pid, signal.SIGCONT))
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        resume.start()
+
+        async def flood() -> float:
+            worst = 0.0
+            for _ in range(50):  # 5 MB: far more than the pipe holds
+                t = time.monotonic()
+                host.submit_text(10**9, "x" * 100_000)  # no such session: the core drops it
+                await asyncio.sleep(0)  # the loop turn ends: its messages go out
+                worst = max(worst, time.monotonic() - t)
+            return worst
+
+        worst = h.run(flood())
+        resume.join()
+        assert worst < 1.0
+        audio, _, summary = h.run(_collect(h, SessionConfig(seed=3, encoding=FLOAT), TEXT))
+        assert len(audio) > 0 and summary.utterances == 2
+    finally:
+        resume.cancel()
+        os.kill(pid, signal.SIGCONT)
+        h.close()
