@@ -496,7 +496,7 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
     config = LoadConfig(
         target=args.target, sessions=args.sessions, arrival=args.arrival, rate=args.rate, duration_s=args.duration,
         pace=args.pace, tokens_per_s=args.tokens_per_s, precision=args.precision, seed=args.seed,
-        connect_timeout_s=args.connect_timeout,
+        connect_timeout_s=args.connect_timeout, procs=args.procs,
     )
     return run_bench_load(config, args.sweep, Path(args.json) if args.json else None,
                           Path(args.png) if args.png else None, connection, _path(args.timeline))
@@ -748,6 +748,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="picks each session's texts and the poisson arrivals")
     bload.add_argument("--connect-timeout", type=float, default=load("connect_timeout_s"),
                        help="seconds to wait for the server to be reachable and SERVING")
+    bload.add_argument("--procs", type=_positive_int, default=load("procs"),
+                       help="client processes to spread the sessions over, round-robin, all starting together "
+                            "(one Python process's event loop and gRPC work for hundreds of streams is then "
+                            "not part of what is measured)")
     _add_connection_args(bload)
     bload.set_defaults(func=_cmd_bench_load)
 

@@ -90,6 +90,7 @@ class LoadConfig:
     precision: str = "auto"
     seed: int = 0
     connect_timeout_s: float = 30.0
+    procs: int = 1  # client processes the sessions are spread over (each its own event loop and connections)
 
 
 @dataclass(frozen=True)
@@ -418,11 +419,18 @@ async def _watch_loop(stop: asyncio.Event, period_s: float = 0.01) -> float:
     return worst
 
 
-async def run_load(stubs: Sequence[pb_grpc.TextToSpeechStub], cfg: LoadConfig, n: int,
-                   timeline: Timeline | None = None) -> tuple[list[SessionRecord], Summary]:
-    """One load run at level `n` (see the module docstring); sessions take the stubs in turn.
-    `timeline`: each session's first text sent and first audio received go there (one period)."""
-    timeline = timeline or Timeline()
+@dataclass(frozen=True)
+class _Plan:
+    """One run's sessions: when each starts (seconds after the run's start) and what it says."""
+
+    starts: list[float]
+    texts: list[list[str]]
+    target: float
+    rate: float
+    window_s: float | None
+
+
+def _plan(cfg: LoadConfig, n: int) -> _Plan:
     rng = random.Random(cfg.seed)
     if cfg.arrival == "poisson":
         rate, window, cap = poisson_schedule(n, cfg.rate, cfg.duration_s)
@@ -432,17 +440,117 @@ async def run_load(stubs: Sequence[pb_grpc.TextToSpeechStub], cfg: LoadConfig, n
     else:
         rate, target, window_s = math.nan, float(n), None
         starts = arrival_times("burst", n, 1.0, None, rng)
-    texts = pick_texts(rng, len(starts))
+    return _Plan(list(starts), pick_texts(rng, len(starts)), target, rate, window_s)
+
+
+async def _sessions(stubs: Sequence[pb_grpc.TextToSpeechStub], cfg: LoadConfig, plan: _Plan,
+                    indices: Sequence[int], t0: float, timeline: Timeline) -> tuple[list[SessionRecord], float]:
+    """Sessions `indices` of `plan`, taking the stubs in turn, from `t0` (perf_counter): their
+    records and this process's worst event-loop lag meanwhile."""
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch_loop(stop))
-    t0 = time.perf_counter()
     records = await asyncio.gather(*(
-        _session(stubs[i % len(stubs)], cfg, i, texts[i], starts[i], t0, timeline) for i in range(len(starts))
+        _session(stubs[k % len(stubs)], cfg, i, plan.texts[i], plan.starts[i], t0, timeline)
+        for k, i in enumerate(indices)
     ))
     timeline.flush()
-    wall = time.perf_counter() - t0
     stop.set()
-    return list(records), summarise(records, wall, await watcher, target, rate, window_s)
+    return list(records), await watcher
+
+
+async def run_load(stubs: Sequence[pb_grpc.TextToSpeechStub], cfg: LoadConfig, n: int,
+                   timeline: Timeline | None = None) -> tuple[list[SessionRecord], Summary]:
+    """One load run at level `n` (see the module docstring) from this process; sessions take the
+    stubs in turn. `timeline`: each session's first text sent and first audio received go there
+    (one period)."""
+    plan = _plan(cfg, n)
+    t0 = time.perf_counter()
+    records, lag = await _sessions(stubs, cfg, plan, range(len(plan.starts)), t0, timeline or Timeline())
+    wall = time.perf_counter() - t0
+    return records, summarise(records, wall, lag, plan.target, plan.rate, plan.window_s)
+
+
+# ---- spread over client processes (--procs) -----------------------------------------------------------------
+
+
+def _channels(connection: Connection, target: str, sessions: int) -> list[grpc.aio.Channel]:
+    # Separate connections: grpc shares one subchannel between channels with the same target and arguments.
+    return [connection.channel(target, [("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(max(1, math.ceil(sessions / SESSIONS_PER_CHANNEL)))]
+
+
+def _client_process(conn: Any, cfg: LoadConfig, connection: Connection, plan: _Plan, indices: list[int],
+                    timeline_dir: Path | None) -> None:
+    """A client process of `run_load_procs`: connects, says "ready", gets the run's start (monotonic
+    seconds, one clock for the host's processes), runs its sessions and sends back their records."""
+
+    async def main() -> tuple[list[SessionRecord], float]:
+        channels = _channels(connection, cfg.target, len(indices))
+        try:
+            await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), cfg.connect_timeout_s) for c in channels))
+            stubs = [pb_grpc.TextToSpeechStub(c) for c in channels]
+            conn.send("ready")
+            start = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+            t0 = start - (time.monotonic() - time.perf_counter())
+            return await _sessions(stubs, cfg, plan, indices, t0, Timeline(timeline_dir, "client"))
+        finally:
+            await asyncio.gather(*(c.close() for c in channels))
+
+    try:
+        conn.send(("done", *asyncio.run(main())))
+    except BaseException as exc:  # the parent reports it
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+
+
+def _reply(conn: Any) -> Any:
+    try:
+        return conn.recv()
+    except EOFError:
+        return ("failed", "it exited without a word (killed, or out of memory?)")
+
+
+async def run_load_procs(cfg: LoadConfig, n: int, connection: Connection,
+                         timeline_dir: Path | None = None) -> tuple[list[SessionRecord], Summary]:
+    """`run_load` with the sessions dealt round-robin over `cfg.procs` client processes that start
+    together: one Python client's event loop and gRPC's work for hundreds of streams would
+    otherwise be part of what is measured."""
+    import multiprocessing
+
+    plan = _plan(cfg, n)
+    ctx = multiprocessing.get_context("spawn")
+    procs = min(cfg.procs, len(plan.starts))
+    pipes, workers = [], []
+    for k in range(procs):
+        ours, theirs = ctx.Pipe()
+        worker = ctx.Process(target=_client_process, name=f"cadenza-load-{k}", daemon=True,
+                             args=(theirs, cfg, connection, plan, list(range(k, len(plan.starts), procs)),
+                                   timeline_dir))
+        worker.start()
+        theirs.close()
+        pipes.append(ours)
+        workers.append(worker)
+    loop = asyncio.get_running_loop()
+    try:
+        for ours in pipes:  # each says "ready", or why it could not start
+            first = await loop.run_in_executor(None, _reply, ours)
+            if first != "ready":
+                raise ConnectionError(f"a client process could not start: {first[1]}")
+        start = time.monotonic() + 0.05
+        for ours in pipes:
+            ours.send(start)
+        results = [await loop.run_in_executor(None, _reply, ours) for ours in pipes]
+    finally:
+        for worker in workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.terminate()
+    wall = time.monotonic() - start
+    failed = [r[1] for r in results if r[0] != "done"]
+    if failed:
+        raise RuntimeError(f"a client process failed: {failed[0]}")
+    records = sorted((r for result in results for r in result[1]), key=lambda r: r.index)
+    lag = max(result[2] for result in results)
+    return records, summarise(records, wall, lag, plan.target, plan.rate, plan.window_s)
 
 
 async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: float) -> None:
@@ -545,34 +653,38 @@ def _arrival_text(cfg: LoadConfig) -> str:
 
 async def _main(cfg: LoadConfig, sweep: bool, json_path: Path | None, png_path: Path | None,
                 connection: Connection, timeline: Timeline) -> int:
-    # Separate connections: grpc shares one subchannel between channels with the same target and arguments.
-    channels = [connection.channel(cfg.target, [("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(math.ceil(cfg.sessions / SESSIONS_PER_CHANNEL))]
+    channels = _channels(connection, cfg.target, cfg.sessions if cfg.procs == 1 else 1)
     try:
-        return await _drive(channels, cfg, sweep, json_path, png_path, timeline)
+        return await _drive(channels, cfg, sweep, json_path, png_path, connection, timeline)
     finally:
         await asyncio.gather(*(c.close() for c in channels))
 
 
 async def _drive(channels: Sequence[grpc.aio.Channel], cfg: LoadConfig, sweep: bool, json_path: Path | None,
-                 png_path: Path | None, timeline: Timeline) -> int:
+                 png_path: Path | None, connection: Connection, timeline: Timeline) -> int:
     await wait_until_serving(channels[0], cfg.target, cfg.connect_timeout_s)
     stubs = [pb_grpc.TextToSpeechStub(c) for c in channels]
+
+    async def run(n: int) -> tuple[list[SessionRecord], Summary]:
+        if cfg.procs == 1:
+            return await run_load(stubs, cfg, n, timeline)
+        return await run_load_procs(cfg, n, connection, timeline.directory)
     info = await stubs[0].GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     pacing = (f"llm pacing at {cfg.tokens_per_s:g} tokens/s (TTFA from the first sentence's last token)"
               if cfg.pace == "llm" else "sentence pacing")
     print(f"target {cfg.target}: {info.backend} on {info.device}, voice {info.default_voice}; "
-          f"{_arrival_text(cfg)}, {pacing}, precision {cfg.precision}, {len(channels)} channel(s)", flush=True)
+          f"{_arrival_text(cfg)}, {pacing}, precision {cfg.precision}, "
+          + (f"{len(channels)} channel(s)" if cfg.procs == 1 else f"{cfg.procs} client processes"), flush=True)
     report: dict[str, Any] = {"config": asdict(cfg)}
     if not sweep:
-        records, summary = await run_load(stubs, cfg, cfg.sessions, timeline)
+        records, summary = await run(cfg.sessions)
         print(_describe(records, summary))
         curves = [(f"{summary.sessions} sessions", _ttfas(records))]
     else:
         results: dict[int, bool] = {}
         runs: dict[int, tuple[list[SessionRecord], Summary]] = {}
         while (n := next_probe(results, cfg.sessions)) is not None:
-            runs[n] = await run_load(stubs, cfg, n, timeline)
+            runs[n] = await run(n)
             results[n] = sweep_passes(runs[n][1])
             print(f"probe N={n}: {summary_line(runs[n][1])} -> {'pass' if results[n] else 'fail'}", flush=True)
         best = best_probe(results)
@@ -602,8 +714,8 @@ def run_bench_load(cfg: LoadConfig, sweep: bool = False, json_path: Path | None 
     """Validate, run (or sweep), report. Raises ConnectionError when the target cannot be used.
     `timeline_dir`: each run's sessions (first text sent, first audio received) as a client
     timeline there, next to a server's `--timeline` files (`cadenza timeline DIR`)."""
-    if cfg.sessions < 1:
-        raise ValueError("--sessions must be at least 1")
+    if cfg.sessions < 1 or cfg.procs < 1:
+        raise ValueError("--sessions and --procs must be at least 1")
     if (cfg.rate is not None and cfg.rate <= 0) or cfg.tokens_per_s <= 0:
         raise ValueError("--rate and --tokens-per-s must be positive")
     if cfg.duration_s is not None and cfg.duration_s <= 0:

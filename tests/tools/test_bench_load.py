@@ -283,3 +283,25 @@ def test_unreachable_target_is_a_clear_error() -> None:
     assert done.returncode == 1
     assert f"cadenza: error: cannot reach 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_sessions_spread_over_client_processes(server: ServerThread, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--procs deals the sessions round-robin over client processes that start together; the
+    report has every session once, as from one process."""
+    out = tmp_path / "procs.json"
+    assert main(["bench", "load", "--target", server.addr, "--sessions", "3", "--arrival", "burst",
+                 "--procs", "2", "--seed", "2", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "2 client processes" in lines[0]
+    report = json.loads(out.read_text())
+    assert report["config"]["procs"] == 2 and report["summary"]["sessions"] == 3
+    assert [r["index"] for r in report["sessions"]] == [0, 1, 2]
+    assert report["summary"]["errors"] == 0 and report["summary"]["wall_s"] > 0
+    for record in report["sessions"]:
+        assert record["code"] == "OK" and record["ttfa_ms"] > 0 and 0 <= record["start_s"] < 1.0
+    # the same sessions (texts and arrivals come from the seed) as one process would run
+    one = tmp_path / "one.json"
+    assert main(["bench", "load", "--target", server.addr, "--sessions", "3", "--arrival", "burst",
+                 "--seed", "2", "--json", str(one)]) == 0
+    assert [r["text"] for r in json.loads(one.read_text())["sessions"]] == [r["text"] for r in report["sessions"]]
