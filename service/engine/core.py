@@ -66,7 +66,6 @@ class EngineCore:
         self._shadow_run = getattr(shadow, "run_pending", None)  # FP32 reruns, on this thread between steps
         self.frontend_config = frontend or FrontendPoolConfig()
         self.stats = EngineStats()
-        self.frozen_objects = 0  # what the host's settle_heap froze in this process
         self.scheduler = Scheduler(batch)
         self.timeline = timeline or Timeline()
         self.timeline.watch_gc()  # this process's collections (the server records its own in process mode)

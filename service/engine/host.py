@@ -110,6 +110,8 @@ class Runtimes:
                 runtime = Synthesizer(voice, backend, self.config.schedule)
                 self.loaded[info.name] = runtime
                 log.info("loaded voice %s on %s/%s", info.name, self.backend_name, self.device)
+                if _Heap.frozen:  # loaded after the warm server settled: keep its weights out of the scans too
+                    settle_heap()
             return runtime
 
     def prepare(self, info: VoiceInfo) -> LoadedVoice:
@@ -127,6 +129,12 @@ class Runtimes:
                            tuple(getattr(backend, "fp32_pins", ()) or ()))
 
 
+class _Heap:
+    """What `settle_heap` froze in this process (the collector is per process, and so is this)."""
+
+    frozen = 0
+
+
 def settle_heap() -> int:
     """Collect once, then freeze every object left (`gc.freeze`): a full collection scans every
     object the process holds (the models, CUDA graphs, gRPC's modules: tens of milliseconds) and
@@ -137,7 +145,8 @@ def settle_heap() -> int:
     whole frozen list holding the GIL (milliseconds), so the figures thread must not call it."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
+    _Heap.frozen = gc.get_freeze_count()
+    return _Heap.frozen
 
 
 def build_core(config: EngineConfig, telemetry: Telemetry, on_trip: Callable[[str], None]) -> EngineCore:
@@ -185,7 +194,7 @@ def snapshot(core: EngineCore, device: str) -> CoreSnapshot:
         cache_bytes=cache.bytes, first_audio_wait_s=core.first_audio_wait(), active_work=core.active_work,
         capacity=capacity, shadow_verified=shadow.verified if shadow else 0,
         shadow_min_psnr_db=shadow.psnr.minimum if shadow and shadow.verified else math.inf, gpu_memory=gpu,
-        frozen_objects=core.frozen_objects)
+        frozen_objects=_Heap.frozen)
 
 
 class LocalHost:
@@ -229,7 +238,7 @@ class LocalHost:
         self.core.reset_rate()
 
     def settle(self) -> None:
-        self.core.frozen_objects = settle_heap()  # one process for both sides
+        settle_heap()  # one process for both sides
 
     def stop(self) -> None:
         self.core.stop()

@@ -508,7 +508,7 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
         elif kind == "reset_rate":
             core.reset_rate()
         elif kind == "settle":
-            core.frozen_objects = settle_heap()
+            settle_heap()
         elif kind == "stop":
             return False
         return True

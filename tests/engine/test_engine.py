@@ -497,3 +497,27 @@ def test_a_warm_engine_leaves_its_heap_out_of_the_collector_s_scans() -> None:
     assert gc.get_freeze_count() == 0
     frozen, reported = asyncio.run(start_and_stop())
     assert reported >= frozen > 0  # counted at the freeze (frozen objects freed since leave the list)
+
+
+def test_a_voice_loaded_after_warm_up_is_left_out_of_the_scans_too() -> None:
+    """A voice first asked for after the server settled is frozen once loaded, so later full
+    collections do not scan its weights again."""
+    import gc
+
+    from service.engine.api import SessionConfig
+    from service.engine.engine import TtsEngine
+
+    async def load_late() -> tuple[int, int, int]:
+        engine = TtsEngine(tiny_engine_config())
+        await engine.start()
+        try:
+            before = gc.get_freeze_count()
+            session = await engine.open_session(SessionConfig(voice="en_US-joe-medium"))  # not preloaded
+            session.cancel()
+            return before, gc.get_freeze_count(), engine.host.snapshot().frozen_objects
+        finally:
+            await engine.stop()
+
+    gc.unfreeze()
+    before, after, reported = asyncio.run(load_late())
+    assert reported >= after > before > 0
