@@ -50,7 +50,7 @@ SNAPSHOT_S = 0.05  # how often the core sends its figures (admission control rea
 
 
 def _send(conn: Connection, message: tuple[object, ...]) -> None:
-    """One message, pickled (one writer per pipe end: the outbox's thread; the server under its lock)."""
+    """One message, pickled (one writer per pipe end: a `_PipeWriter` thread on each side)."""
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
