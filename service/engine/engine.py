@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -41,7 +42,7 @@ from service.engine.session import EngineSession, SessionSetup
 from service.engine.state import SessionRequest
 from service.synthesis import ChunkSchedule, SynthesisParams, default_backend
 from service.telemetry import Telemetry
-from service.telemetry.timeline import Timeline
+from service.telemetry.timeline import LOOP_LAG_PERIOD_S, LOOP_LAG_RECORDED_S, Timeline
 from service.voices import Voice, VoiceInfo, VoiceNotFoundError, list_voices
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class TtsEngine:
         self._loaded: dict[str, LoadedVoice] = {}
         self._sessions: dict[int, EngineSession] = {}
         self._ids = itertools.count(1)
+        self._lag_watch: asyncio.Task[None] | None = None
         self.ready = False
         self.draining = False
 
@@ -103,6 +105,8 @@ class TtsEngine:
         session = await self._open_session(SessionConfig(seed=1), internal=True)
         await self._collect(session, self.config.warmup_text)
         self.host.settle()  # after warm-up: what the server built is not scanned by the collector again
+        if self.timeline.on:
+            self._lag_watch = asyncio.create_task(self._watch_loop_lag())
         capacity = self.host.snapshot().capacity
         for precision in self._warm_precisions():
             estimate = capacity.get(precision.value)
@@ -139,7 +143,20 @@ class TtsEngine:
         self._loaded = self.host.start(frontend, preload)
         log.info("synthesis core: %s (%s on %s)", self.core_mode, self.backend_name, self.device)
 
+    async def _watch_loop_lag(self) -> None:
+        """`--timeline`: how late this event loop comes back to a short sleep (see LOOP_LAG_PERIOD_S)."""
+        while True:
+            due = time.monotonic() + LOOP_LAG_PERIOD_S
+            await asyncio.sleep(LOOP_LAG_PERIOD_S)
+            late = time.monotonic() - due
+            if late > LOOP_LAG_RECORDED_S and self._sessions:
+                self.timeline.add("loop_lag", s=due, lag=late)
+
     async def stop(self) -> None:
+        if self._lag_watch is not None:
+            self._lag_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lag_watch
         for session in list(self._sessions.values()):
             session.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self.host.stop)

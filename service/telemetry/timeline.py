@@ -26,6 +26,13 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+# The server's event loop, while client sessions are open, is looked at this often, and each time
+# it comes back later than LOOP_LAG_RECORDED_S the lateness is recorded (`loop_lag`): a loop busy
+# with other streams takes new streams' first texts late.
+LOOP_LAG_PERIOD_S = 0.005
+LOOP_LAG_RECORDED_S = 0.002
+
+
 def runqueue_wait_s() -> float:
     """Seconds the calling thread has spent runnable but waiting for a CPU (the second field of
     Linux's per-thread schedstat); 0 where the kernel does not say."""

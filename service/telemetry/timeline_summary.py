@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.telemetry.histogram import percentile
+from service.telemetry.timeline import LOOP_LAG_RECORDED_S
 
 STAGES = ("to the core", "phonemise", "to the engine thread", "wait for acoustic", "acoustic",
           "wait for a step", "decoder step", "to the server")
@@ -64,6 +65,7 @@ class Recorded:
     request_ids: dict[int, str]
     client: dict[str, list[tuple[float, float]]]
     api_gc: list[dict[str, object]] = field(default_factory=list)  # the server process's collections
+    api_lag: list[dict[str, object]] = field(default_factory=list)  # its event loop, each time it was late
 
 
 Event = Mapping[str, object]
@@ -100,6 +102,8 @@ def load(directory: Path) -> Recorded:
                 recorded.request_ids[_i(e, "sid")] = str(e["rid"])
             if e["k"] == "gc":
                 recorded.api_gc.append(e)
+            if e["k"] == "loop_lag":
+                recorded.api_lag.append(e)
     for path in directory.glob("client-*.jsonl"):
         for e in read_events(path):
             if e["k"] == "client":
@@ -205,6 +209,10 @@ def summarise(core: Sequence[Event], recorded: Recorded) -> list[str]:
         if n:
             lines.append(f"  {label:15s} {n:4d} x {mean:5.1f} {size:9s} wall {wall * 1000:7.1f} ms, "
                          f"CPU {cpu * 1000:7.1f} ms, waiting for a CPU {ready * 1000:7.1f} ms")
+    lags = [_f(e, "lag") for e in recorded.api_lag if start <= _f(e, "t") <= end]
+    if lags:
+        lines.append(f"server event loop: late by more than {LOOP_LAG_RECORDED_S * 1000:g} ms {len(lags)} times, "
+                     f"{sum(lags) * 1000:.1f} ms in all, longest {max(lags) * 1000:.1f} ms")
     for side, events in (("core", window), ("server", [e for e in recorded.api_gc if start <= _f(e, "t") <= end])):
         collections = [e for e in events if e["k"] == "gc"]
         if collections:

@@ -185,7 +185,10 @@ def test_summary_of_a_hand_made_period() -> None:
             {"t": 10.031, "k": "gc", "s": 10.030, "generation": 2, "collected": 5},
             {"t": 99.0, "k": "gc", "s": 98.0, "generation": 2, "collected": 0}]  # outside the window
     api = {1: {"text_in": 10.001, "audio_out": 10.045}, 2: {"text_in": 10.101, "audio_out": 10.145}}
-    recorded = Recorded([], api, {}, {}, [{"t": 10.05, "k": "gc", "s": 10.049, "generation": 0}])
+    recorded = Recorded([], api, {}, {}, [{"t": 10.05, "k": "gc", "s": 10.049, "generation": 0}],
+                        [{"t": 10.06, "k": "loop_lag", "s": 10.05, "lag": 0.010},
+                         {"t": 10.09, "k": "loop_lag", "s": 10.085, "lag": 0.004},
+                         {"t": 99.0, "k": "loop_lag", "s": 98.9, "lag": 0.1}])  # the last outside the window
     lines = summarise(core, recorded)
     assert lines[0].startswith("2 sessions; first text in to last first audio out: 144.0 ms")
     rows = {line.split("  ")[1].strip(): line.split()[-5:] for line in lines[2:12] if line.startswith("  ")}
@@ -195,3 +198,33 @@ def test_summary_of_a_hand_made_period() -> None:
     assert any("step launches" in line and "CPU     2.0 ms, waiting for a CPU     1.0 ms" in line for line in lines)
     assert "garbage collections in the core process: 1 (1 full), 1.0 ms in all, longest 1.0 ms" in lines
     assert "garbage collections in the server process: 1 (0 full), 1.0 ms in all, longest 1.0 ms" in lines
+    assert "server event loop: late by more than 2 ms 2 times, 14.0 ms in all, longest 10.0 ms" in lines
+
+
+def test_the_server_records_when_its_event_loop_was_late(tmp_path: Path) -> None:
+    """With --timeline, a loop held up while a client session is open (here: 80 ms of blocking
+    work on it) leaves a `loop_lag` event about that long in the server's timeline."""
+    import asyncio
+
+    from service.engine.api import SessionConfig
+    from service.engine.config import EngineConfig
+    from service.engine.engine import TtsEngine
+
+    async def blocked() -> None:
+        engine = TtsEngine(EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu",
+                                        threads=1, cache_bytes=0, core="thread", timeline_dir=tmp_path))
+        await engine.start()
+        try:
+            session = await engine.open_session(SessionConfig())
+            await asyncio.sleep(0.02)
+            time.sleep(0.08)  # the loop is busy: nothing else runs on it meanwhile
+            await asyncio.sleep(0.02)
+            session.cancel()
+            engine.timeline.flush()
+        finally:
+            await engine.stop()
+
+    asyncio.run(blocked())
+    lags = [json.loads(line) for p in tmp_path.glob("api-*.jsonl") for line in p.read_text().splitlines()]
+    lags = [e for e in lags if e["k"] == "loop_lag"]
+    assert lags and 0.06 <= max(e["lag"] for e in lags) <= 0.5
