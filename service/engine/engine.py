@@ -104,7 +104,9 @@ class TtsEngine:
         self.host.reset_rate()
         session = await self._open_session(SessionConfig(seed=1), internal=True)
         await self._collect(session, self.config.warmup_text)
-        self.host.settle()  # after warm-up: what the server built is not scanned by the collector again
+        # After warm-up: what the server built is not scanned by the collector again (off the
+        # loop: the process core's collection is waited for).
+        await asyncio.get_running_loop().run_in_executor(None, self.host.settle)
         if self.timeline.on:
             self._lag_watch = asyncio.create_task(self._watch_loop_lag())
         capacity = self.host.snapshot().capacity

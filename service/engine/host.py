@@ -83,7 +83,7 @@ class Host(Protocol):
 
     def settle(self) -> None:
         """The server is warm: take what it has built so far out of the garbage collector's
-        scans, on the core's side and the server's (`settle_heap`)."""
+        scans, on the core's side and the server's (`settle_heap`); returns once both are done."""
 
     def stop(self) -> None: ...
 

@@ -11,7 +11,7 @@ server -> core: ("batch", [message, ...]), the messages of one event-loop turn, 
   ("read", {id: seconds read}), ("load", call, voice name), ("reset_rate",), ("settle",), ("stop",)
 core -> server: ("ready", {name: LoadedVoice}) or ("failed", exception) once at start; then
   ("out", [(id, sink method, args)], [(telemetry method, args)]), ("snapshot", CoreSnapshot),
-  ("reply", call, LoadedVoice or error text), ("trip", voice), ("died", why), ("stopped",)
+  ("reply", call, LoadedVoice or error text), ("trip", voice), ("settled",), ("died", why), ("stopped",)
 
 The core counts what it delivered to each session and the server reports what each client
 took (coalesced per event-loop turn), so backpressure works as in one process."""
@@ -28,6 +28,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -119,6 +120,7 @@ class ProcessHost:
         self._batch_due = False
         self._lock = threading.Lock()
         self._stopping = False
+        self._settled = threading.Event()  # the core said it settled its heap (see settle)
         self._conn: Connection | None = None
         self._writer: _PipeWriter | None = None  # the event loop never writes to the pipe itself
         self._proc: multiprocessing.process.BaseProcess | None = None
@@ -230,9 +232,20 @@ class ProcessHost:
     def reset_rate(self) -> None:
         self._post("reset_rate")
 
+    # How long `settle` waits for the core to say it settled (a full collection of its heap).
+    SETTLE_TIMEOUT_S = 60.0
+
     def settle(self) -> None:
+        """Settle both heaps; returns once the core has settled too, so the server says SERVING
+        only then: sessions arriving right away would otherwise wait for the core's collection."""
+        self._settled.clear()
         self._post("settle")
         settle_heap()
+        deadline = time.monotonic() + self.SETTLE_TIMEOUT_S
+        while not self._settled.wait(0.1):
+            if self.dead.is_set() or time.monotonic() > deadline:
+                log.warning("the engine process did not say it settled its heap; going on")
+                return
 
     def stop(self) -> None:
         self._stopping = True
@@ -278,6 +291,8 @@ class ProcessHost:
                         future.set_exception(RuntimeError(result))
             elif kind == "trip":
                 self.on_trip(message[1])
+            elif kind == "settled":
+                self._settled.set()
             elif kind == "died":
                 why = message[1]
                 break
@@ -509,6 +524,7 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
             core.reset_rate()
         elif kind == "settle":
             settle_heap()
+            outbox.send("settled")
         elif kind == "stop":
             return False
         return True

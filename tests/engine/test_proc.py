@@ -307,3 +307,20 @@ def test_a_core_slow_to_read_never_stops_the_server_s_event_loop() -> None:
         resume.cancel()
         os.kill(pid, signal.SIGCONT)
         h.close()
+
+
+def test_the_server_is_ready_only_once_the_core_has_settled(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`start` returns (and the server says SERVING) after the core's full collection at
+    settle, not while it runs: the first sessions would otherwise wait for it."""
+    import json
+
+    h = EngineHarness(tiny_engine_config(core="process", timeline_dir=tmp_path))
+    ready = time.monotonic()
+    try:
+        h.run(_collect(h, SessionConfig(seed=3, encoding=FLOAT), "One sentence."))  # a period: the core writes
+    finally:
+        h.close()
+    events = [json.loads(line) for p in tmp_path.glob("core-*.jsonl") for line in p.read_text().splitlines()]
+    full = [e for e in events if e["k"] == "gc" and e["generation"] == 2 and e["s"] < ready]
+    assert full  # the settle's collection
+    assert all(e["t"] <= ready for e in full)
