@@ -7,7 +7,7 @@ into host time and device time, so the difference is what load adds (GIL waits, 
 For each batch size it prints wall time, the engine thread's CPU time, the device time of the
 encoder graph (CUDA events) and the cProfile functions that took the most host time.
 
-    python scripts/stage_profile.py [--device cuda] [--batches 1,16,64] [--rounds 10] [--top 12]
+    python scripts/stage_profile.py [--device cuda] [--precision fp16|fp32] [--batches 1,16,64] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def _top(fn: Callable[[], object], n: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--precision", default="fp16")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (what the numbers are for)")
+    parser.add_argument("--precision", default=None, help="the decoder's (default: fp16 on cuda, fp32 on cpu)")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--top", type=int, default=12, help="cProfile lines per call")
@@ -71,6 +71,7 @@ def main() -> None:
     synth = Synthesizer(voice, backend, ChunkSchedule())
     batch_cfg = BatchConfig()
     cuda = args.device.startswith("cuda")
+    args.precision = args.precision or ("fp16" if cuda else "fp32")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         backend.capture_encoder(batch_cfg.acoustic_max_batch)  # type: ignore[attr-defined]
