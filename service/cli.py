@@ -496,7 +496,7 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
     config = LoadConfig(
         target=args.target, sessions=args.sessions, arrival=args.arrival, rate=args.rate, duration_s=args.duration,
         pace=args.pace, tokens_per_s=args.tokens_per_s, precision=args.precision, seed=args.seed,
-        connect_timeout_s=args.connect_timeout, procs=args.procs,
+        connect_timeout_s=args.connect_timeout, procs=args.procs, sessions_per_channel=args.sessions_per_channel,
     )
     return run_bench_load(config, args.sweep, Path(args.json) if args.json else None,
                           Path(args.png) if args.png else None, connection, _path(args.timeline))
@@ -752,6 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="client processes to spread the sessions over, round-robin, all starting together "
                             "(one Python process's event loop and gRPC work for hundreds of streams is then "
                             "not part of what is measured)")
+    bload.add_argument("--sessions-per-channel", type=_positive_int, default=load("sessions_per_channel"),
+                       help="sessions sharing one gRPC channel (its own TCP connection, over which HTTP/2 "
+                            "multiplexes their streams)")
     _add_connection_args(bload)
     bload.set_defaults(func=_cmd_bench_load)
 

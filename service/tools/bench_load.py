@@ -1,7 +1,7 @@
 """`cadenza bench load`: a load generator for a RUNNING server, over real gRPC.
 
 `cadenza bench streams` feeds sessions straight into an in-process engine; here every session is a native
-StreamingSynthesize stream over grpc.aio (one channel per SESSIONS_PER_CHANNEL sessions), so the figures also
+StreamingSynthesize stream over grpc.aio (one channel per --sessions-per-channel sessions), so the figures also
 include gRPC, the server's event loop and the audio encoding. Each session plays its audio on a simulated
 real-time clock that starts at its first chunk; it passes when its worst underrun is at most 100 ms and the
 stream ended with status OK.
@@ -45,7 +45,6 @@ UNDERRUN_LIMIT_S = 0.100  # a session passes when no chunk is later than this
 SWEEP_PASS_RATE = 0.99  # --sweep: a probe passes at this pass rate ...
 SWEEP_TTFA_P99_MS = 150.0  # ... and this p99 time to first audio
 SESSION_TIMEOUT_S = 300.0  # per stream: a hung server fails the session instead of the run
-SESSIONS_PER_CHANNEL = 100  # one grpc.aio channel (own TCP connection) per this many sessions, round-robin
 CHARS_PER_AUDIO_S = 20.2  # measured: the 16 SENTENCES via `cadenza say` (built-in voice) = 1398 chars, 69.3 s
 POISSON_DURATION_S = 30.0  # poisson at a target concurrency: how long sessions keep arriving by default
 NATIVE_SERVICE = "cadenza.v1.TextToSpeech"
@@ -91,6 +90,7 @@ class LoadConfig:
     seed: int = 0
     connect_timeout_s: float = 30.0
     procs: int = 1  # client processes the sessions are spread over (each its own event loop and connections)
+    sessions_per_channel: int = 100  # one grpc.aio channel (its own TCP connection) per this many, round-robin
 
 
 @dataclass(frozen=True)
@@ -473,10 +473,10 @@ async def run_load(stubs: Sequence[pb_grpc.TextToSpeechStub], cfg: LoadConfig, n
 # ---- spread over client processes (--procs) -----------------------------------------------------------------
 
 
-def _channels(connection: Connection, target: str, sessions: int) -> list[grpc.aio.Channel]:
+def _channels(connection: Connection, cfg: LoadConfig, sessions: int) -> list[grpc.aio.Channel]:
     # Separate connections: grpc shares one subchannel between channels with the same target and arguments.
-    return [connection.channel(target, [("grpc.use_local_subchannel_pool", 1)])
-            for _ in range(max(1, math.ceil(sessions / SESSIONS_PER_CHANNEL)))]
+    return [connection.channel(cfg.target, [("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(max(1, math.ceil(sessions / cfg.sessions_per_channel)))]
 
 
 def _client_process(conn: Any, cfg: LoadConfig, connection: Connection, plan: _Plan, indices: list[int],
@@ -485,7 +485,7 @@ def _client_process(conn: Any, cfg: LoadConfig, connection: Connection, plan: _P
     seconds, one clock for the host's processes), runs its sessions and sends back their records."""
 
     async def main() -> tuple[list[SessionRecord], float]:
-        channels = _channels(connection, cfg.target, len(indices))
+        channels = _channels(connection, cfg, len(indices))
         try:
             await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), cfg.connect_timeout_s) for c in channels))
             stubs = [pb_grpc.TextToSpeechStub(c) for c in channels]
@@ -653,7 +653,7 @@ def _arrival_text(cfg: LoadConfig) -> str:
 
 async def _main(cfg: LoadConfig, sweep: bool, json_path: Path | None, png_path: Path | None,
                 connection: Connection, timeline: Timeline) -> int:
-    channels = _channels(connection, cfg.target, cfg.sessions if cfg.procs == 1 else 1)
+    channels = _channels(connection, cfg, cfg.sessions if cfg.procs == 1 else 1)
     try:
         return await _drive(channels, cfg, sweep, json_path, png_path, connection, timeline)
     finally:
@@ -714,8 +714,8 @@ def run_bench_load(cfg: LoadConfig, sweep: bool = False, json_path: Path | None 
     """Validate, run (or sweep), report. Raises ConnectionError when the target cannot be used.
     `timeline_dir`: each run's sessions (first text sent, first audio received) as a client
     timeline there, next to a server's `--timeline` files (`cadenza timeline DIR`)."""
-    if cfg.sessions < 1 or cfg.procs < 1:
-        raise ValueError("--sessions and --procs must be at least 1")
+    if min(cfg.sessions, cfg.procs, cfg.sessions_per_channel) < 1:
+        raise ValueError("--sessions, --procs and --sessions-per-channel must be at least 1")
     if (cfg.rate is not None and cfg.rate <= 0) or cfg.tokens_per_s <= 0:
         raise ValueError("--rate and --tokens-per-s must be positive")
     if cfg.duration_s is not None and cfg.duration_s <= 0:

@@ -305,3 +305,9 @@ def test_sessions_spread_over_client_processes(server: ServerThread, tmp_path: P
     assert main(["bench", "load", "--target", server.addr, "--sessions", "3", "--arrival", "burst",
                  "--seed", "2", "--json", str(one)]) == 0
     assert [r["text"] for r in json.loads(one.read_text())["sessions"]] == [r["text"] for r in report["sessions"]]
+
+
+def test_one_connection_per_session(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "load", "--target", server.addr, "--sessions", "3", "--sessions-per-channel", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].endswith("3 channel(s)") and "sessions=3" in lines[-1] and ", 0 errors," in lines[-2]
