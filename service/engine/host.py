@@ -135,18 +135,17 @@ class _Heap:
     frozen = 0
 
 
-def settle_heap() -> int:
+def settle_heap() -> None:
     """Collect once, then freeze every object left (`gc.freeze`): a full collection scans every
     object the process holds (the models, CUDA graphs, gRPC's modules: tens of milliseconds) and
     holds the GIL while it does, so it stops every thread. A burst of sessions allocates enough to
     set one off. Frozen objects are never scanned again; only what is made afterwards is.
 
-    Returns how many objects are frozen, counted here once: `gc.get_freeze_count` walks the
-    whole frozen list holding the GIL (milliseconds), so the figures thread must not call it."""
+    The frozen count is taken here, once (`_Heap.frozen`): `gc.get_freeze_count` walks the whole
+    frozen list holding the GIL (milliseconds), so the figures thread must not call it."""
     gc.collect()
     gc.freeze()
     _Heap.frozen = gc.get_freeze_count()
-    return _Heap.frozen
 
 
 def build_core(config: EngineConfig, telemetry: Telemetry, on_trip: Callable[[str], None]) -> EngineCore:

@@ -42,12 +42,14 @@ def runqueue_wait_s() -> float:
     Linux's per-thread schedstat); 0 where the kernel does not say. One read of a file each
     thread keeps open (opening it each time cost several times more)."""
     fd = getattr(_SCHEDSTAT, "fd", None)
+    if fd == -1:  # not on this system
+        return 0.0
     try:
         if fd is None:
             fd = _SCHEDSTAT.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
         return int(os.pread(fd, 128, 0).split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
-        _SCHEDSTAT.fd = -1  # not here: do not try again on this thread
+        _SCHEDSTAT.fd = -1
         return 0.0
 
 
