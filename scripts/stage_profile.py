@@ -5,9 +5,12 @@ decoder step of those sentences (slot start + one step launch + its result).
 `serve --timeline` shows what these calls take under load; this shows what they take alone, split
 into host time and device time, so the difference is what load adds (GIL waits, other threads).
 For each batch size it prints wall time, the engine thread's CPU time, the device time of the
-encoder graph (CUDA events) and the cProfile functions that took the most host time.
+encoder graph (CUDA events) and the cProfile functions that took the most host time; with
+`--kernels N` on CUDA, the N kernels of the acoustic stage that took the most device time, and its
+device time split into the text encoder and the duration predictor.
 
     python scripts/stage_profile.py [--device cuda] [--precision fp16|fp32] [--batches 1,16,64] [--rounds 10]
+                                    [--kernels 20]
 """
 
 from __future__ import annotations
@@ -55,6 +58,41 @@ def _top(fn: Callable[[], object], n: int) -> str:
     return "\n".join("      " + ln for ln in lines[start : start + n + 1])
 
 
+def _kernels(graphs: object, batch: int, length: int, top: int, rounds: int) -> None:
+    """The acoustic stage run eagerly on a graph bucket's padded inputs (the kernels its graph
+    replays): device time of the text encoder and of the duration predictor (CUDA events), and
+    the kernels that took the most device time (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    rows, padded = graphs._bucket(batch, length)  # type: ignore[attr-defined]
+    _, inputs, _ = graphs._get(rows, padded)  # type: ignore[attr-defined]
+    model = graphs.model  # type: ignore[attr-defined]
+    ids, lengths, noise, _ = inputs
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    with torch.inference_mode(), torch.backends.cudnn.flags(enabled=False):
+        for _ in range(2):  # warm
+            graphs._run(*inputs)  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        split = np.zeros(2)
+        for _ in range(rounds):
+            events[0].record()
+            x, _, _, x_mask = model.enc_p(ids, lengths)
+            events[1].record()
+            model.dp(x, x_mask, noise, g=None)
+            events[2].record()
+            torch.cuda.synchronize()
+            split += [events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])]
+        split /= rounds
+        print(f"  acoustic rows={rows} phonemes={padded} eager on the device: text encoder {split[0]:.2f} ms, "
+              f"duration predictor {split[1]:.2f} ms", flush=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graphs._run(*inputs)  # type: ignore[attr-defined]
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70),
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (what the numbers are for)")
@@ -62,6 +100,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--top", type=int, default=12, help="cProfile lines per call")
+    parser.add_argument("--kernels", type=int, default=0, help="CUDA: the acoustic stage's top kernels")
     args = parser.parse_args()
     import torch
 
@@ -123,6 +162,8 @@ def main() -> None:
             end.record()
             sync()
             device_ms = start.elapsed_time(end) / args.rounds
+        if cuda and args.kernels:
+            _kernels(graphs, batch, pad.shape[1], args.kernels, args.rounds)
         print(f"acoustic batch={batch} ids={ids:.0f}: call wall {wall * 1e3:.2f} ms cpu {cpu * 1e3:.2f} ms; "
               f"encode alone wall {enc_wall * 1e3:.2f} ms cpu {enc_cpu * 1e3:.2f} ms; "
               f"encoder graph on the device {device_ms:.2f} ms", flush=True)

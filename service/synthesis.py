@@ -266,6 +266,36 @@ class UtteranceDecoder:
         return audio[(w.keep_lo - w.lo) * hop : (w.keep_hi - w.lo) * hop]
 
 
+class _Done:
+    """An acoustic-stage result that is there already (a backend that runs it synchronously)."""
+
+    def __init__(self, out: EncodeOut | DevicePriorOut) -> None:
+        self._out = out
+
+    def result(self) -> EncodeOut | DevicePriorOut:
+        return self._out
+
+
+@dataclass
+class AcousticFlight:
+    """An acoustic batch launched by `Synthesizer.acoustic_launch`: `.result()` waits for the
+    device and makes the utterances."""
+
+    synth: Synthesizer
+    jobs: list[AcousticJob]
+    ids: np.ndarray
+    lengths: np.ndarray
+    dp_noise: np.ndarray
+    sid: np.ndarray | None
+    scales: np.ndarray
+    pending: Any  # .result() -> EncodeOut | DevicePriorOut
+
+    def result(self) -> list[Utterance]:
+        with stage("acoustic.wait"):
+            enc = self.pending.result()
+        return self.synth._utterances(self, enc)
+
+
 class Synthesizer:
     """Text -> audio chunks on one backend, for one caller at a time."""
 
@@ -307,6 +337,12 @@ class Synthesizer:
         """Acoustic stage for several sentences in one backend call (padded, masked).
         Each job draws its noise from its own generator in the same order as a
         batch of one, so batching never changes which noise a sentence gets."""
+        return self.acoustic_launch(jobs).result()
+
+    def acoustic_launch(self, jobs: list[AcousticJob]) -> AcousticFlight:
+        """`acoustic_batch`, its result waited for later (`.result()`): on a GPU the stage is
+        queued on the device and the caller goes on (the engine thread launches decoder steps);
+        elsewhere it has run already."""
         info = self.voice.info
         lengths = np.asarray([len(j.sentence.phoneme_ids) for j in jobs], dtype=np.int64)
         t_max = int(lengths.max())
@@ -323,7 +359,16 @@ class Synthesizer:
         sid_arr = None if sids[0] is None else np.asarray(sids, dtype=np.int64)
         scales = np.asarray([self._noise_scale(j.params) for j in jobs], dtype=np.float32)
         with stage("acoustic.encode"):
-            enc = self._encode(ids, lengths, dp_noise, sid_arr, scales)
+            if getattr(self.backend, "priors_on_device", False):
+                pending = self.backend.encode_prior_async(  # type: ignore[attr-defined]
+                    ids, lengths, dp_noise, sid_arr, scales)
+            else:
+                pending = _Done(self._encode(ids, lengths, dp_noise, sid_arr, scales))
+        return AcousticFlight(self, jobs, ids, lengths, dp_noise, sid_arr, scales, pending)
+
+    def _utterances(self, flight: AcousticFlight, enc: EncodeOut | DevicePriorOut) -> list[Utterance]:
+        jobs, ids, lengths, dp_noise, sid_arr, scales = (flight.jobs, flight.ids, flight.lengths, flight.dp_noise,
+                                                         flight.sid, flight.scales)
         with stage("acoustic.utterances"):
             out = []
             for i, job in enumerate(jobs):

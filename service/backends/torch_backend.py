@@ -128,7 +128,6 @@ class TorchBackend:
         c = m_p.shape[1]
         return EncodeOut(out[:, :c], out[:, c : 2 * c], out[:, 2 * c :])
 
-    @torch.inference_mode()
     def encode_prior(
         self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None,
         noise_scale: np.ndarray,
@@ -136,13 +135,22 @@ class TorchBackend:
         """`encode` with the prior left on the GPU as (mean, noise_scale x exp(logs_p)), the form
         the decoder's prior memory holds: only the durations come to the host. Moving the prior
         out to the host and back in is host work the engine thread would do per sentence."""
+        return self.encode_prior_async(ids, lengths, dp_noise, sid, noise_scale).result()
+
+    @torch.inference_mode()
+    def encode_prior_async(
+        self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None,
+        noise_scale: np.ndarray,
+    ) -> PendingPrior:
+        """`encode_prior` without waiting for the device: the stage and the durations' copy to
+        pinned host memory are queued on the acoustic stream; `.result()` waits for them. The
+        engine thread launches the decoder's steps meanwhile, so the two overlap on the device."""
         stream = self._acoustic_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             m_p, logs_p, logw = self._encode(ids, lengths, dp_noise, sid)
             scale = _to_device(noise_scale.astype(np.float32), self._device).view(-1, 1, 1)
             prior = torch.stack([m_p.float(), torch.exp(logs_p.float()) * scale], dim=1)
-            host_logw = _numpy(logw.float())  # waits for this stream: the prior is made too
-        return DevicePriorOut(host_logw, prior)
+            return PendingPrior(logw.float(), prior)
 
     def _encode(
         self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None
@@ -286,6 +294,7 @@ class _EncoderGraphs:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
                                                    tuple[torch.Tensor, ...]]] = {}
         self._capturer = GraphCapturer(device)
+        self._staged: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], torch.cuda.Event]] = {}
 
     def _bucket(self, batch: int, length: int) -> tuple[int, int] | None:
         rows = next((b for b in self.BATCHES if b >= batch), None)
@@ -317,6 +326,16 @@ class _EncoderGraphs:
             self._graphs[key] = (graph, inputs, outputs)
         return self._graphs[key]
 
+    def _staging(self, rows: int, length: int) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event]:
+        """Pinned host buffers shaped like bucket (rows, length)'s inputs, and the event after
+        their last copy to the device."""
+        key = (rows, length)
+        if key not in self._staged:
+            _, inputs, _ = self._get(rows, length)
+            self._staged[key] = (tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in inputs),
+                                 torch.cuda.Event())
+        return self._staged[key]
+
     def _run(self, ids: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
              sid: torch.Tensor) -> tuple[torch.Tensor, ...]:
         m_p, logs_p, logw, _ = self.model.encode(ids, lengths, noise, sid if self.multi_speaker else None)
@@ -332,20 +351,26 @@ class _EncoderGraphs:
         if bucket is None:
             return None
         rows, padded = bucket
-        graph, (s_ids, s_len, s_noise, s_sid), (m_p, logs_p, logw) = self._get(*bucket)
-        # Whole padded inputs from the host (padding rows: length 1, zeros), one copy each: few
-        # calls on the engine thread, which may wait for the GIL at each.
-        host_ids = np.zeros((rows, padded), dtype=np.int64)
+        graph, statics, (m_p, logs_p, logw) = self._get(*bucket)
+        # Whole padded inputs through this bucket's pinned staging buffers (padding rows: length 1,
+        # zeros), one copy each: no pinned allocation per call, and the engine thread, which may
+        # wait for the GIL at each call, makes few. A buffer is refilled only once the device has
+        # read it.
+        staged, copied = self._staging(rows, padded)
+        copied.synchronize()
+        host_ids, host_len, host_noise, host_sid = (t.numpy() for t in staged)
+        host_ids[:] = 0
         host_ids[:batch, :length] = ids
-        host_len = np.ones(rows, dtype=np.int64)
+        host_len[:] = 1
         host_len[:batch] = lengths
-        host_noise = np.zeros((rows, 2, padded), dtype=np.float32)
+        host_noise[:] = 0
         host_noise[:batch, :, :length] = dp_noise
-        host_sid = np.zeros(rows, dtype=np.int64)
+        host_sid[:] = 0
         if sid is not None:
             host_sid[:batch] = sid
-        for static, host in ((s_ids, host_ids), (s_len, host_len), (s_noise, host_noise), (s_sid, host_sid)):
-            static.copy_(_pinned(host), non_blocking=True)
+        for static, host in zip(statics, staged, strict=True):
+            static.copy_(host, non_blocking=True)
+        copied.record()
         graph.replay()
         return m_p[:batch, :, :length], logs_p[:batch, :, :length], logw[:batch, :, :length]
 
@@ -402,6 +427,27 @@ def _gemm_conv1d(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     if conv.bias is not None:
         y = y + conv.bias.view(1, -1, 1)
     return y
+
+
+class PendingPrior:
+    """The acoustic stage's output on its way to the host (`encode_prior_async`): the
+    durations in pinned memory behind one event; the prior stays where it was made."""
+
+    def __init__(self, logw: torch.Tensor, prior: torch.Tensor) -> None:
+        self._prior = prior
+        self._event: torch.cuda.Event | None = None
+        if logw.device.type == "cuda":
+            self._logw = torch.empty(logw.shape, dtype=logw.dtype, pin_memory=True)
+            self._logw.copy_(logw, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._logw = logw
+
+    def result(self) -> DevicePriorOut:
+        if self._event is not None:
+            self._event.synchronize()
+        return DevicePriorOut(self._logw.numpy(), self._prior)
 
 
 class _GuardedCopy:
