@@ -3,7 +3,6 @@ TensorRT until that backend is asked for."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -36,14 +35,3 @@ def create_backend(name: str, voice: Voice, device: str = "cpu", **options: obje
     module_name, _, cls_name = _BACKENDS[name].partition(":")
     factory: Callable[..., Backend] = getattr(importlib.import_module(module_name), cls_name)
     return factory(voice, device=device, **options)
-
-
-def engine_thread_setup(name: str, device: str) -> Callable[[], None] | None:
-    """What the engine thread runs before its first device work with backend `name` on
-    `device`, or None: with torch on CUDA, its work (decoder steps, guard, copies) goes to a
-    high-priority stream, so a step waiting for the device goes ahead of the acoustic stage's
-    kernels (on their own stream at the default priority) and the stage fills the gaps."""
-    if name != "torch" or not device.startswith("cuda"):
-        return None
-    module = importlib.import_module("service.backends.torch_backend")
-    return functools.partial(module.use_step_stream, device)

@@ -429,12 +429,6 @@ def _gemm_conv1d(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def use_step_stream(device: str) -> None:
-    """Make a high-priority stream the calling thread's current one on `device` (see
-    `registry.engine_thread_setup`); the acoustic stage keeps its own default-priority stream."""
-    torch.cuda.set_stream(torch.cuda.Stream(device=torch.device(device), priority=-1))
-
-
 class PendingPrior:
     """The acoustic stage's output on its way to the host (`encode_prior_async`): the
     durations in pinned memory behind one event; the prior stays where it was made."""

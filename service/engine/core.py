@@ -58,10 +58,8 @@ class EngineCore:
         self, batch: BatchConfig, cache: ResultCache, on_trip: Callable[[str], None] | None = None,
         shadow: ShadowSampler | None = None, frontend: FrontendPoolConfig | None = None,
         telemetry: Telemetry | None = None, profile_dir: Path | None = None, timeline: Timeline | None = None,
-        thread_setup: Callable[[], None] | None = None,
     ) -> None:
         self.batch = batch
-        self._thread_setup = thread_setup  # run first on the engine thread (the backend's stream for its work)
         self.profiler = BusyProfiler(profile_dir) if profile_dir is not None else None
         self.telemetry = telemetry or Telemetry()
         self.shadow = shadow
@@ -181,8 +179,6 @@ class EngineCore:
 
     def _run(self) -> None:
         try:
-            if self._thread_setup is not None:
-                self._thread_setup()
             self._serve()
         except BaseException as exc:  # outside the per-iteration guard: the engine is dead
             self._die(exc)

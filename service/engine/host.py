@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from service.backends.registry import create_backend, engine_thread_setup
+from service.backends.registry import create_backend
 from service.engine.cache import ResultCache
 from service.engine.config import EngineConfig
 from service.engine.core import EngineCore
@@ -148,15 +148,13 @@ def settle_heap() -> None:
     _Heap.frozen = gc.get_freeze_count()
 
 
-def build_core(config: EngineConfig, telemetry: Telemetry, on_trip: Callable[[str], None], device: str,
-               backend_name: str) -> EngineCore:
+def build_core(config: EngineConfig, telemetry: Telemetry, on_trip: Callable[[str], None]) -> EngineCore:
     """The core with its cache and (if asked) its shadow verifier, wherever it runs."""
     shadow = ShadowVerifier(config.shadow_fraction, on_psnr=telemetry.shadow_psnr) \
         if config.shadow_fraction > 0 else None
     return EngineCore(config.batch, ResultCache(config.cache_bytes), on_trip=on_trip, shadow=shadow,
                       frontend=config.frontend, telemetry=telemetry, profile_dir=config.profile_dir,
-                      timeline=Timeline(config.timeline_dir, "core"),
-                      thread_setup=engine_thread_setup(backend_name, device))
+                      timeline=Timeline(config.timeline_dir, "core"))
 
 
 class _GpuMemory:
@@ -205,7 +203,7 @@ class LocalHost:
                  on_trip: Callable[[str], None]) -> None:
         self.device = device
         self.runtimes = Runtimes(config, device, backend_name)
-        self.core = build_core(config, telemetry, on_trip, device, backend_name)
+        self.core = build_core(config, telemetry, on_trip)
         self.cache = self.core.output.cache
         self.shadow = self.core.shadow
         self.dead = self.core.dead

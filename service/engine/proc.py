@@ -470,8 +470,7 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
         voices: Mapping[str, VoiceInfo] = {v.name: v for v in list_voices(config.voices_dir)}
         runtimes = Runtimes(config, device, backend_name)
         loaded = {name: runtimes.prepare(voices[name]) for name in preload}
-        core = build_core(config, _ForwardedTelemetry(outbox), lambda voice: outbox.send("trip", voice), device,
-                          backend_name)
+        core = build_core(config, _ForwardedTelemetry(outbox), on_trip=lambda voice: outbox.send("trip", voice))
         core.frontend_config = frontend
         core.start()
     except Exception as exc:  # raised again by the server (a bad option reads as it does without a process)
