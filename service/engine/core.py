@@ -24,7 +24,7 @@ import numpy as np
 
 from service.engine.cache import ResultCache
 from service.engine.config import BatchConfig
-from service.engine.executor import AcousticLaunch, Executor
+from service.engine.executor import Executor
 from service.engine.output import OutputStage
 from service.engine.scheduler import Scheduler
 from service.engine.state import (
@@ -78,7 +78,6 @@ class EngineCore:
         self._poked = False  # a client took audio since the last plan
         self._first_audio_wait_s = 0.0
         self._acoustic_job_s = 0.0  # acoustic-stage seconds per sentence, recent average (the scheduler's estimate)
-        self._in_flight: _AcousticInFlight | None = None  # an acoustic batch on the device (engine thread only)
         # Throughput window: (start, busy seconds, audio seconds, steps, rows) at its start.
         self._window: tuple[float, float, float, int, int] | None = None
         self._specs: dict[int, WorkSpec] = {}  # for the frontend thread (guarded by _cv)
@@ -309,7 +308,6 @@ class EngineCore:
 
     def _iterate(self) -> tuple[bool, float | None]:
         """One plan -> execute -> deliver round. Returns (idle, when to wake without input)."""
-        self._land_acoustic()  # launched last iteration, run on the device meanwhile
         now = time.monotonic()
         waits = [now - s.first_text_at for s in self._sessions.values()
                  if s.first_audio_at is None and s.first_text_at is not None]
@@ -336,12 +334,12 @@ class EngineCore:
                               acoustic_first=sum(u.index == 0 for _, u in plan.acoustic), decode=len(plan.decode),
                               decode_first=sum(u.chunk_index == 0 for _, u in plan.decode))
         if plan.decode and plan.acoustic and runtime is not None and self.executor.overlaps(runtime):
-            # Pipelined on the device: the acoustic stage is launched (on its own stream) once the
-            # step is, and taken at the next iteration's start; its sentences' first steps then
-            # run while the acoustic stage of the sentences that came in meanwhile does.
+            # The device runs the step while this thread runs the acoustic stage (on its own
+            # stream); the sentences that stage readied start in a step of their own right after.
             jobs = plan.acoustic
             self.stats.overlapped += 1
-            self._decode(plan.decode, meanwhile=lambda: self._launch_acoustic(jobs))
+            self._decode(plan.decode, meanwhile=lambda: self._acoustic(jobs))
+            self._start_fresh(jobs, max_rows, free)
         elif plan.decode_first:
             self._decode(plan.decode)
             self._acoustic(plan.acoustic)
@@ -356,6 +354,15 @@ class EngineCore:
         if self._shadow_run is not None:
             self._shadow_run()
         return False, None
+
+    def _start_fresh(self, jobs: list[tuple[SessionState, UtteranceState]], max_rows: int,
+                     free: Callable[[SessionState, UtteranceState], int] | None) -> None:
+        """Step the utterances that just came out of the acoustic stage (their first chunks);
+        the other sessions were stepped already this iteration."""
+        fresh = {id(u) for _, u in jobs}
+        plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free,
+                                   self._acoustic_job_s)
+        self._decode([(s, u) for s, u in plan.decode if id(u) in fresh])
 
     def _end_stalled(self, now: float) -> float | None:
         """End sessions whose client has taken no audio for `stall_timeout_s` while they were
@@ -377,42 +384,22 @@ class EngineCore:
         return check
 
     def _acoustic(self, jobs: list[tuple[SessionState, UtteranceState]]) -> None:
-        """The acoustic stage for `jobs`, waited for."""
-        self._launch_acoustic(jobs)
-        self._land_acoustic()
-
-    def _launch_acoustic(self, jobs: list[tuple[SessionState, UtteranceState]]) -> None:
-        """Queue the acoustic stage for `jobs`; `_land_acoustic` takes its result (one batch on
-        the device at a time)."""
         if not jobs:
             return
-        self._land_acoustic()
         start = time.monotonic()
         first = sum(u.index == 0 for _, u in jobs) if self.timeline.on else 0
         with stage("engine.acoustic"), self.timeline.timed("acoustic", sentences=len(jobs), first=first):
-            launch = self.executor.acoustic_launch(jobs, self.output.cache_key, self.output.cache.get)
-        self._in_flight = _AcousticInFlight(jobs, launch, start, time.monotonic() - start)
-
-    def _land_acoustic(self) -> None:
-        """Wait for the acoustic batch in flight, if any: its sentences are ready for their steps."""
-        flight, self._in_flight = self._in_flight, None
-        if flight is None:
-            return
-        start = time.monotonic()
-        with stage("engine.acoustic_land"), self.timeline.timed("acoustic_landed", sentences=len(flight.jobs)):
-            failed = self.executor.acoustic_land(flight.launch)
+            failed = self.executor.acoustic(jobs, self.output.cache_key, self.output.cache.get)
         for s, why in failed:
-            if s.spec.session_id in self._sessions:
-                self._fail(s, why)
+            self._fail(s, why)
         now = time.monotonic()
-        # What the stage kept this thread from stepping, per sentence: the scheduler's estimate.
-        per_job = (flight.launch_s + now - start) / len(flight.jobs)
+        per_job = (now - start) / len(jobs)
         self._acoustic_job_s = per_job if not self._acoustic_job_s else 0.8 * self._acoustic_job_s + 0.2 * per_job
-        self.telemetry.acoustic_step([(s.spec.session_id, u.index) for s, u in flight.jobs], flight.start, now)
-        for s, u in flight.jobs:
+        self.telemetry.acoustic_step([(s.spec.session_id, u.index) for s, u in jobs], start, now)
+        for s, u in jobs:
             s.ready_since = now
             if u.index == 0:
-                s.marks.acoustic_start, s.marks.acoustic_end = flight.start, now
+                s.marks.acoustic_start, s.marks.acoustic_end = start, now
 
     def _decode(self, rows: list[tuple[SessionState, UtteranceState]],
                 meanwhile: Callable[[], None] | None = None) -> None:
@@ -468,17 +455,6 @@ class EngineCore:
         with self._cv:
             self._specs.pop(s.spec.session_id, None)
         self.output.fail(s, exc)
-
-
-@dataclass
-class _AcousticInFlight:
-    """An acoustic batch launched by the engine thread: its jobs, the executor's handle, when
-    it was launched and how long the launch took."""
-
-    jobs: list[tuple[SessionState, UtteranceState]]
-    launch: AcousticLaunch
-    start: float
-    launch_s: float
 
 
 @dataclass

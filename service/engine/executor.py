@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -21,7 +21,7 @@ import numpy as np
 from service.engine.config import BatchConfig
 from service.engine.state import EngineStats, SessionState, UtteranceState, UtteranceStatus
 from service.models.family import StepRows, StreamingDecoder
-from service.synthesis import AcousticFlight, AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
+from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
 from service.telemetry.ranges import stage
 from service.telemetry.timeline import Timeline
 
@@ -53,19 +53,6 @@ class _InFlight:
     fed: list[int]  # each row's frames fed before this step
     pending: Any  # backend handle: .result() -> (host audio [B, S], non-finite count per row)
     t0: float
-
-
-@dataclass
-class AcousticLaunch:
-    """Acoustic batches on the device (`Executor.acoustic_launch`), and the sessions whose
-    launch failed."""
-
-    groups: list[tuple[list[tuple[SessionState, UtteranceState]], AcousticFlight]] = field(default_factory=list)
-    failed: list[Failure] = field(default_factory=list)
-
-    @property
-    def rows(self) -> list[tuple[SessionState, UtteranceState]]:
-        return [row for rows, _ in self.groups for row in rows]
 
 
 class _Slots:
@@ -179,16 +166,6 @@ class Executor:
     ) -> list[tuple[SessionState, BaseException]]:
         """Run the acoustic stage for `jobs` (one voice); cached sentences skip it. Returns
         the sessions that failed, with why."""
-        return self.acoustic_land(self.acoustic_launch(jobs, cache_key, cache_get))
-
-    def acoustic_launch(
-        self, jobs: list[tuple[SessionState, UtteranceState]], cache_key: Callable[[SessionState, UtteranceState],
-                                                                                   Hashable | None],
-        cache_get: Callable[[Hashable], object | None],
-    ) -> AcousticLaunch:
-        """`acoustic` without waiting for the device (see `Synthesizer.acoustic_launch`): cached
-        sentences are ready at once, the others are ENCODING until `acoustic_land`."""
-        launch = AcousticLaunch()
         pending: list[tuple[SessionState, UtteranceState, AcousticJob]] = []
         for s, u in jobs:
             u.precision = s.spec.precision
@@ -203,37 +180,21 @@ class Executor:
             rng = s.rng if s.rng is not None else utterance_rng(spec.params.seed, u.sentence.phoneme_ids)
             pending.append((s, u, AcousticJob(u.sentence, spec.sid, spec.params, rng)))
         if not pending:
-            return launch
+            return []
         runtime = pending[0][0].spec.runtime
         pending.sort(key=lambda p: len(p[2].sentence.phoneme_ids))  # length buckets: little padding
+        failed: list[tuple[SessionState, BaseException]] = []
         for group in _groups(pending, self.config.acoustic_max_batch):
             try:
                 with stage("acoustic.batch"):
-                    flight = runtime.acoustic_launch([job for _, _, job in group])
+                    utts = runtime.acoustic_batch([job for _, _, job in group])
             except Exception as exc:
                 log.exception("acoustic stage failed")
-                launch.failed += [(s, exc) for s, _, _ in group]
+                failed += [(s, exc) for s, _, _ in group]
                 continue
-            for _, u, _ in group:
-                u.status = UtteranceStatus.ENCODING
-            launch.groups.append(([(s, u) for s, u, _ in group], flight))
-        return launch
-
-    def acoustic_land(self, launch: AcousticLaunch) -> list[tuple[SessionState, BaseException]]:
-        """Wait for a launched acoustic stage and ready its utterances for decoding; returns the
-        sessions that failed, with why (those of `acoustic_launch` too)."""
-        failed = list(launch.failed)
-        for rows, flight in launch.groups:
-            try:
-                with stage("acoustic.land"):
-                    utts = flight.result()
-            except Exception as exc:
-                log.exception("acoustic stage failed")
-                failed += [(s, exc) for s, _ in rows]
-                continue
-            self.stats.acoustic_jobs += len(rows)
+            self.stats.acoustic_jobs += len(group)
             self.stats.acoustic_batches += 1
-            for (s, u), utt in zip(rows, utts, strict=True):
+            for (s, u, _), utt in zip(group, utts, strict=True):
                 u.utt = utt
                 u.word_spans = utt.word_spans
                 u.status = UtteranceStatus.DECODING
@@ -241,7 +202,6 @@ class Executor:
                     first = s.spec.schedule.first_chunk(u.index)
                     u.bounds = s.spec.schedule.boundaries(utt.frames, first)
                     u.staged = s.spec.runtime.staged_decoder(utt)
-        launch.groups = []
         return failed
 
     # --- decoder steps ---------------------------------------------------------------------------

@@ -72,7 +72,7 @@ class Scheduler:
             if head.status is UtteranceStatus.DECODING and s.unread_s() < cfg.max_ahead_s:
                 ready.append((s, head, slack))
             nxt = next((u for u in s.utterances if u.status is UtteranceStatus.ACOUSTIC), None)
-            if nxt is not None and not any(u.status is UtteranceStatus.ENCODING for u in s.utterances):
+            if nxt is not None:
                 if s.queued_audio_s() < cfg.acoustic_lookahead_s:
                     acoustic.append(((slack, s.ready_since), s, nxt))
                 else:

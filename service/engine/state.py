@@ -103,8 +103,7 @@ class SessionStatus(enum.Enum):
 
 
 class UtteranceStatus(enum.Enum):
-    ACOUSTIC = "acoustic"  # waiting for the acoustic stage
-    ENCODING = "encoding"  # in the acoustic stage (launched on the device, its result not yet taken)
+    ACOUSTIC = "acoustic"  # waiting for (or in) the acoustic stage
     DECODING = "decoding"  # latent frames ready; chunks being decoded
     CACHED = "cached"  # replayed from the result cache
     DONE = "done"

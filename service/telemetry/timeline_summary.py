@@ -9,9 +9,8 @@ the server's and the core's processes):
 * phonemise: the frontend pool phonemised it;
 * to the engine thread: until the engine thread took the sentences in (it does so between
   iterations);
-* wait for acoustic: until the acoustic stage that ran it was launched;
-* acoustic: until the engine thread took its result (on a GPU the stage runs on the device
-  while the thread steps other sessions; the results are taken at the next iteration's start);
+* wait for acoustic: until the acoustic-stage call that ran it started;
+* acoustic: that call;
 * wait for a step: until the decoder step that made the first chunk started;
 * decoder step: until that chunk was delivered;
 * to the server: until the server queued it for the client (the pipe back, the relay thread).
@@ -204,12 +203,11 @@ def summarise(core: Sequence[Event], recorded: Recorded) -> list[str]:
     window = [e for e in core if start <= _f(e, "t") <= end]
     plans = sum(1 for e in window if e["k"] == "plan")
     lines.append(f"engine thread in that window: {plans} iterations with work")
-    for kind, size, label in (("acoustic", "sentences", "acoustic calls"),
-                              ("acoustic_landed", "sentences", "acoustic results"), ("launch", "rows", "step launches"),
+    for kind, size, label in (("acoustic", "sentences", "acoustic calls"), ("launch", "rows", "step launches"),
                               ("landed", "rows", "step results"), ("chunk", "frames", "staged chunks")):
         n, mean, wall, cpu, ready = _calls(window, kind, size)
         if n:
-            lines.append(f"  {label:16s} {n:4d} x {mean:5.1f} {size:9s} wall {wall * 1000:7.1f} ms, "
+            lines.append(f"  {label:15s} {n:4d} x {mean:5.1f} {size:9s} wall {wall * 1000:7.1f} ms, "
                          f"CPU {cpu * 1000:7.1f} ms, waiting for a CPU {ready * 1000:7.1f} ms")
     lags = [_f(e, "lag") for e in recorded.api_lag if start <= _f(e, "t") <= end]
     if lags:

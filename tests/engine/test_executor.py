@@ -194,39 +194,3 @@ def test_an_utterance_waits_while_prior_memory_is_full_and_one_too_long_fails_al
     for got, ref in zip(chunks, reference, strict=True):
         np.testing.assert_allclose(np.concatenate([c.samples for c in got]), np.concatenate([c.samples for c in ref]),
                                    atol=1e-5, rtol=0)
-
-
-def test_an_acoustic_launch_landed_later_equals_the_stage_waited_for(
-    runtime: Synthesizer, loop: asyncio.AbstractEventLoop
-) -> None:
-    """The engine launches the acoustic stage and takes its result an iteration later: in
-    between its sentences are ENCODING (not planned again, not decodable), and what lands is
-    what the stage waited for gives (same durations, same prior), a cached sentence ready at once."""
-    def acoustic_rows() -> list[tuple[SessionState, UtteranceState]]:
-        rows = _rows(runtime, "fp32", loop)
-        for _, u in rows:
-            u.status, u.utt = UtteranceStatus.ACOUSTIC, None
-        return rows
-
-    def no_cache(s: SessionState, u: UtteranceState) -> None:
-        return None
-
-    waited = acoustic_rows()
-    assert not Executor(BatchConfig(), EngineStats()).acoustic(waited, no_cache, lambda key: None)
-    stats = EngineStats()
-    executor = Executor(BatchConfig(), stats)
-    rows = acoustic_rows()
-    cached = object()
-    cached_entry = type("Entry", (), {"word_spans": [("hi", 0, 256)]})()
-    keys = {id(rows[1][1]): cached}
-    launch = executor.acoustic_launch(rows, lambda s, u: keys.get(id(u)), lambda key: cached_entry)
-    assert [u.status for _, u in rows] == [UtteranceStatus.ENCODING, UtteranceStatus.CACHED, UtteranceStatus.ENCODING]
-    assert stats.acoustic_jobs == 0  # nothing taken yet
-    assert not executor.acoustic_land(launch)
-    assert [u.status for _, u in rows] == [UtteranceStatus.DECODING, UtteranceStatus.CACHED, UtteranceStatus.DECODING]
-    assert stats.acoustic_jobs == 2 and not launch.groups
-    for i in (0, 2):
-        got, ref = rows[i][1].utt, waited[i][1].utt
-        assert got is not None and ref is not None
-        np.testing.assert_array_equal(got.durations, ref.durations)
-        np.testing.assert_array_equal(got.prior.mean, ref.prior.mean)

@@ -137,16 +137,3 @@ def test_a_slow_acoustic_batch_makes_a_playing_session_urgent(runtime: Synthesiz
     assert len(slow.acoustic) == 7
     fast = Scheduler(cfg).plan([playing, *starting], NOW, max_rows=1, acoustic_job_s=0.0005)
     assert not fast.decode_first and len(fast.acoustic) == 7
-
-
-def test_a_session_with_a_sentence_in_the_acoustic_stage_gets_no_second_one(runtime: Synthesizer) -> None:
-    """While one of its sentences is on the device (ENCODING), a session's next sentence waits:
-    its sentences draw their noise in order, and a later sentence never overtakes an earlier one."""
-    busy = _session(runtime, 1, decoding=False, acoustic=2)
-    busy.utterances[0].status = UtteranceStatus.ENCODING
-    fresh = _session(runtime, 2, decoding=False, acoustic=1)
-    plan = Scheduler(BatchConfig()).plan([busy, fresh], NOW, max_rows=8)
-    assert [s for s, _ in plan.acoustic] == [fresh]
-    busy.utterances[0].status = UtteranceStatus.DECODING
-    plan = Scheduler(BatchConfig()).plan([busy, fresh], NOW, max_rows=8)
-    assert {(s.spec.session_id, u.index) for s, u in plan.acoustic} == {(1, 2), (2, 1)}
