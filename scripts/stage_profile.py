@@ -114,6 +114,11 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         backend.capture_encoder(batch_cfg.acoustic_max_batch)  # type: ignore[attr-defined]
+        table = backend._encoder_graphs.device_ms  # type: ignore[attr-defined]
+        lengths = sorted({n for _, n in table})
+        print("encoder graph device ms, rows x phonemes: " + " ".join(f"{n:5d}" for n in lengths))
+        for rows in sorted({r for r, _ in table}):
+            print(f"  {rows:4d} " + " ".join(f"{table[(rows, n)]:5.2f}" for n in lengths), flush=True)
     sentences = []
     while len(sentences) < max(int(b) for b in args.batches.split(",")):
         for text in SENTENCES:
@@ -138,6 +143,9 @@ def main() -> None:
             return synth.acoustic_batch(jobs())
 
         wall, cpu = _best(acoustic, args.rounds, sync)
+        split = getattr(backend, "acoustic_split", None)
+        if split is not None:
+            print(f"acoustic batch={batch}: run as groups of {split([len(s.phoneme_ids) for s in group])}")
         enc_jobs = jobs()
         lengths = np.asarray([len(j.sentence.phoneme_ids) for j in enc_jobs], dtype=np.int64)
         pad = np.zeros((batch, int(lengths.max())), dtype=np.int64)

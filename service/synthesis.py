@@ -334,10 +334,27 @@ class Synthesizer:
         return self.acoustic_batch([AcousticJob(sent, sid, params, rng)])[0]
 
     def acoustic_batch(self, jobs: list[AcousticJob]) -> list[Utterance]:
-        """Acoustic stage for several sentences in one backend call (padded, masked).
-        Each job draws its noise from its own generator in the same order as a
+        """Acoustic stage for several sentences in few backend calls (padded, masked): the
+        backend may split a batch by length (`acoustic_split`), every group launched before any
+        is waited for. Each job draws its noise from its own generator in the same order as a
         batch of one, so batching never changes which noise a sentence gets."""
-        return self.acoustic_launch(jobs).result()
+        order = sorted(range(len(jobs)), key=lambda k: len(jobs[k].sentence.phoneme_ids))
+        split = getattr(self.backend, "acoustic_split", None)
+        sizes = split([len(jobs[k].sentence.phoneme_ids) for k in order]) if split is not None else [len(jobs)]
+        if len(sizes) == 1:
+            return self.acoustic_launch(jobs).result()
+        flights, start = [], 0
+        for size in sizes:
+            group = order[start : start + size]
+            flights.append((group, self.acoustic_launch([jobs[k] for k in group])))
+            start += size
+        out: list[Utterance | None] = [None] * len(jobs)
+        for group, flight in flights:
+            for k, utt in zip(group, flight.result(), strict=True):
+                out[k] = utt
+        utts = [u for u in out if u is not None]
+        assert len(utts) == len(jobs), "every job is in exactly one group"
+        return utts
 
     def acoustic_launch(self, jobs: list[AcousticJob]) -> AcousticFlight:
         """`acoustic_batch`, its result waited for later (`.result()`): on a GPU the stage is

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+import logging
+import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -23,6 +25,8 @@ from service.models.vits.precision import VITS_FP32_PINS, to_mixed_precision
 from service.models.vits.receptive_field import decoder_stage_table
 from service.models.vits.streaming import VitsStreamingDecoder, stage_shapes
 from service.voices import Voice
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -169,6 +173,13 @@ class TorchBackend:
             )
         return m_p, logs_p, logw
 
+    def acoustic_split(self, lengths: Sequence[int]) -> list[int]:
+        """How to run an acoustic batch of ascending phoneme `lengths`: group sizes, in order (see
+        `_EncoderGraphs.split`); one group where the stage has no graphs (the CPU)."""
+        if self._encoder_graphs is None:
+            return [len(lengths)]
+        return self._encoder_graphs.split(lengths)
+
     def capture_encoder(self, max_batch: int) -> None:
         """Capture the acoustic stage's CUDA graphs for every batch bucket up to `max_batch`
         and the usual sentence lengths now, so no session waits for a capture."""
@@ -280,9 +291,11 @@ class _EncoderGraphs:
     """The acoustic stage as CUDA graphs, one per (batch bucket, phoneme-length bucket): the
     encoder and the duration predictor are hundreds of small kernels, so launching them costs
     more than running them. Rows and phonemes are padded (masked, as in any batch); padding
-    rows get length 1. Longer inputs than `max_phonemes` run eagerly."""
+    rows get length 1. Longer inputs than `max_phonemes` run eagerly. A padded row costs the
+    device as much as a real one, so the row buckets above 8 step by 8 (a batch of 45 runs as
+    48 rows, not 64), and `split` cuts a batch of mixed lengths where that is cheaper."""
 
-    BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+    BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128)
 
     def __init__(self, model: VitsModel, device: torch.device, length_step: int = 32, max_phonemes: int = 512) -> None:
         self.model = model
@@ -295,6 +308,7 @@ class _EncoderGraphs:
                                                    tuple[torch.Tensor, ...]]] = {}
         self._capturer = GraphCapturer(device)
         self._staged: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], torch.cuda.Event]] = {}
+        self.device_ms: dict[tuple[int, int], float] = {}  # per captured bucket, measured by capture_all
 
     def _bucket(self, batch: int, length: int) -> tuple[int, int] | None:
         rows = next((b for b in self.BATCHES if b >= batch), None)
@@ -305,12 +319,38 @@ class _EncoderGraphs:
 
     def capture_all(self, max_batch: int) -> None:
         """Every bucket a batch of up to `max_batch` sentences can use: a capture while serving
-        stalls the engine thread (an eager warm-up run of the stage, then the capture)."""
+        stalls the engine thread (an eager warm-up run of the stage, then the capture). Each
+        graph's device time is measured once captured (`split` plans with it)."""
         for rows in self.BATCHES:
             if rows > max(1, max_batch):
                 break
             for length in range(self.length_step, self.max_phonemes + 1, self.length_step):
-                self._get(rows, length)
+                graph = self._get(rows, length)[0]
+                graph.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                self.device_ms[(rows, length)] = start.elapsed_time(end)
+        if self.device_ms:
+            log.info("acoustic stage: %d CUDA graphs, %.2f-%.2f ms on the device each", len(self.device_ms),
+                     min(self.device_ms.values()), max(self.device_ms.values()))
+
+    # Host time a call adds beyond its graph's device time (copies in, replay, the prior and the
+    # durations out), in device milliseconds: what one more group costs when `split` weighs it.
+    CALL_MS = 0.5
+
+    def split(self, lengths: Sequence[int]) -> list[int]:
+        """Group sizes for sentences of ascending phoneme `lengths`, run as consecutive calls:
+        the cheapest by the measured device times (padding rows and phonemes costs as much as
+        real ones), or one call where nothing was measured."""
+        def cost(rows: int, longest: int) -> float | None:
+            bucket = self._bucket(rows, longest)
+            ms = self.device_ms.get(bucket) if bucket is not None else None
+            return None if ms is None else ms + self.CALL_MS
+
+        return split_batch(lengths, cost, self.BATCHES)
 
     def _get(self, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
                                                     tuple[torch.Tensor, ...]]:
@@ -427,6 +467,28 @@ def _gemm_conv1d(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     if conv.bias is not None:
         y = y + conv.bias.view(1, -1, 1)
     return y
+
+
+def split_batch(lengths: Sequence[int], cost: Callable[[int, int], float | None], sizes: Sequence[int]) -> list[int]:
+    """The cheapest way to run sentences of ascending `lengths` as consecutive groups: their sizes,
+    in order. A group of n sentences whose longest has L phonemes costs `cost(n, L)` (None: no
+    such call). Group sizes tried: `sizes` and, for the shortest sentences, all of them at once
+    (dynamic programming over where the groups end; [len(lengths)] if nothing is priced)."""
+    n = len(lengths)
+    best = [0.0] + [math.inf] * n
+    last = [0] * (n + 1)
+    for end in range(1, n + 1):
+        for size in {s for s in sizes if s <= end} | {end}:
+            c = cost(size, lengths[end - 1])
+            if c is not None and best[end - size] + c < best[end]:
+                best[end], last[end] = best[end - size] + c, size
+    if math.isinf(best[n]):
+        return [n] if n else []
+    out: list[int] = []
+    while n:
+        out.append(last[n])
+        n -= last[n]
+    return out[::-1]
 
 
 class PendingPrior:

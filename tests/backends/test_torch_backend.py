@@ -3,11 +3,14 @@ the same code runs on CUDA, see tests marked gpu)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from service.audio.quality import psnr_db
 from service.backends.torch_backend import TorchBackend
@@ -182,3 +185,123 @@ def test_gemm_convolutions_equal_the_library_ones() -> None:
     for a, b in zip(want[:3], got[:3], strict=True):
         np.testing.assert_allclose(b.numpy(), a.numpy(), atol=1e-4, rtol=0)
 
+
+
+def _area(rows: int, longest: int) -> float:
+    """A stand-in for measured device times: padded rows x padded phonemes, plus a fixed cost."""
+    bucket = next(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b >= rows)
+    return bucket * (-(-longest // 32) * 32) + 500.0
+
+
+def test_split_batch_pads_little_and_keeps_one_call_where_padding_is_cheap() -> None:
+    from service.backends.torch_backend import split_batch
+
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128)
+    assert split_batch([100] * 64, _area, sizes) == [64]  # equal lengths: one call
+    assert split_batch([32] * 32 + [480] * 32, _area, sizes) == [32, 32]  # short ones not padded to 480
+    assert sum(split_batch([100] * 45, _area, sizes)) == 45
+    assert len(split_batch([100] * 45, _area, sizes)) > 1  # 45 rows are not padded to 64
+    assert split_batch([100, 600], lambda r, n: None if n > 512 else _area(r, n), sizes) == [2]  # unpriced: whole
+    assert split_batch([], _area, sizes) == []
+
+
+@given(st.lists(st.integers(1, 512), min_size=1, max_size=10), st.floats(0, 5000))
+@settings(max_examples=200, deadline=None)
+def test_split_batch_finds_the_cheapest_grouping(lengths: list[int], fixed: float) -> None:
+    """Against every way to cut the (sorted) batch into consecutive groups of the sizes tried."""
+    import itertools
+
+    from service.backends.torch_backend import split_batch
+
+    lengths.sort()
+    sizes = (1, 2, 4, 8)
+
+    def cost(rows: int, longest: int) -> float:
+        return _area(rows, longest) - 500.0 + fixed
+
+    def total(groups: list[int]) -> float:
+        out, start = 0.0, 0
+        for g in groups:
+            out += cost(g, lengths[start + g - 1])
+            start += g
+        return out
+
+    n = len(lengths)
+    best = math.inf
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        groups, size = [], 1
+        for cut in cuts:
+            if cut:
+                groups.append(size)
+                size = 0
+            size += 1
+        groups.append(size)
+        if all(g in sizes for g in groups[1:]):  # the shortest sentences may also go all at once
+            best = min(best, total(groups))
+    got = split_batch(lengths, cost, sizes)
+    assert sum(got) == n and all(g in sizes for g in got[1:])
+    assert total(got) == pytest.approx(best)
+
+
+def test_an_acoustic_batch_split_by_the_backend_keeps_every_utterance_in_order(
+    builtin_torch: Synthesizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the backend runs a batch as several calls (`acoustic_split`: by length on CUDA),
+    each job still gets its own utterance, in the order given: the durations it gets in one call
+    and, to rounding, the same prior."""
+    from service.synthesis import AcousticJob, utterance_rng
+    from service.tools.voice_check import check_sentences
+
+    params = SynthesisParams(seed=5)
+    sentences = [s for t in check_sentences()[:4] for s in builtin_torch.voice.frontend.sentences(t) if s.phoneme_ids]
+    assert len({len(s.phoneme_ids) for s in sentences}) > 3
+
+    def jobs() -> list[AcousticJob]:
+        return [AcousticJob(s, None, params, utterance_rng(5, s.phoneme_ids)) for s in sentences]
+
+    whole = builtin_torch.acoustic_batch(jobs())
+    seen: list[list[int]] = []
+
+    def split(lengths: list[int]) -> list[int]:
+        seen.append(list(lengths))
+        return [1, 2, len(lengths) - 3]
+
+    monkeypatch.setattr(builtin_torch.backend, "acoustic_split", split, raising=False)
+    parts = builtin_torch.acoustic_batch(jobs())
+    assert seen == [sorted(len(s.phoneme_ids) for s in sentences)]  # asked with ascending lengths
+    for s, a, b in zip(sentences, whole, parts, strict=True):
+        assert b.phoneme_ids == list(s.phoneme_ids)
+        assert np.array_equal(a.durations, b.durations)
+        np.testing.assert_allclose(a.prior.mean, b.prior.mean, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_acoustic_batches_split_by_measured_device_time_keep_every_duration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA every encoder graph's device time is measured at capture and a batch of mixed
+    lengths runs as the cheapest groups by it; the utterances are those of one call."""
+    from service.synthesis import AcousticJob, utterance_rng
+    from service.tools.bench_load import SENTENCES
+
+    voice = Voice(builtin_voice_info())
+    backend = TorchBackend(voice, device="cuda")
+    backend.capture_encoder(64)
+    graphs = backend._encoder_graphs
+    assert graphs is not None and len(graphs.device_ms) == len(graphs._graphs) and min(graphs.device_ms.values()) > 0
+    synth = Synthesizer(voice, backend, ChunkSchedule())
+    sentences = [s for t in SENTENCES for s in voice.frontend.sentences(t) if s.phoneme_ids]
+    sentences = (sentences * 4)[:45]
+    params = SynthesisParams(seed=9)
+
+    def jobs() -> list[AcousticJob]:
+        return [AcousticJob(s, None, params, utterance_rng(9, s.phoneme_ids)) for s in sentences]
+
+    sizes = backend.acoustic_split(sorted(len(s.phoneme_ids) for s in sentences))
+    assert sum(sizes) == 45 and len(sizes) > 1  # 45 mixed lengths: not one call padded to 64 rows
+    parts = synth.acoustic_batch(jobs())
+    monkeypatch.setattr(backend, "acoustic_split", lambda lengths: [len(lengths)])
+    whole = synth.acoustic_batch(jobs())
+    for a, b in zip(whole, parts, strict=True):
+        assert np.array_equal(a.durations, b.durations)
+        np.testing.assert_allclose(a.prior.mean, b.prior.mean, atol=1e-4)
