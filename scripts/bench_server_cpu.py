@@ -6,6 +6,7 @@ runs in a process of its own. Its CPU time per message delivered is the same wor
 whatever the core's speed, so it can be compared here, on a small CPU, for the GPU host.
 
     .venv/bin/python scripts/bench_server_cpu.py [--old DIR] [--rounds N] [--sessions N] [--cached]
+                                                 [--channels N] [--args "..."] [--old-args "..."]
 
 Starts `cadenza serve` from this tree ("new") and, with --old, from DIR (a `git archive` of an
 older commit's service/ and kernels/) on free ports, then runs a burst of `--sessions` streams
@@ -15,7 +16,10 @@ messages its sessions received, the CPU per session and per message, and the cli
 
 The burst is `cadenza bench load --arrival burst` (live synthesis: on a small CPU the core is
 the limit), or with --cached seeded sessions whose sentences the server's result cache already
-holds: the core then answers at once and the server's process is the limit, as on a GPU host."""
+holds: the core then answers at once and the server's process is the limit, as on a GPU host.
+`--channels` deals the cached sessions over that many connections; `--args` and `--old-args` are
+extra `cadenza serve` options for each side (with `--old-args` and no `--old`, both sides run this
+tree: an A/B of options)."""
 
 from __future__ import annotations
 
@@ -68,10 +72,10 @@ class Server:
         messages = sum(s["chunks"] for s in report["sessions"])
         return cpu, messages, float(report["summary"]["ttfa_p99_ms"])
 
-    def cached_burst(self, sessions: int) -> tuple[float, int, float]:
+    def cached_burst(self, sessions: int, channels: int = 1) -> tuple[float, int, float]:
         """Seeded sessions (their audio comes from the result cache): as `burst`."""
         before = _cpu_s(self.proc.pid)
-        ttfas, messages = asyncio.run(_cached_sessions(f"127.0.0.1:{self.port}", sessions))
+        ttfas, messages = asyncio.run(_cached_sessions(f"127.0.0.1:{self.port}", sessions, channels))
         cpu = _cpu_s(self.proc.pid) - before
         return cpu, messages, statistics.quantiles(ttfas, n=100)[98] * 1000 if len(ttfas) > 1 else ttfas[0] * 1000
 
@@ -81,9 +85,9 @@ class Server:
         self.log.close()
 
 
-async def _cached_sessions(target: str, sessions: int) -> tuple[list[float], int]:
-    """`sessions` streams at once, each two of bench load's sentences with seed 7; returns their
-    TTFAs (seconds) and the audio messages received."""
+async def _cached_sessions(target: str, sessions: int, channels: int = 1) -> tuple[list[float], int]:
+    """`sessions` streams at once over `channels` connections, each two of bench load's sentences
+    with seed 7; returns their TTFAs (seconds) and the audio messages received."""
     import grpc
 
     from service.api.gen.cadenza.v1 import tts_pb2 as pb
@@ -107,9 +111,14 @@ async def _cached_sessions(target: str, sessions: int) -> tuple[list[float], int
         assert first is not None
         return first, count
 
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.TextToSpeechStub(channel)
-        results = await asyncio.gather(*(one(stub, i) for i in range(sessions)))
+    # Distinct channel arguments: grpc would otherwise share one connection between them.
+    opened = [grpc.aio.insecure_channel(target, options=[("cadenza.bench.channel", k)]) for k in range(channels)]
+    try:
+        stubs = [pb_grpc.TextToSpeechStub(c) for c in opened]
+        results = await asyncio.gather(*(one(stubs[i % channels], i) for i in range(sessions)))
+    finally:
+        for c in opened:
+            await c.close()
     return [t for t, _ in results], sum(n for _, n in results)
 
 
@@ -119,13 +128,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--cached", action="store_true", help="seeded sessions served from the result cache")
+    parser.add_argument("--channels", type=int, default=1, help="connections the cached sessions are dealt over")
+    parser.add_argument("--args", default="", help="extra `cadenza serve` options for this tree")
+    parser.add_argument("--old-args", default=None, help="extra `cadenza serve` options for the old side")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cadenza-server-cpu-"))
     # Cached bursts are larger than this CPU's capacity estimate for live audio: no admission control.
     extra = ["--admission-wait", "0"] if args.cached else []
-    servers = [Server("new", ROOT, work, extra)]
-    if args.old is not None:
-        servers.append(Server("old", args.old.resolve(), work, extra))
+    servers = [Server("new", ROOT, work, extra + args.args.split())]
+    if args.old is not None or args.old_args is not None:
+        old = args.old.resolve() if args.old is not None else ROOT
+        servers.append(Server("old", old, work, extra + (args.old_args or "").split()))
     per_session: dict[str, list[float]] = {s.name: [] for s in servers}
     try:
         for s in servers:  # warm: each waits for its server to say SERVING, then one burst not counted
@@ -135,7 +148,7 @@ def main() -> int:
         for r in range(args.rounds):
             for s in servers if r % 2 == 0 else servers[::-1]:
                 if args.cached:
-                    cpu, messages, p99 = s.cached_burst(args.sessions)
+                    cpu, messages, p99 = s.cached_burst(args.sessions, args.channels)
                 else:
                     cpu, messages, p99 = s.burst(args.sessions, work / f"{s.name}-{r}.json")
                 per_session[s.name].append(cpu / args.sessions * 1e3)

@@ -71,12 +71,18 @@ class ServerConfig:
     tls_client_ca: Path | None = None  # PEM CA bundle: mTLS, clients must present a certificate it signed
     api_keys_file: Path | None = None  # one key per line: every RPC but health and reflection needs one
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # metrics endpoint, OTLP, logs
+    # gRPC servers on the one port and event loop (SO_REUSEPORT between them): grpc.aio takes new
+    # calls in one at a time per server, each a turn of the event loop, so a burst of new streams
+    # queues there; several take them in side by side (the kernel spreads connections over them).
+    accept_servers: int = 1
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("a client CA (--tls-client-ca) needs TLS: give --tls-cert and --tls-key too")
+        if not 1 <= self.accept_servers <= 64:
+            raise ValueError(f"accept servers must be 1-64, not {self.accept_servers} (--accept-servers)")
 
     @property
     def tls(self) -> bool:
@@ -175,20 +181,22 @@ class CadenzaServer:
         interceptors: list[grpc.aio.ServerInterceptor] = [RpcInterceptor(telemetry)]
         if keys:
             interceptors.append(ApiKeyInterceptor(keys))
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", size),
-            ("grpc.max_send_message_length", size),
-            # No port sharing: a second server on a taken port must fail, not split the traffic.
-            ("grpc.so_reuseport", 0),
-        ])
-        add_native(self.server, self.engine, config.limits.idle_timeout_s)
-        add_riva(self.server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)  # same port, same engine
-        add_google(self.server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)
-        for add in extra_servicers:
-            add(self.server, self.engine)
+        # Port sharing only among this server's own listeners: `bind` checks first that no other
+        # process holds the port, so a second `cadenza serve` there still fails instead of taking
+        # a share of the traffic.
+        options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+                   ("grpc.so_reuseport", int(config.accept_servers > 1))]
+        self.servers = [grpc.aio.server(interceptors=interceptors, options=options)
+                        for _ in range(config.accept_servers)]
         self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        _add_reflection(self.server, [*API_SERVICES, health.SERVICE_NAME])
+        for server in self.servers:
+            add_native(server, self.engine, config.limits.idle_timeout_s)
+            add_riva(server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)  # same port, same engine
+            add_google(server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)
+            for add in extra_servicers:
+                add(server, self.engine)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            _add_reflection(server, [*API_SERVICES, health.SERVICE_NAME])
         self.port = 0
         self._stopped = asyncio.Event()
         self.engine_failed = False  # the engine thread died; `serve` exits non-zero
@@ -202,16 +210,19 @@ class CadenzaServer:
         """Take the listening port (before anything slow): PortInUseError if it is taken."""
         host, port = self.config.host, self.config.port
         check_port_free(host, port)  # a clear error without grpc's own log line, in the usual case
-        try:
-            if self._credentials is not None:
-                self.port = self.server.add_secure_port(f"{host}:{port}", self._credentials)
-            else:
-                self.port = self.server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
-            check_port_free(host, port)
-            raise OSError(f"cannot listen on {host}:{port} (--host, --port): {exc}") from None
-        if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port} (--host, --port)")
+        for server in self.servers:  # the first may pick the port (0); the others share it
+            at = port if server is self.servers[0] else self.port
+            try:
+                if self._credentials is not None:
+                    bound = server.add_secure_port(f"{host}:{at}", self._credentials)
+                else:
+                    bound = server.add_insecure_port(f"{host}:{at}")
+            except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+                check_port_free(host, at)
+                raise OSError(f"cannot listen on {host}:{at} (--host, --port): {exc}") from None
+            if bound == 0 or (self.port and bound != self.port):
+                raise OSError(f"cannot listen on {host}:{at} (--host, --port)")
+            self.port = bound
         self._warn_if_exposed()
         return self.port
 
@@ -231,7 +242,8 @@ class CadenzaServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if not self.port:
             self.bind()
-        await self.server.start()
+        for server in self.servers:
+            await server.start()
         await self.engine.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watcher = asyncio.get_running_loop().create_task(self._watch_engine())
@@ -264,7 +276,7 @@ class CadenzaServer:
             return
         if self._watcher is not None and self._watcher is not asyncio.current_task():
             self._watcher.cancel()
-        await self.server.stop(grace=1.0)
+        await asyncio.gather(*(server.stop(grace=1.0) for server in self.servers))
         if self.engine.ready:  # its thread runs from the end of loading on
             await self.engine.stop()
         self._close_telemetry()
@@ -277,7 +289,7 @@ class CadenzaServer:
 
     async def abort(self) -> None:
         """Stop after a failed start: no grace, nothing left for the closing event loop."""
-        await self.server.stop(grace=None)
+        await asyncio.gather(*(server.stop(grace=None) for server in self.servers))
         if self.engine.ready:
             await self.engine.stop()
         self._close_telemetry()
