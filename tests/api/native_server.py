@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from service.api.server import CadenzaServer, ServerConfig
 
 
 class ServerThread:
-    def __init__(self, config: ServerConfig) -> None:
+    """`prepare` runs on the server before it starts (on its loop)."""
+
+    def __init__(self, config: ServerConfig, prepare: Callable[[CadenzaServer], None] | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server: CadenzaServer = self.call(self._start(config))
+        self.server: CadenzaServer = self.call(self._start(config, prepare))
         self.addr = f"127.0.0.1:{self.server.port}"
 
     @staticmethod
-    async def _start(config: ServerConfig) -> CadenzaServer:
+    async def _start(config: ServerConfig, prepare: Callable[[CadenzaServer], None] | None) -> CadenzaServer:
         server = CadenzaServer(config)  # grpc.aio servers bind to the loop they are created on
+        if prepare is not None:
+            prepare(server)
         await server.start()
         return server
 

@@ -3,11 +3,8 @@ connections over them, each serves every API, and the port is still refused to a
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 
 import grpc
 import pytest
@@ -17,8 +14,9 @@ from service.api.client import stream
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
 from service.api.ports import PortInUseError
-from service.api.server import CadenzaServer, ServerConfig
+from service.api.server import CadenzaServer
 from service.engine.api import Engine
+from tests.api.native_server import ServerThread
 from tests.api.test_native_server import _config
 
 WHICH = "/cadenza.test.Which/Listener"  # answers with the index of the server that took the call
@@ -35,43 +33,22 @@ def _which(index: int):  # type: ignore[no-untyped-def]
     return add
 
 
-class _Servers:
-    """A CadenzaServer with three accept servers on its own event loop thread; each grpc server
-    carries the `Which` method, numbered."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server: CadenzaServer = self.call(self._start(config))
-
-    async def _start(self, config: ServerConfig) -> CadenzaServer:
-        server = CadenzaServer(config)
-        # numbered after construction: `extra_servicers` are the same for every accept server
-        for index, grpc_server in enumerate(server.servers):
-            _which(index)(grpc_server, server.engine)
-        await server.start()
-        return server
-
-    def call(self, coro, timeout: float = 60):  # type: ignore[no-untyped-def]
-        fut: Future[object] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result(timeout)
-
-    def close(self) -> None:
-        self.call(self.server.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+def _number(server: CadenzaServer) -> None:
+    """Each of the server's grpc servers answers `Which` with its index (`extra_servicers` are
+    the same for every accept server, so this is added after construction)."""
+    for index, grpc_server in enumerate(server.servers):
+        _which(index)(grpc_server, server.engine)
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[_Servers]:
-    s = _Servers(dataclasses.replace(_config(), accept_servers=3))
+def servers() -> Iterator[ServerThread]:
+    s = ServerThread(dataclasses.replace(_config(), accept_servers=3), prepare=_number)
     yield s
     s.close()
 
 
-def test_connections_spread_over_the_accept_servers_and_each_serves(servers: _Servers) -> None:
-    addr = f"127.0.0.1:{servers.server.port}"
+def test_connections_spread_over_the_accept_servers_and_each_serves(servers: ServerThread) -> None:
+    addr = servers.addr
     # distinct channel arguments: grpc would otherwise share one connection between the channels
     channels = [grpc.insecure_channel(addr, options=[("cadenza.test.channel", k)]) for k in range(12)]
     try:
@@ -88,7 +65,7 @@ def test_connections_spread_over_the_accept_servers_and_each_serves(servers: _Se
             c.close()
 
 
-def test_the_shared_port_is_refused_to_another_server(servers: _Servers) -> None:
+def test_the_shared_port_is_refused_to_another_server(servers: ServerThread) -> None:
     other = CadenzaServer(dataclasses.replace(_config(), port=servers.server.port, accept_servers=3))
     with pytest.raises(PortInUseError):
         other.bind()
