@@ -19,13 +19,14 @@ the limit), or with --cached seeded sessions whose sentences the server's result
 holds: the core then answers at once and the server's process is the limit, as on a GPU host.
 `--channels` deals the cached sessions over that many connections; `--args` and `--old-args` are
 extra `cadenza serve` options for each side (with `--old-args` and no `--old`, both sides run this
-tree: an A/B of options)."""
+tree: an A/B of options). With --cached the core's process CPU per session is printed too."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
 import os
 import socket
 import statistics
@@ -51,6 +52,16 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * TICK_S  # utime, stime (fields 14 and 15)
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def _core_pid(server_pid: int) -> int | None:
+    """The synthesis core's process: the server's child with children of its own (the frontend's
+    workers); the server's other child is multiprocessing's resource tracker."""
+    return next((c for c in _children(server_pid) if _children(c)), None)
+
+
 class Server:
     def __init__(self, name: str, tree: Path, log_dir: Path, extra: list[str]) -> None:
         self.name, self.port = name, _free_port()
@@ -72,12 +83,15 @@ class Server:
         messages = sum(s["chunks"] for s in report["sessions"])
         return cpu, messages, float(report["summary"]["ttfa_p99_ms"])
 
-    def cached_burst(self, sessions: int, channels: int = 1) -> tuple[float, int, float]:
-        """Seeded sessions (their audio comes from the result cache): as `burst`."""
-        before = _cpu_s(self.proc.pid)
+    def cached_burst(self, sessions: int, channels: int = 1) -> tuple[float, int, float, float]:
+        """Seeded sessions (their audio comes from the result cache) over `channels` connections:
+        (server CPU seconds, audio messages, client TTFA p99 ms, the core's process CPU seconds)."""
+        core = _core_pid(self.proc.pid)
+        before, core_before = _cpu_s(self.proc.pid), _cpu_s(core) if core else 0.0
         ttfas, messages = asyncio.run(_cached_sessions(f"127.0.0.1:{self.port}", sessions, channels))
-        cpu = _cpu_s(self.proc.pid) - before
-        return cpu, messages, statistics.quantiles(ttfas, n=100)[98] * 1000 if len(ttfas) > 1 else ttfas[0] * 1000
+        cpu, core_cpu = _cpu_s(self.proc.pid) - before, _cpu_s(core) - core_before if core else math.nan
+        p99 = statistics.quantiles(ttfas, n=100)[98] * 1000 if len(ttfas) > 1 else ttfas[0] * 1000
+        return cpu, messages, p99, core_cpu
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -136,6 +150,7 @@ def main() -> int:
     # Cached bursts are larger than this CPU's capacity estimate for live audio: no admission control.
     extra = ["--admission-wait", "0"] if args.cached else []
     servers = [Server("new", ROOT, work, extra + args.args.split())]
+    core_ms: dict[str, list[float]] = {}
     if args.old is not None or args.old_args is not None:
         old = args.old.resolve() if args.old is not None else ROOT
         servers.append(Server("old", old, work, extra + (args.old_args or "").split()))
@@ -147,14 +162,17 @@ def main() -> int:
                 asyncio.run(_cached_sessions(f"127.0.0.1:{s.port}", len_sentences()))
         for r in range(args.rounds):
             for s in servers if r % 2 == 0 else servers[::-1]:
+                core = ""
                 if args.cached:
-                    cpu, messages, p99 = s.cached_burst(args.sessions, args.channels)
+                    cpu, messages, p99, core_cpu = s.cached_burst(args.sessions, args.channels)
+                    core_ms.setdefault(s.name, []).append(core_cpu / args.sessions * 1e3)
+                    core = f", core process {core_cpu / args.sessions * 1e3:.2f} ms per session"
                 else:
                     cpu, messages, p99 = s.burst(args.sessions, work / f"{s.name}-{r}.json")
                 per_session[s.name].append(cpu / args.sessions * 1e3)
                 print(f"{s.name} round {r + 1}: server CPU {cpu * 1000:.0f} ms for {args.sessions} sessions, "
                       f"{messages} audio messages ({cpu / args.sessions * 1e3:.2f} ms per session, "
-                      f"{cpu / messages * 1e6:.0f} us per message), TTFA p99 {p99:.0f} ms", flush=True)
+                      f"{cpu / messages * 1e6:.0f} us per message{core}), TTFA p99 {p99:.0f} ms", flush=True)
                 time.sleep(0.5)
     finally:
         for s in servers:
@@ -162,6 +180,9 @@ def main() -> int:
     for name, values in per_session.items():
         print(f"{name}: median {statistics.median(values):.2f} ms of server CPU per session "
               f"({', '.join(f'{v:.2f}' for v in values)})")
+        if name in core_ms:
+            print(f"{name}: median {statistics.median(core_ms[name]):.2f} ms of core-process CPU per session "
+                  f"({', '.join(f'{v:.2f}' for v in core_ms[name])})")
     print(f"logs and reports in {work}")
     return 0
 
