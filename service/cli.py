@@ -497,6 +497,7 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
         target=args.target, sessions=args.sessions, arrival=args.arrival, rate=args.rate, duration_s=args.duration,
         pace=args.pace, tokens_per_s=args.tokens_per_s, precision=args.precision, seed=args.seed,
         connect_timeout_s=args.connect_timeout, procs=args.procs, sessions_per_channel=args.sessions_per_channel,
+        sweep_from=args.sweep_from,
     )
     return run_bench_load(config, args.sweep, Path(args.json) if args.json else None,
                           Path(args.png) if args.png else None, connection, _path(args.timeline))
@@ -735,6 +736,9 @@ def build_parser() -> argparse.ArgumentParser:
     bload.add_argument("--sweep", action="store_true",
                        help="find the largest N <= --sessions (poisson: target concurrency) with pass_rate >= "
                             "0.99 and TTFA p99 <= 150 ms (doubling, then bisection; one line per probe)")
+    bload.add_argument("--sweep-from", type=int, default=load("sweep_from"), metavar="N",
+                       help="--sweep: the first N tried, e.g. a figure measured before (doubling from there "
+                            "until a probe fails, then bisection)")
     bload.add_argument("--precision", choices=("auto", "fp16", "fp32"), default=load("precision"),
                        help="precision each session asks for")
     bload.add_argument("--json", default=None, metavar="FILE",

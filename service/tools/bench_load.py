@@ -91,6 +91,7 @@ class LoadConfig:
     connect_timeout_s: float = 30.0
     procs: int = 1  # client processes the sessions are spread over (each its own event loop and connections)
     sessions_per_channel: int = 100  # one grpc.aio channel (its own TCP connection) per this many, round-robin
+    sweep_from: int = 1  # --sweep: the first N tried (doubling from there, then bisection)
 
 
 @dataclass(frozen=True)
@@ -257,16 +258,17 @@ def sweep_passes(s: Summary) -> bool:
     return s.pass_rate >= SWEEP_PASS_RATE and s.ttfa_p99_ms <= SWEEP_TTFA_P99_MS
 
 
-def next_probe(results: Mapping[int, bool], upper: int) -> int | None:
+def next_probe(results: Mapping[int, bool], upper: int, start: int = 1) -> int | None:
     """The next session count to try, given {N: passed} so far; None when the search is done.
 
-    Doubling from 1 until a probe fails or `upper` is reached, then bisection between the largest N that
-    passed and the smallest that failed. Each probe is a full load run, so this keeps their number to about
-    2 * log2(answer)."""
+    Doubling from `start` until a probe fails or `upper` is reached, then bisection between the largest N
+    that passed and the smallest that failed (0 if none passed). Each probe is a full load run, so this keeps
+    their number to about 2 * log2(answer); a `start` near the answer (a figure measured before) saves the
+    small probes."""
     lo = max((n for n, ok in results.items() if ok), default=0)
     hi = min((n for n, ok in results.items() if not ok), default=None)
     if hi is None:
-        return None if lo >= upper else min(upper, max(1, 2 * lo))
+        return None if lo >= upper else min(upper, 2 * lo if results else max(1, start))
     return None if hi - lo <= 1 else (lo + hi) // 2
 
 
@@ -683,7 +685,7 @@ async def _drive(channels: Sequence[grpc.aio.Channel], cfg: LoadConfig, sweep: b
     else:
         results: dict[int, bool] = {}
         runs: dict[int, tuple[list[SessionRecord], Summary]] = {}
-        while (n := next_probe(results, cfg.sessions)) is not None:
+        while (n := next_probe(results, cfg.sessions, cfg.sweep_from)) is not None:
             runs[n] = await run(n)
             results[n] = sweep_passes(runs[n][1])
             print(f"probe N={n}: {summary_line(runs[n][1])} -> {'pass' if results[n] else 'fail'}", flush=True)
@@ -714,8 +716,8 @@ def run_bench_load(cfg: LoadConfig, sweep: bool = False, json_path: Path | None 
     """Validate, run (or sweep), report. Raises ConnectionError when the target cannot be used.
     `timeline_dir`: each run's sessions (first text sent, first audio received) as a client
     timeline there, next to a server's `--timeline` files (`cadenza timeline DIR`)."""
-    if min(cfg.sessions, cfg.procs, cfg.sessions_per_channel) < 1:
-        raise ValueError("--sessions, --procs and --sessions-per-channel must be at least 1")
+    if min(cfg.sessions, cfg.procs, cfg.sessions_per_channel, cfg.sweep_from) < 1:
+        raise ValueError("--sessions, --procs, --sessions-per-channel and --sweep-from must be at least 1")
     if (cfg.rate is not None and cfg.rate <= 0) or cfg.tokens_per_s <= 0:
         raise ValueError("--rate and --tokens-per-s must be positive")
     if cfg.duration_s is not None and cfg.duration_s <= 0:

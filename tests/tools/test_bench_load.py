@@ -90,11 +90,11 @@ def test_summary_and_its_line() -> None:
     assert summary_line(none) == "pass_rate=0.000 ttfa_p50_ms=nan ttfa_p99_ms=nan sessions=1 rtfx=0.00"
 
 
-def _search(capacity: int, upper: int) -> tuple[int, list[int]]:
+def _search(capacity: int, upper: int, start: int = 1) -> tuple[int, list[int]]:
     """Run the sweep against a fake server that passes up to `capacity` sessions."""
     results: dict[int, bool] = {}
     tried = []
-    while (n := next_probe(results, upper)) is not None:
+    while (n := next_probe(results, upper, start)) is not None:
         assert n not in results
         tried.append(n)
         results[n] = n <= capacity
@@ -108,6 +108,17 @@ def test_sweep_doubles_then_bisects() -> None:
     assert _search(0, 100) == (0, [1])
     for capacity in range(0, 70):
         assert _search(capacity, 50)[0] == min(capacity, 50)
+
+
+def test_sweep_from_a_figure_measured_before() -> None:
+    """`--sweep-from`: the search starts there (no small probes) and still finds the answer, above
+    the start or below it."""
+    assert _search(1200, 3000, start=750) == (1200, [750, 1500, 1125, 1312, 1218, 1171, 1194, 1206, 1200, 1203,
+                                                     1201])
+    assert _search(600, 3000, start=750)[1][:2] == [750, 375]  # the start fails: bisection below it
+    for capacity in range(0, 120, 7):
+        for start in (1, 5, 64, 200):
+            assert _search(capacity, 100, start)[0] == min(capacity, 100)
 
 
 def test_arrivals_texts_and_pacing_are_deterministic() -> None:
