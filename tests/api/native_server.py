@@ -20,9 +20,11 @@ class ServerThread:
         self.server: CadenzaServer = self.call(self._start(config, prepare))
         self.addr = f"127.0.0.1:{self.server.port}"
 
-    @staticmethod
-    async def _start(config: ServerConfig, prepare: Callable[[CadenzaServer], None] | None) -> CadenzaServer:
-        server = CadenzaServer(config)  # grpc.aio servers bind to the loop they are created on
+    def _build(self, config: ServerConfig) -> CadenzaServer:
+        return CadenzaServer(config)
+
+    async def _start(self, config: ServerConfig, prepare: Callable[[CadenzaServer], None] | None) -> CadenzaServer:
+        server = self._build(config)  # grpc.aio servers bind to the loop they are created on
         if prepare is not None:
             prepare(server)
         await server.start()

@@ -66,9 +66,11 @@ def test_connections_spread_over_the_accept_servers_and_each_serves(servers: Ser
 
 
 def test_the_shared_port_is_refused_to_another_server(servers: ServerThread) -> None:
-    other = CadenzaServer(dataclasses.replace(_config(), port=servers.server.port, accept_servers=3))
+    async def bind_another() -> None:  # on a running loop, as grpc.aio servers need
+        CadenzaServer(dataclasses.replace(_config(), port=servers.server.port, accept_servers=3)).bind()
+
     with pytest.raises(PortInUseError):
-        other.bind()
+        servers.call(bind_another())
 
 
 def test_accept_servers_out_of_range_is_a_config_error() -> None:

@@ -82,10 +82,8 @@ class ObservedServer(ServerThread):
         self.telemetry = seen.telemetry if isinstance(seen, Observed) else seen
         super().__init__(config)
 
-    async def _start(self, config: ServerConfig) -> CadenzaServer:  # type: ignore[override]
-        server = CadenzaServer(config, telemetry=self.telemetry)
-        await server.start()
-        return server
+    def _build(self, config: ServerConfig) -> CadenzaServer:
+        return CadenzaServer(config, telemetry=self.telemetry)
 
 
 @pytest.fixture(scope="module")
