@@ -200,6 +200,12 @@ def summarise(core: Sequence[Event], recorded: Recorded) -> list[str]:
     if clients:
         lines.append(_row(to_client, [c[to_client] for c in clients]))
         lines.append(_row("client TTFA", [c["client TTFA"] for c in clients]) + f"   (client side of {len(clients)})")
+    taken = sorted(p.text_in for p in paths)
+    if len(taken) > 1:
+        gaps = [b - a for a, b in itertools.pairwise(taken)]
+        lines.append(f"the server took their first texts in over {(taken[-1] - taken[0]) * 1000:.1f} ms "
+                     f"(from one to the next: p50 {percentile(gaps, 50) * 1000:.2f} ms, "
+                     f"longest {max(gaps) * 1000:.1f} ms)")
     window = [e for e in core if start <= _f(e, "t") <= end]
     plans = sum(1 for e in window if e["k"] == "plan")
     lines.append(f"engine thread in that window: {plans} iterations with work")

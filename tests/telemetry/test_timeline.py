@@ -195,6 +195,9 @@ def test_summary_of_a_hand_made_period() -> None:
     assert rows["to the core"] == ["1.0"] * 5 and rows["acoustic"] == ["10.0"] * 5
     assert rows["wait for a step"] == ["5.0"] * 5 and rows["server TTFA"] == ["44.0"] * 5
     assert any("acoustic calls" in line and "wall    10.0 ms" in line for line in lines)
+    # how a burst's sessions came in: their first texts reached the server 100 ms apart
+    assert "the server took their first texts in over 100.0 ms (from one to the next: p50 100.00 ms, " \
+           "longest 100.0 ms)" in lines
     assert any("step launches" in line and "CPU     2.0 ms, waiting for a CPU     1.0 ms" in line for line in lines)
     assert "garbage collections in the core process: 1 (1 full), 1.0 ms in all, longest 1.0 ms" in lines
     assert "garbage collections in the server process: 1 (0 full), 1.0 ms in all, longest 1.0 ms" in lines
