@@ -147,8 +147,8 @@ class TorchBackend:
         noise_scale: np.ndarray,
     ) -> PendingPrior:
         """`encode_prior` without waiting for the device: the stage and the durations' copy to
-        pinned host memory are queued on the acoustic stream; `.result()` waits for them. The
-        engine thread launches the decoder's steps meanwhile, so the two overlap on the device."""
+        pinned host memory are queued on the acoustic stream; `.result()` waits for them. So a
+        batch cut into length groups is queued whole before the first group is waited for."""
         stream = self._acoustic_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             m_p, logs_p, logw = self._encode(ids, lengths, dp_noise, sid)
