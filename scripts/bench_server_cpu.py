@@ -125,8 +125,9 @@ async def _cached_sessions(target: str, sessions: int, channels: int = 1) -> tup
         assert first is not None
         return first, count
 
-    # Distinct channel arguments: grpc would otherwise share one connection between them.
-    opened = [grpc.aio.insecure_channel(target, options=[("cadenza.bench.channel", k)]) for k in range(channels)]
+    # Separate connections: grpc shares one subchannel between channels with the same target and arguments.
+    opened = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+              for _ in range(channels)]
     try:
         stubs = [pb_grpc.TextToSpeechStub(c) for c in opened]
         results = await asyncio.gather(*(one(stubs[i % channels], i) for i in range(sessions)))

@@ -8,9 +8,10 @@ generator, so the same seed gives the same samples on any backend."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -266,14 +267,9 @@ class UtteranceDecoder:
         return audio[(w.keep_lo - w.lo) * hop : (w.keep_hi - w.lo) * hop]
 
 
-class _Done:
-    """An acoustic-stage result that is there already (a backend that runs it synchronously)."""
-
-    def __init__(self, out: EncodeOut | DevicePriorOut) -> None:
-        self._out = out
-
-    def result(self) -> EncodeOut | DevicePriorOut:
-        return self._out
+def _given(out: EncodeOut | DevicePriorOut) -> EncodeOut | DevicePriorOut:
+    """What `AcousticFlight.wait` is where the backend ran the stage already."""
+    return out
 
 
 @dataclass
@@ -288,12 +284,31 @@ class AcousticFlight:
     dp_noise: np.ndarray
     sid: np.ndarray | None
     scales: np.ndarray
-    pending: Any  # .result() -> EncodeOut | DevicePriorOut
+    wait: Callable[[], EncodeOut | DevicePriorOut]  # the backend's output, once the device has made it
 
     def result(self) -> list[Utterance]:
         with stage("acoustic.wait"):
-            enc = self.pending.result()
-        return self.synth._utterances(self, enc)
+            enc = self.wait()
+        synth, jobs = self.synth, self.jobs
+        with stage("acoustic.utterances"):
+            out = []
+            for i, job in enumerate(jobs):
+                n = int(self.lengths[i])
+                one = enc
+                if len(jobs) > 1 and job.params.seed is not None and synth._ceil_is_ambiguous(enc.logw[i, 0, :n],
+                                                                                              job.params):
+                    # Batched kernels round differently from a batch of one (|d logw| ~1e-5). Where a
+                    # duration sits that close to a whole frame, the batch of one decides, so a seeded
+                    # sentence never gets a different length because of who it was batched with
+                    # (unseeded sentences draw fresh noise anyway: nothing to reproduce).
+                    one = synth._encode(self.ids[i : i + 1, :n], self.lengths[i : i + 1],
+                                        self.dp_noise[i : i + 1, :, :n],
+                                        None if self.sid is None else self.sid[i : i + 1], self.scales[i : i + 1])
+                    row = 0
+                else:
+                    row = i
+                out.append(synth._utterance(job, one, row, n))
+        return out
 
 
 class Synthesizer:
@@ -377,33 +392,11 @@ class Synthesizer:
         scales = np.asarray([self._noise_scale(j.params) for j in jobs], dtype=np.float32)
         with stage("acoustic.encode"):
             if getattr(self.backend, "priors_on_device", False):
-                pending = self.backend.encode_prior_async(  # type: ignore[attr-defined]
-                    ids, lengths, dp_noise, sid_arr, scales)
+                wait = self.backend.encode_prior_async(  # type: ignore[attr-defined]
+                    ids, lengths, dp_noise, sid_arr, scales).result
             else:
-                pending = _Done(self._encode(ids, lengths, dp_noise, sid_arr, scales))
-        return AcousticFlight(self, jobs, ids, lengths, dp_noise, sid_arr, scales, pending)
-
-    def _utterances(self, flight: AcousticFlight, enc: EncodeOut | DevicePriorOut) -> list[Utterance]:
-        jobs, ids, lengths, dp_noise, sid_arr, scales = (flight.jobs, flight.ids, flight.lengths, flight.dp_noise,
-                                                         flight.sid, flight.scales)
-        with stage("acoustic.utterances"):
-            out = []
-            for i, job in enumerate(jobs):
-                n = int(lengths[i])
-                one = enc
-                if len(jobs) > 1 and job.params.seed is not None and self._ceil_is_ambiguous(enc.logw[i, 0, :n],
-                                                                                             job.params):
-                    # Batched kernels round differently from a batch of one (|d logw| ~1e-5). Where a
-                    # duration sits that close to a whole frame, the batch of one decides, so a seeded
-                    # sentence never gets a different length because of who it was batched with
-                    # (unseeded sentences draw fresh noise anyway: nothing to reproduce).
-                    one = self._encode(ids[i : i + 1, :n], lengths[i : i + 1], dp_noise[i : i + 1, :, :n],
-                                       None if sid_arr is None else sid_arr[i : i + 1], scales[i : i + 1])
-                    row = 0
-                else:
-                    row = i
-                out.append(self._utterance(job, one, row, n))
-        return out
+                wait = functools.partial(_given, self._encode(ids, lengths, dp_noise, sid_arr, scales))
+        return AcousticFlight(self, jobs, ids, lengths, dp_noise, sid_arr, scales, wait)
 
     def _noise_scale(self, params: SynthesisParams) -> float:
         return self.voice.info.noise_scale if params.noise_scale is None else params.noise_scale

@@ -15,29 +15,21 @@ from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
 from service.api.ports import PortInUseError
 from service.api.server import CadenzaServer
-from service.engine.api import Engine
 from tests.api.native_server import ServerThread
 from tests.api.test_native_server import _config
 
 WHICH = "/cadenza.test.Which/Listener"  # answers with the index of the server that took the call
 
 
-def _which(index: int):  # type: ignore[no-untyped-def]
-    def add(server: grpc.aio.Server, engine: Engine) -> None:
-        async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+def _number(server: CadenzaServer) -> None:
+    """Each of the server's grpc servers answers `WHICH` with its index (added after construction:
+    `extra_servicers` are the same for every accept server)."""
+    for index, grpc_server in enumerate(server.servers):
+        async def answer(request: bytes, context: grpc.aio.ServicerContext, index: int = index) -> bytes:
             return bytes([index])
 
-        handler = grpc.method_handlers_generic_handler(
-            "cadenza.test.Which", {"Listener": grpc.unary_unary_rpc_method_handler(answer)})
-        server.add_generic_rpc_handlers((handler,))
-    return add
-
-
-def _number(server: CadenzaServer) -> None:
-    """Each of the server's grpc servers answers `Which` with its index (`extra_servicers` are
-    the same for every accept server, so this is added after construction)."""
-    for index, grpc_server in enumerate(server.servers):
-        _which(index)(grpc_server, server.engine)
+        grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "cadenza.test.Which", {"Listener": grpc.unary_unary_rpc_method_handler(answer)}),))
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +41,8 @@ def servers() -> Iterator[ServerThread]:
 
 def test_connections_spread_over_the_accept_servers_and_each_serves(servers: ServerThread) -> None:
     addr = servers.addr
-    # distinct channel arguments: grpc would otherwise share one connection between the channels
-    channels = [grpc.insecure_channel(addr, options=[("cadenza.test.channel", k)]) for k in range(12)]
+    # separate connections: grpc shares one subchannel between channels with the same target and arguments
+    channels = [grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(12)]
     try:
         seen = {c.unary_unary(WHICH)(b"", timeout=10)[0] for c in channels}
         assert len(seen) > 1, seen  # 12 connections on one of 3 listeners: odds of 3 x 3^-12
