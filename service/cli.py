@@ -329,7 +329,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
     config = ServerConfig(
-        host=args.host, port=args.port, drain_grace_s=args.drain_grace, accept_servers=args.accept_servers,
+        host=args.host, port=args.port, drain_grace_s=args.drain_grace, api_servers=args.api_servers,
         tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key), tls_client_ca=_path(args.tls_client_ca),
         api_keys_file=_path(args.api_keys_file), telemetry=_telemetry_config(args),
         engine=EngineConfig(
@@ -793,10 +793,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-grace", type=float, default=ConfigDefault("service.api.server:ServerConfig",
                                                                           "drain_grace_s"),
                        help="seconds open sessions get to finish after SIGTERM (a second signal quits at once)")
-    serve.add_argument("--accept-servers", type=_positive_int,
-                       default=ConfigDefault("service.api.server:ServerConfig", "accept_servers"),
-                       help="gRPC servers sharing the port and the event loop; each takes new streams in "
-                            "one at a time, so more take a burst of new streams in faster")
+    serve.add_argument("--api-servers", type=_positive_int,
+                       default=ConfigDefault("service.api.server:ServerConfig", "api_servers"),
+                       help="API server processes sharing the port and one engine core; one process takes "
+                            "new streams in one after the other, so more take a burst of them in faster")
 
     def server_option(name: str) -> ConfigDefault:
         return ConfigDefault("service.api.server:ServerConfig", name)

@@ -25,10 +25,12 @@ from service.api.google_tts import SERVICE_NAME as GOOGLE_SERVICE
 from service.api.google_tts import add_google
 from service.api.native import add_native
 from service.api.ports import DEFAULT_HOST, DEFAULT_PORT, PortInUseError, check_port_free
+from service.api.processes import ApiServers
 from service.api.riva import add_riva
 from service.engine.api import Engine
 from service.engine.config import EngineConfig, Limits
 from service.engine.engine import TtsEngine
+from service.engine.proc import SOLE_SERVER, ApiSlot
 from service.telemetry import Telemetry, TelemetryConfig
 
 __all__ = ["CadenzaServer", "PortInUseError", "ServerConfig", "serve"]
@@ -71,18 +73,18 @@ class ServerConfig:
     tls_client_ca: Path | None = None  # PEM CA bundle: mTLS, clients must present a certificate it signed
     api_keys_file: Path | None = None  # one key per line: every RPC but health and reflection needs one
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # metrics endpoint, OTLP, logs
-    # gRPC servers on the one port and event loop (SO_REUSEPORT between them): grpc.aio takes new
-    # calls in one at a time per server, each a turn of the event loop, so a burst of new streams
-    # queues there; several take them in side by side (the kernel spreads connections over them).
-    accept_servers: int = 1
+    # API server processes on the one port (SO_REUSEPORT among themselves; the kernel spreads
+    # connections over them), each with its own event loop and gRPC server, sharing one engine
+    # core: one process's Python takes a burst of new streams in one after the other.
+    api_servers: int = 1
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("a client CA (--tls-client-ca) needs TLS: give --tls-cert and --tls-key too")
-        if not 1 <= self.accept_servers <= 64:
-            raise ValueError(f"accept servers must be 1-64, not {self.accept_servers} (--accept-servers)")
+        if not 1 <= self.api_servers <= 64:
+            raise ValueError(f"API servers must be 1-64, not {self.api_servers} (--api-servers)")
 
     @property
     def tls(self) -> bool:
@@ -158,9 +160,10 @@ class CadenzaServer:
     """Owns the engine and the gRPC server. `start()`, then `wait()`; `drain()` on SIGTERM."""
 
     def __init__(self, config: ServerConfig, extra_servicers: Sequence[AddServicer] = (),
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None, slot: ApiSlot = SOLE_SERVER) -> None:
         """`telemetry`: where metrics and spans go (tests pass in-memory readers); None builds it
-        from `config.telemetry` (the metrics endpoint listens from here on)."""
+        from `config.telemetry` (the metrics endpoint listens from here on). `slot`: which of
+        `config.api_servers` processes this is (the first starts the others, `ApiServers`)."""
         logging.getLogger("grpc._cython.cygrpc").addFilter(_CLIENT_GONE)  # idempotent: one filter object
         self.config = config
         # Files first: a missing certificate or keys file fails before anything is loaded.
@@ -170,33 +173,38 @@ class CadenzaServer:
         if telemetry is None:
             from service.telemetry.exporters import build_telemetry
 
-            telemetry = build_telemetry(config.telemetry, config.host, status_of=status_name)
+            own = config.telemetry
+            if slot.index > 0 and own.metrics_port is not None:  # summed into the first one's endpoint
+                own = dataclasses.replace(own, metrics_host="127.0.0.1", metrics_port=0)
+            telemetry = build_telemetry(own, config.host, status_of=status_name)
         elif telemetry.status_of is None:
             telemetry.status_of = status_name
         self.telemetry = telemetry
-        self.engine = TtsEngine(dataclasses.replace(config.engine, limits=config.limits), telemetry)
+        if slot.index == 0:  # the first of config.api_servers (it starts the core with a pipe for each)
+            slot = ApiSlot(0, config.api_servers)
+        self.slot = slot
+        self.engine = TtsEngine(dataclasses.replace(config.engine, limits=config.limits), telemetry, slot)
         size = config.limits.max_message_bytes
         from service.telemetry.rpc import RpcInterceptor
 
         interceptors: list[grpc.aio.ServerInterceptor] = [RpcInterceptor(telemetry)]
         if keys:
             interceptors.append(ApiKeyInterceptor(keys))
-        # Port sharing only among this server's own listeners: `bind` checks first that no other
+        # Port sharing only among this server's own processes: `bind` checks first that no other
         # process holds the port, so a second `cadenza serve` there still fails instead of taking
         # a share of the traffic.
         options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
-                   ("grpc.so_reuseport", int(config.accept_servers > 1))]
-        self.servers = [grpc.aio.server(interceptors=interceptors, options=options)
-                        for _ in range(config.accept_servers)]
+                   ("grpc.so_reuseport", int(config.api_servers > 1))]
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         self.health = health.aio.HealthServicer()
-        for server in self.servers:
-            add_native(server, self.engine, config.limits.idle_timeout_s)
-            add_riva(server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)  # same port, same engine
-            add_google(server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)
-            for add in extra_servicers:
-                add(server, self.engine)
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-            _add_reflection(server, [*API_SERVICES, health.SERVICE_NAME])
+        add_native(self.server, self.engine, config.limits.idle_timeout_s)
+        add_riva(self.server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)  # same port, same engine
+        add_google(self.server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)
+        for add in extra_servicers:
+            add(self.server, self.engine)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        _add_reflection(self.server, [*API_SERVICES, health.SERVICE_NAME])
+        self.others: ApiServers | None = None  # the first of several API servers: the other processes
         self.port = 0
         self._stopped = asyncio.Event()
         self.engine_failed = False  # the engine thread died; `serve` exits non-zero
@@ -207,23 +215,23 @@ class CadenzaServer:
             await self.health.set(service, status)
 
     def bind(self) -> int:
-        """Take the listening port (before anything slow): PortInUseError if it is taken."""
+        """Take the listening port (before anything slow): PortInUseError if it is taken (the
+        other API server processes share the first one's)."""
         host, port = self.config.host, self.config.port
-        check_port_free(host, port)  # a clear error without grpc's own log line, in the usual case
-        for server in self.servers:  # the first may pick the port (0); the others share it
-            at = port if server is self.servers[0] else self.port
-            try:
-                if self._credentials is not None:
-                    bound = server.add_secure_port(f"{host}:{at}", self._credentials)
-                else:
-                    bound = server.add_insecure_port(f"{host}:{at}")
-            except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
-                check_port_free(host, at)
-                raise OSError(f"cannot listen on {host}:{at} (--host, --port): {exc}") from None
-            if bound == 0 or (self.port and bound != self.port):
-                raise OSError(f"cannot listen on {host}:{at} (--host, --port)")
-            self.port = bound
-        self._warn_if_exposed()
+        if self.slot.index == 0:
+            check_port_free(host, port)  # a clear error without grpc's own log line, in the usual case
+        try:
+            if self._credentials is not None:
+                self.port = self.server.add_secure_port(f"{host}:{port}", self._credentials)
+            else:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            check_port_free(host, port)
+            raise OSError(f"cannot listen on {host}:{port} (--host, --port): {exc}") from None
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port} (--host, --port)")
+        if self.slot.index == 0:
+            self._warn_if_exposed()
         return self.port
 
     def _warn_if_exposed(self) -> None:
@@ -242,16 +250,24 @@ class CadenzaServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if not self.port:
             self.bind()
-        for server in self.servers:
-            await server.start()
+        await self.server.start()
         await self.engine.start()
+        if self.config.api_servers > 1 and self.slot.index == 0:  # the core is warm: start the others
+            self.others = ApiServers(self.config, self.port, self.engine.server_conns, self.telemetry)
+            await asyncio.get_running_loop().run_in_executor(None, self.others.start)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watcher = asyncio.get_running_loop().create_task(self._watch_engine())
-        log.info("cadenza serving on port %d", self.port)
+        if self.slot.index > 0:
+            log.info("API server process %d of %d (pid %d) serving on port %d", self.slot.index + 1,
+                     self.slot.count, os.getpid(), self.port)
+        else:
+            log.info("cadenza serving on port %d", self.port)
 
     async def _watch_engine(self, every_s: float = 0.1) -> None:
         """If the engine thread dies: NOT_SERVING, every open session ends with INTERNAL, stop."""
         while not self._stopped.is_set():
+            if self.others is not None:
+                self.others.check()
             if self.engine.dead:
                 self.engine_failed = True
                 await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -264,6 +280,8 @@ class CadenzaServer:
         """No new sessions; open ones get `drain_grace_s` to finish; then stop."""
         log.info("draining: %d open session(s), grace %.0f s", self.engine.live_sessions, self.config.drain_grace_s)
         self.engine.drain()
+        if self.others is not None:
+            self.others.drain()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_grace_s
@@ -276,7 +294,9 @@ class CadenzaServer:
             return
         if self._watcher is not None and self._watcher is not asyncio.current_task():
             self._watcher.cancel()
-        await asyncio.gather(*(server.stop(grace=1.0) for server in self.servers))
+        await self.server.stop(grace=1.0)
+        if self.others is not None:  # the core stops after the last of them
+            await asyncio.get_running_loop().run_in_executor(None, self.others.stop, self.config.drain_grace_s)
         if self.engine.ready:  # its thread runs from the end of loading on
             await self.engine.stop()
         self._close_telemetry()
@@ -289,7 +309,9 @@ class CadenzaServer:
 
     async def abort(self) -> None:
         """Stop after a failed start: no grace, nothing left for the closing event loop."""
-        await asyncio.gather(*(server.stop(grace=None) for server in self.servers))
+        await self.server.stop(grace=None)
+        if self.others is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.others.stop, 0.0)
         if self.engine.ready:
             await self.engine.stop()
         self._close_telemetry()
@@ -300,13 +322,15 @@ class CadenzaServer:
 
 
 async def serve(config: ServerConfig, extra_servicers: Sequence[AddServicer] = (),
-                on_ready: Callable[[CadenzaServer], None] | None = None) -> None:
+                on_ready: Callable[[CadenzaServer], None] | None = None, slot: ApiSlot = SOLE_SERVER) -> None:
     """Run until SIGTERM/SIGINT, then drain. The port is taken first (PortInUseError before any
     voice loads); a failed start stops the gRPC server and the engine before the error propagates,
     so nothing is left for the event loop to finish after it closes. A signal during start-up
     stops when the current loading step ends (there is nothing to drain); a second one at once.
-    A second signal while draining also quits at once (exit status 130)."""
-    server = CadenzaServer(config, extra_servicers)
+    A second signal while draining also quits at once (exit status 130). Another API server
+    process (`slot`) heeds SIGTERM only: the first one sends it when it drains."""
+    server = CadenzaServer(config, extra_servicers, slot=slot)
+    signals = (signal.SIGTERM, signal.SIGINT) if slot.index == 0 else (signal.SIGTERM,)
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
     main = asyncio.current_task()
@@ -332,7 +356,7 @@ async def serve(config: ServerConfig, extra_servicers: Sequence[AddServicer] = (
 
     try:
         server.bind()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in signals:
             loop.add_signal_handler(sig, on_signal)
         await server.start()
         started = True
@@ -348,7 +372,7 @@ async def serve(config: ServerConfig, extra_servicers: Sequence[AddServicer] = (
         raise
     finally:
         if not interrupted:  # else kept while the loop waits for the loading step: a second signal quits
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in signals:
                 loop.remove_signal_handler(sig)
     if server.engine_failed:
         raise SystemExit(1)

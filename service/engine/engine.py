@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 import math
 import re
 import time
 from importlib import metadata
+from multiprocessing.connection import Connection
 
 from service.audio.encoding import AudioEncoding
 from service.engine.api import (
@@ -37,7 +37,7 @@ from service.engine.api import (
 from service.engine.config import EngineConfig
 from service.engine.host import Host, LoadedVoice, LocalHost
 from service.engine.precision import Hardware, PrecisionDecision, PrecisionPolicy
-from service.engine.proc import ProcessHost
+from service.engine.proc import SOLE_SERVER, ApiSlot, ProcessHost
 from service.engine.session import EngineSession, SessionSetup
 from service.engine.state import SessionRequest
 from service.synthesis import ChunkSchedule, SynthesisParams, default_backend
@@ -63,25 +63,34 @@ def resolve_device(device: str) -> str:
 class TtsEngine:
     """Implements `service.engine.api.Engine`. Call `await start()` before opening sessions."""
 
-    def __init__(self, config: EngineConfig, telemetry: Telemetry | None = None) -> None:
+    def __init__(self, config: EngineConfig, telemetry: Telemetry | None = None, slot: ApiSlot = SOLE_SERVER) -> None:
+        """`slot`: which of several API server processes sharing one core this one is (the
+        first starts the core and warms it up; see `service.engine.proc`)."""
         self.config = config
+        self.slot = slot
         self.device = resolve_device(config.device)
         self.backend_name = default_backend(self.device) if config.backend == "auto" else config.backend
         self.telemetry = telemetry or Telemetry()
         self.timeline = Timeline(config.timeline_dir, "api")
         self.core_mode = config.core
-        host = ProcessHost if self.core_mode == "process" else LocalHost
-        self.host: Host = host(config, self.device, self.backend_name, self.telemetry, self._on_trip)
+        self.host: Host
         if self.core_mode == "process":
+            self.host = ProcessHost(config, self.device, self.backend_name, self.telemetry, self._on_trip, slot)
             self.timeline.watch_gc()  # the core's own process records its collections itself
-        self.telemetry.observe(cache=self._cache_lookups,
-                               gpu_memory=self._gpu_memory if self.device.startswith("cuda") else None)
+        elif slot.count > 1:
+            raise ValueError("several API server processes (--api-servers) share a core in its own process: "
+                             "use --core process")
+        else:
+            self.host = LocalHost(config, self.device, self.backend_name, self.telemetry, self._on_trip)
+        if slot.index == 0:  # the core's figures, counted once
+            self.telemetry.observe(cache=self._cache_lookups,
+                                   gpu_memory=self._gpu_memory if self.device.startswith("cuda") else None)
         self._policy: PrecisionPolicy | None = None
         self._voices: dict[str, VoiceInfo] = {}
         self._default: VoiceInfo | None = None
         self._loaded: dict[str, LoadedVoice] = {}
         self._sessions: dict[int, EngineSession] = {}
-        self._ids = itertools.count(1)
+        self._ids = slot.session_ids()
         self._lag_watch: asyncio.Task[None] | None = None
         self.ready = False
         self.draining = False
@@ -93,6 +102,9 @@ class TtsEngine:
         session (every step shape the decoder uses is prepared before the first caller)."""
         await asyncio.get_running_loop().run_in_executor(None, self._start_sync)
         self.ready = True
+        if self.slot.index > 0:  # the first API server warmed the core up and measured it
+            await asyncio.get_running_loop().run_in_executor(None, self.host.settle)
+            return
         for precision in self._warm_precisions():
             session = await self._open_session(SessionConfig(seed=0, precision=precision), internal=True)
             await self._collect(session, self.config.warmup_text)
@@ -164,6 +176,11 @@ class TtsEngine:
         await asyncio.get_running_loop().run_in_executor(None, self.host.stop)
 
     @property
+    def server_conns(self) -> list[Connection]:
+        """The first of several API servers, once started: the other servers' pipes to the core."""
+        return self.host.server_conns if isinstance(self.host, ProcessHost) else []
+
+    @property
     def dead(self) -> bool:
         """The engine thread died (an unexpected error): nothing more will be synthesised."""
         return self.host.dead.is_set()
@@ -193,7 +210,15 @@ class TtsEngine:
 
     @property
     def live_sessions(self) -> int:
+        """Sessions open in this process (what a drain waits for)."""
         return len(self._sessions)
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions open on this server, in every API server process: this one's exactly, the
+        others' as the core last counted them (limits and admission count these)."""
+        others = self.host.snapshot().open_sessions
+        return self.live_sessions + sum(n for i, n in enumerate(others) if i != self.slot.index)
 
     @property
     def engine_sessions(self) -> int:
@@ -239,7 +264,7 @@ class TtsEngine:
         pins = list(loaded.fp32_pins) if loaded else []
         return ServerInfo(self.backend_name, self.device, precisions,
                           self._default.name if self._default else "", pins, versions,
-                          capacity_streams=self.capacity_streams(), open_sessions=self.live_sessions,
+                          capacity_streams=self.capacity_streams(), open_sessions=self.open_sessions,
                           max_message_bytes=self.config.limits.max_message_bytes)
 
     def capacity_streams(self) -> float | None:
@@ -260,7 +285,7 @@ class TtsEngine:
         capacity = self.capacity_streams()
 
         def full() -> bool:
-            at_capacity = capacity is not None and self.live_sessions >= capacity
+            at_capacity = capacity is not None and self.open_sessions >= capacity
             return at_capacity or self.host.snapshot().first_audio_wait_s > limits.admission_first_audio_s
 
         if not full():
@@ -274,7 +299,7 @@ class TtsEngine:
         behind = self.host.snapshot().first_audio_wait_s
         self.telemetry.admission(False, time.monotonic() - start, "capacity")
         raise ResourceExhausted(
-            f"server at capacity: {self.live_sessions} sessions open (about {capacity or 0:.0f} real-time streams "
+            f"server at capacity: {self.open_sessions} sessions open (about {capacity or 0:.0f} real-time streams "
             f"fit on this {self.device}; a session has waited {behind:.1f} s for its first audio); retry shortly or "
             "connect to another replica")
 
@@ -290,7 +315,7 @@ class TtsEngine:
                 "the server is draining (shutting down); connect to another instance"))
         if self.dead:
             raise self._refused("engine_failed", Unavailable("the server's engine failed; connect to another instance"))
-        if len(self._sessions) >= self.config.limits.max_sessions and not internal:
+        if self.open_sessions >= self.config.limits.max_sessions and not internal:
             raise self._refused("max_sessions", ResourceExhausted(
                 f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"
             ))
@@ -302,7 +327,7 @@ class TtsEngine:
             await asyncio.get_running_loop().run_in_executor(None, self._load, info)
         decision = self._resolve_precision(config.precision, info.name)
         precision = Precision(decision.precision)
-        if len(self._sessions) >= self.config.limits.max_sessions and not internal:  # others opened meanwhile
+        if self.open_sessions >= self.config.limits.max_sessions and not internal:  # others opened meanwhile
             raise self._refused("max_sessions", ResourceExhausted(
                 f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"))
         setup = SessionSetup(
@@ -413,7 +438,7 @@ class TtsEngine:
                                   f"{', '.join(supported)} only; ask for AUTO or FP32")
         if self._policy is None:
             self._policy = PrecisionPolicy(Hardware.detect(self.device), tuple(supported), self.config.precision)
-        return self._policy.resolve(asked.value, voice, self.live_sessions)
+        return self._policy.resolve(asked.value, voice, self.open_sessions)
 
     def _on_trip(self, voice: str) -> None:
         """Called from the engine thread when a chunk fell back to FP32."""

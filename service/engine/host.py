@@ -50,6 +50,9 @@ class CoreSnapshot:
     cache_bytes: int = 0
     first_audio_wait_s: float = 0.0  # the longest any session has waited for its first audio
     active_work: int = 0  # sessions the core still holds state for
+    # Sessions the core has open for each API server process (serve --api-servers): admission
+    # counts the others' from here, its own exactly.
+    open_sessions: tuple[int, ...] = ()
     capacity: dict[str, float] = field(default_factory=dict)  # precision ("" = any) -> real-time streams
     shadow_verified: int = 0
     shadow_min_psnr_db: float = math.inf

@@ -14,7 +14,14 @@ core -> server: ("ready", {name: LoadedVoice}) or ("failed", exception) once at 
   ("reply", call, LoadedVoice or error text), ("trip", voice), ("settled",), ("died", why), ("stopped",)
 
 The core counts what it delivered to each session and the server reports what each client
-took (coalesced per event-loop turn), so backpressure works as in one process."""
+took (coalesced per event-loop turn), so backpressure works as in one process.
+
+Several API server processes (`serve --api-servers N`, vLLM's `--api-server-count`) share one
+core: the first starts it with one pipe per server and hands the others their ends. Each
+server numbers its sessions apart from the rest (`ApiSlot.session_ids`); the core answers each
+session on the pipe it came from, sends its figures and trips to all, and stops when the first
+server says stop (that one waits for the others). Only the first server receives the core's
+telemetry, so the engine's figures are counted once."""
 
 from __future__ import annotations
 
@@ -29,10 +36,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from service.audio.encoding import float_to_int16
@@ -48,6 +55,29 @@ from service.voices import VoiceInfo, list_voices
 log = logging.getLogger(__name__)
 
 SNAPSHOT_S = 0.05  # how often the core sends its figures (admission control reads them)
+
+
+@dataclass(frozen=True)
+class ApiSlot:
+    """Which of the API server processes this one is. The first (index 0) starts the core with
+    `count` pipes; the others get `conn`, their end of one of them."""
+
+    index: int = 0
+    count: int = 1
+    conn: Connection | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"API server {self.index} of {self.count}")
+        if (self.conn is None) != (self.index == 0):
+            raise ValueError("the first API server starts the core; each other one needs its pipe")
+
+    def session_ids(self) -> Iterator[int]:
+        """Session ids no other API server uses (ids count from 1)."""
+        return itertools.count(self.index + 1, self.count)
+
+
+SOLE_SERVER = ApiSlot()  # one API server process: the usual case
 
 
 def _send(conn: Connection, message: tuple[object, ...]) -> None:
@@ -71,15 +101,19 @@ class _PipeWriter:
         self._conn = conn
         self._prepare = prepare
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.closed = False  # closed, or the other side is gone: what is put is dropped
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def put(self, message: object) -> None:
-        self._queue.put(message)
+        if not self.closed:  # else nobody would take it out of the queue
+            self._queue.put(message)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what was put, then stop."""
-        self._queue.put(_CLOSE)
+        if not self.closed:
+            self._queue.put(_CLOSE)
+            self.closed = True
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
@@ -88,6 +122,7 @@ class _PipeWriter:
                 _send(self._conn, self._prepare(message))
             except (OSError, EOFError):  # the other side is gone (its side reports why)
                 log.debug("pipe closed: messages dropped")
+                self.closed = True
                 return
 
 
@@ -101,8 +136,10 @@ class ProcessHost:
     """Starts the core's process and relays sessions to and from it (see the module doc)."""
 
     def __init__(self, config: EngineConfig, device: str, backend_name: str, telemetry: Telemetry,
-                 on_trip: Callable[[str], None]) -> None:
+                 on_trip: Callable[[str], None], slot: ApiSlot = SOLE_SERVER) -> None:
         self.config = config
+        self.slot = slot
+        self.server_conns: list[Connection] = []  # the first server: the other servers' pipe ends
         self.device = device
         self.backend_name = backend_name
         self.telemetry = telemetry
@@ -127,34 +164,48 @@ class ProcessHost:
         self._receiver: threading.Thread | None = None
 
     def start(self, frontend: FrontendPoolConfig, preload: list[VoiceInfo]) -> dict[str, LoadedVoice]:
-        """Start the core's process and wait until it loaded `preload` (blocking: call it off
-        the event loop)."""
-        from service.telemetry.logs import active_config
-
+        """Start the core's process and wait until it loaded `preload`; another API server
+        waits for the core's "ready" on its pipe instead (blocking: call it off the event loop)."""
         sys.setswitchinterval(self.config.batch.gil_switch_interval_s)  # the relay thread must not wait long
-        ctx = multiprocessing.get_context("spawn")  # CUDA and the frontend's own processes need a fresh one
-        conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=serve_core, name="cadenza-engine-core",
-            args=(child, self.config, self.device, self.backend_name, frontend, [v.name for v in preload],
-                  active_config()),
-        )
-        self._proc.start()
-        child.close()
+        if self.slot.conn is not None:
+            conn = self.slot.conn
+        else:
+            conn = self._start_core(frontend, preload)
         self._conn = conn
         try:
             reply = _recv(conn)
         except EOFError:
-            self._proc.join(5)
+            if self._proc is not None:
+                self._proc.join(5)
+            code = self._proc.exitcode if self._proc is not None else None
             reply = ("failed", RuntimeError(
-                f"the engine process exited with code {self._proc.exitcode} while starting; see its log above"))
+                f"the engine process exited with code {code} while starting; see its log above"))
         if reply[0] != "ready":
-            self._proc.join(5)
+            if self._proc is not None:
+                self._proc.join(5)
             raise reply[1]
         self._receiver = threading.Thread(target=self._receive, name="cadenza-engine-relay", daemon=True)
         self._receiver.start()
         self._writer = _PipeWriter(conn, "cadenza-engine-sender")
         return dict(reply[1])
+
+    def _start_core(self, frontend: FrontendPoolConfig, preload: list[VoiceInfo]) -> Connection:
+        """Spawn the core with one pipe per API server; this server's end is returned, the
+        others' are kept in `server_conns` for their processes."""
+        from service.telemetry.logs import active_config
+
+        ctx = multiprocessing.get_context("spawn")  # CUDA and the frontend's own processes need a fresh one
+        pipes = [ctx.Pipe() for _ in range(self.slot.count)]
+        self._proc = ctx.Process(
+            target=serve_core, name="cadenza-engine-core",
+            args=([child for _, child in pipes], self.config, self.device, self.backend_name, frontend,
+                  [v.name for v in preload], active_config()),
+        )
+        self._proc.start()
+        for _, child in pipes:
+            child.close()
+        self.server_conns = [conn for conn, _ in pipes[1:]]
+        return pipes[0][0]
 
     def _post(self, *message: object) -> None:
         """Send `message` to the core: at the end of this loop turn when called on an event loop
@@ -238,6 +289,9 @@ class ProcessHost:
     def settle(self) -> None:
         """Settle both heaps; returns once the core has settled too, so the server says SERVING
         only then: sessions arriving right away would otherwise wait for the core's collection."""
+        if self.slot.index > 0:  # the first server settled the core before this one started
+            settle_heap()
+            return
         self._settled.clear()
         self._post("settle")
         settle_heap()
@@ -248,6 +302,8 @@ class ProcessHost:
                 return
 
     def stop(self) -> None:
+        """Stop the core (the first server: after the others stopped); another server's stop
+        only lets the core drop its pipe."""
         self._stopping = True
         self._post("stop")
         if self._writer is not None:
@@ -260,6 +316,8 @@ class ProcessHost:
                 self._proc.join(5)
         if self._receiver is not None:
             self._receiver.join(5)
+        for conn in self.server_conns:  # never handed to a server process (or already closed here)
+            conn.close()
 
     # --- the relay thread --------------------------------------------------------------------------
 
@@ -355,6 +413,7 @@ class _Outbox:
     the pipe."""
 
     def __init__(self, conn: Connection) -> None:
+        self.conn = conn
         # A flush's int16 chunks are converted on the writer's thread, off the engine thread.
         self._writer = _PipeWriter(conn, "cadenza-engine-outbox",
                                    lambda m: m.wire() if isinstance(m, _Flush) else m)
@@ -456,51 +515,61 @@ for _name in FORWARDED:
     setattr(_ForwardedTelemetry, _name, _forward(_name))
 
 
-def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name: str,
+def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, backend_name: str,
                frontend: FrontendPoolConfig, preload: list[str], log_config: LogConfig | None) -> None:
-    """The core process's main: load, start the core, then apply the server's messages."""
+    """The core process's main: load, start the core, then apply the servers' messages (one
+    pipe per API server; the first one's "stop" or its going away stops the core)."""
     # Ctrl-C reaches the whole process group: the server drains its sessions, then stops the core.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_config is not None:
         from service.telemetry.logs import setup_logging
 
         setup_logging(log_config)
-    outbox = _Outbox(conn)
+    outboxes = [_Outbox(conn) for conn in conns]
+    first = outboxes[0]
+
+    def to_all(*message: object) -> None:
+        for outbox in outboxes:
+            outbox.send(*message)
+
     try:
         voices: Mapping[str, VoiceInfo] = {v.name: v for v in list_voices(config.voices_dir)}
         runtimes = Runtimes(config, device, backend_name)
         loaded = {name: runtimes.prepare(voices[name]) for name in preload}
-        core = build_core(config, _ForwardedTelemetry(outbox), on_trip=lambda voice: outbox.send("trip", voice))
+        core = build_core(config, _ForwardedTelemetry(first), on_trip=lambda voice: to_all("trip", voice))
         core.frontend_config = frontend
         core.start()
     except Exception as exc:  # raised again by the server (a bad option reads as it does without a process)
         log.debug("the engine process could not start", exc_info=True)
-        outbox.send("failed", _portable(exc))
-        outbox.close()
+        first.send("failed", _portable(exc))
+        for outbox in outboxes:
+            outbox.close()
         return
-    outbox.send("ready", loaded)
+    to_all("ready", loaded)
     stop = threading.Event()
 
     def tick() -> None:
         while not stop.wait(SNAPSHOT_S):
             if core.dead.is_set():
-                outbox.send("died", f"the engine thread died: {core.death!r}")
+                to_all("died", f"the engine thread died: {core.death!r}")
                 return
-            outbox.send("snapshot", snapshot(core, device))
-            if pending := outbox.take_telemetry():
-                outbox.send("out", [], pending)
+            figures = dataclasses.replace(snapshot(core, device),
+                                          open_sessions=tuple(len(o.cursors) for o in outboxes))
+            to_all("snapshot", figures)
+            if pending := first.take_telemetry():
+                first.send("out", [], pending)
 
     threading.Thread(target=tick, name="cadenza-engine-ticker", daemon=True).start()
 
-    def load(call: int, name: str) -> None:
+    def load(outbox: _Outbox, call: int, name: str) -> None:
         try:
             outbox.send("reply", call, runtimes.describe(voices[name]))
         except Exception as exc:
             log.exception("could not load voice %s", name)
             outbox.send("reply", call, f"cannot load voice {name}: {type(exc).__name__}: {exc}")
 
-    def apply(message: tuple[Any, ...]) -> bool:
-        """Apply one of the server's messages; False once it says stop."""
+    def apply(message: tuple[Any, ...], outbox: _Outbox) -> bool:
+        """Apply one of a server's messages; False once it says stop."""
         kind = message[0]
         if kind == "text":
             core.submit_text(message[1], message[2])
@@ -519,7 +588,8 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
             outbox.cursors.pop(message[1], None)
             core.submit_cancel(message[1])
         elif kind == "load":
-            threading.Thread(target=load, args=message[1:], name="cadenza-voice-load", daemon=True).start()
+            threading.Thread(target=load, args=(outbox, *message[1:]), name="cadenza-voice-load",
+                             daemon=True).start()
         elif kind == "reset_rate":
             core.reset_rate()
         elif kind == "settle":
@@ -529,21 +599,42 @@ def serve_core(conn: Connection, config: EngineConfig, device: str, backend_name
             return False
         return True
 
+    def let_go(outbox: _Outbox) -> None:
+        """Another API server stopped or went away: cancel what it left open, answer no more."""
+        if outbox.cursors:
+            log.warning("an API server process went away with %d open session(s); cancelling them",
+                        len(outbox.cursors))
+        for session_id in list(outbox.cursors):
+            outbox.cursors.pop(session_id, None)
+            core.submit_cancel(session_id)
+        outbox.send("stopped")
+        outbox.close()
+
+    reading = dict(zip(conns, outboxes, strict=True))
     try:
-        running = True
-        while running:
-            try:
-                batch = _recv(conn)
-            except (EOFError, OSError):  # the server is gone
-                break
-            assert batch[0] == "batch"
-            for message in batch[1]:
-                if not (running := apply(message)):
-                    break
+        while first.conn in reading:
+            for ready in wait(list(reading)):
+                conn: Connection = ready  # type: ignore[assignment]  # wait() hands back what it was given
+                outbox = reading[conn]
+                try:
+                    batch = _recv(conn)
+                except (EOFError, OSError):  # that server is gone
+                    go_on = False
+                else:
+                    assert batch[0] == "batch"
+                    go_on = all(apply(message, outbox) for message in batch[1])
+                if not go_on:
+                    del reading[conn]
+                    if outbox is not first:
+                        let_go(outbox)
     finally:
         stop.set()
         core.stop()
-        if pending := outbox.take_telemetry():
-            outbox.send("out", [], pending)
-        outbox.send("stopped")
-        outbox.close()
+        if pending := first.take_telemetry():
+            first.send("out", [], pending)
+        for outbox in reading.values():  # servers still attached (the first stopped before them)
+            if outbox is not first:
+                outbox.send("died", "the engine core stopped")
+                outbox.close()
+        first.send("stopped")
+        first.close()

@@ -4,7 +4,8 @@ scrape endpoint and OTLP export (both optional; with neither, nothing is recorde
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
@@ -19,7 +20,10 @@ log = logging.getLogger(__name__)
 
 
 class MetricsEndpoint:
-    """`GET /metrics` in the Prometheus text format, on its own port and thread."""
+    """`GET /metrics` in the Prometheus text format, on its own port and thread. With several
+    API server processes, the first one's endpoint also reads the others' (`also`: their
+    loopback endpoints' URLs) and adds their figures up, so a pod stays one scrape target
+    whose series read as those of one process."""
 
     def __init__(self, host: str, port: int) -> None:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -27,9 +31,11 @@ class MetricsEndpoint:
 
         self.registry = CollectorRegistry()  # per server, not the process-global one
         self.reader = PrometheusMetricReader(registry=self.registry)
+        self.also: list[str] = []
         bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         try:
-            self._server, self._thread = start_http_server(port, addr=bare, registry=self.registry)
+            self._server, self._thread = start_http_server(port, addr=bare,
+                                                           registry=_Summed(self.registry, self.also))
         except OSError as exc:
             self.reader.shutdown()
             raise OSError(f"cannot serve metrics on {host}:{port} (--metrics-port): {exc.strerror or exc}") from None
@@ -38,6 +44,52 @@ class MetricsEndpoint:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class _Summed:
+    """A registry's families plus those of the other processes' endpoints, sample by sample
+    summed (counters, histograms and the open-session gauge all add up). Their `target_info`
+    (the OpenTelemetry resource, one per process) is left out: the pod is one target. An
+    endpoint that cannot be read is left out of that scrape and logged."""
+
+    TIMEOUT_S = 2.0
+
+    def __init__(self, own: Any, also: list[str]) -> None:
+        self.own = own
+        self.also = also
+
+    def restricted_registry(self, names: Any) -> Any:
+        return self.own.restricted_registry(names)
+
+    def collect(self) -> Iterator[Any]:
+        families = {family.name: family for family in self.own.collect()}
+        for family in self._others():
+            have = families.get(family.name)
+            if have is None:
+                families[family.name] = family
+                continue
+            index = {(s.name, tuple(sorted(s.labels.items()))): i for i, s in enumerate(have.samples)}
+            for sample in family.samples:
+                at = index.get((sample.name, tuple(sorted(sample.labels.items()))))
+                if at is None:
+                    have.samples.append(sample)
+                else:
+                    have.samples[at] = have.samples[at]._replace(value=have.samples[at].value + sample.value)
+        yield from families.values()
+
+    def _others(self) -> Iterator[Any]:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for url in list(self.also):
+            try:
+                with urllib.request.urlopen(url, timeout=self.TIMEOUT_S) as response:
+                    text = response.read().decode("utf-8")
+            except OSError as exc:
+                log.warning("metrics: cannot read %s (%s); its figures are missing from this scrape", url, exc)
+                continue
+            yield from (f for f in text_string_to_metric_families(text) if f.name != "target_info")
 
 
 def build_telemetry(config: TelemetryConfig, default_host: str,
@@ -72,6 +124,7 @@ def build_telemetry(config: TelemetryConfig, default_host: str,
                           step_span_links=config.step_span_links)
     telemetry.closers.extend(closers)
     telemetry.metrics_port = endpoint.port if endpoint is not None else None
+    telemetry.metrics_also = endpoint.also if endpoint is not None else None
     return telemetry
 
 

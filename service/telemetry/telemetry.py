@@ -109,6 +109,7 @@ class Telemetry:
     step_span_links: int = 32
     closers: list[Callable[[], None]] = field(default_factory=list)  # run at shutdown (endpoints)
     metrics_port: int | None = None  # the Prometheus endpoint's port, once listening
+    metrics_also: list[str] | None = None  # other processes' endpoints it adds up (MetricsEndpoint)
     _traces: dict[int, SessionTrace] = field(default_factory=dict, init=False, repr=False)
     _queued: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)

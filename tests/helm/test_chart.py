@@ -355,7 +355,7 @@ def test_values_defaults_are_the_servers_own() -> None:
         engine.device, engine.backend, engine.cache_bytes, engine.core)
     assert (server["threads"] or None, server["capacity"] or None, server["voice"] or None) == (
         engine.threads, limits.capacity_streams, engine.voice)
-    assert (server["drainGraceSeconds"], server["acceptServers"]) == (config.drain_grace_s, config.accept_servers)
+    assert (server["drainGraceSeconds"], server["apiServers"]) == (config.drain_grace_s, config.api_servers)
     # Deliberate differences, each explained in values.yaml.
     assert server["preload"] is True and engine.preload is False
     assert values["metrics"]["enabled"] is True and TelemetryConfig().metrics_port is None

@@ -114,6 +114,8 @@ class HeldStream:
         self._release = threading.Event()
         self.first_audio = threading.Event()
         self.error: grpc.RpcError | None = None
+        self.audio = b""
+        self.summary: pb.SessionSummary | None = None
 
         def requests() -> Iterator[pb.StreamingSynthesizeRequest]:
             yield pb.StreamingSynthesizeRequest(config=pb.SessionConfig(seed=1))
@@ -126,7 +128,10 @@ class HeldStream:
             try:
                 for response in stub.StreamingSynthesize(requests(), timeout=TIMEOUT_S):
                     if response.HasField("audio"):
+                        self.audio += response.audio.audio
                         self.first_audio.set()
+                    elif response.HasField("summary"):
+                        self.summary = response.summary
             except grpc.RpcError as exc:
                 self.error = exc
                 self.first_audio.set()
