@@ -121,7 +121,10 @@ class _PipeWriter:
     def _run(self) -> None:
         while (message := self._queue.get()) is not _CLOSE:
             try:
-                _send(self._conn, self._prepare(message))
+                if isinstance(message, _Pickled):
+                    self._conn.send_bytes(message.data)
+                else:
+                    _send(self._conn, self._prepare(message))
             except (OSError, EOFError):  # the other side is gone (its side reports why)
                 log.debug("pipe closed: messages dropped")
                 self.closed = True
@@ -129,6 +132,13 @@ class _PipeWriter:
 
 
 _CLOSE = object()
+
+
+@dataclass(frozen=True)
+class _Pickled:
+    """A message pickled once for several pipes (the core's figures go to every API server)."""
+
+    data: bytes
 
 
 # --- server side ---------------------------------------------------------------------------------
@@ -458,6 +468,9 @@ class _Outbox:
     def send(self, *message: object) -> None:
         self._writer.put(message)
 
+    def send_pickled(self, message: _Pickled) -> None:
+        self._writer.put(message)
+
     # Audio one pipe message carries at most (bytes as sent; a flush with more goes as several).
     # Pickling a message holds the GIL from start to end (C code: no bytecode to switch at), and
     # the engine thread needs the GIL back after each of its native calls: a whole step's output
@@ -568,8 +581,9 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
     first = outboxes[0]
 
     def to_all(*message: object) -> None:
+        pickled = _Pickled(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         for outbox in outboxes:
-            outbox.send(*message)
+            outbox.send_pickled(pickled)
 
     try:
         voices: Mapping[str, VoiceInfo] = {v.name: v for v in list_voices(config.voices_dir)}
