@@ -42,13 +42,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import numpy as np
-
 from service.audio.encoding import float_to_int16
 from service.engine.config import EngineConfig
 from service.engine.host import CoreSnapshot, LoadedVoice, Runtimes, build_core, settle_heap, snapshot
 from service.engine.output import Delivery, hand_over
-from service.engine.state import ChunkResult, Loop, ReadCursor, SessionRequest, Sink, WorkSpec
+from service.engine.state import Loop, ReadCursor, SessionRequest, Sink, WorkSpec
 from service.telemetry import Telemetry
 from service.telemetry.config import LogConfig
 from service.text.frontend_pool import FrontendPoolConfig
@@ -343,7 +341,7 @@ class ProcessHost:
                 break
             kind = message[0]
             if kind == "out":
-                self._deliver(unwire(message[1], message[3], message[4]))
+                self._deliver(message[1])
                 for name, args in message[2]:
                     try:
                         getattr(self.telemetry, name)(*args)
@@ -412,43 +410,11 @@ class _Flush:
     pcm16: list[int]
 
     def wire(self) -> tuple[object, ...]:
-        """The ("out", deliveries, telemetry, float32 audio, int16 audio) message. A chunk
-        crosses as its fields (`_CHUNK_FIELDS`, no dataclass to pickle) and its samples as a
-        slice of one of two buffers: those of sessions taking int16 PCM converted in one go.
-        Per chunk, pickling and converting hold the GIL for each small array, while the
-        engine thread needs it back after each of its native calls."""
-        pcm16 = set(self.pcm16)
-        floats: list[np.ndarray] = []
-        ints: list[np.ndarray] = []
-        out: list[tuple[int, str, tuple[Any, ...]]] = []
-        for i, (session_id, method, args) in enumerate(self.out):
-            if method == "on_chunk":
-                chunk: ChunkResult = args[0]
-                (ints if i in pcm16 else floats).append(chunk.samples)
-                args = (len(chunk.samples), i in pcm16, *(getattr(chunk, f) for f in _CHUNK_FIELDS))
-            out.append((session_id, method, args))
-        f32 = np.concatenate(floats) if floats else np.zeros(0, np.float32)
-        i16 = float_to_int16(np.concatenate(ints)) if ints else np.zeros(0, np.int16)
-        return ("out", out, self.telemetry, f32, i16)
-
-
-_CHUNK_FIELDS = tuple(f.name for f in dataclasses.fields(ChunkResult) if f.name != "samples")
-
-
-def unwire(out: Sequence[tuple[int, str, tuple[Any, ...]]], f32: np.ndarray,
-           i16: np.ndarray) -> list[tuple[int, str, tuple[Any, ...]]]:
-    """The deliveries of an ("out", ...) message, each chunk's samples a view of its buffer."""
-    at = {False: 0, True: 0}
-    delivered: list[tuple[int, str, tuple[Any, ...]]] = []
-    for session_id, method, args in out:
-        if method == "on_chunk":
-            n, is_int16, *fields = args
-            buffer = i16 if is_int16 else f32
-            samples = buffer[at[is_int16]: at[is_int16] + n]
-            at[is_int16] += n
-            args = (ChunkResult(samples, **dict(zip(_CHUNK_FIELDS, fields, strict=True))),)
-        delivered.append((session_id, method, args))
-    return delivered
+        """The ("out", ...) message, those chunks converted to int16."""
+        for i in self.pcm16:
+            session_id, method, (chunk,) = self.out[i]
+            self.out[i] = (session_id, method, (dataclasses.replace(chunk, samples=float_to_int16(chunk.samples)),))
+        return ("out", self.out, self.telemetry)
 
 
 class _Outbox:
@@ -522,11 +488,6 @@ class _Outbox:
         with self._tlock:
             taken, self._telemetry = self._telemetry, []
         return taken
-
-    def send_telemetry(self) -> None:
-        """What was recorded since the last flush, without audio."""
-        if pending := self.take_telemetry():
-            self._writer.put(_Flush([], pending, []))
 
     def close(self) -> None:
         self._writer.close(5)
@@ -609,7 +570,8 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
             figures = dataclasses.replace(snapshot(core, device),
                                           open_sessions=tuple(len(o.cursors) for o in outboxes))
             to_all("snapshot", figures)
-            first.send_telemetry()
+            if pending := first.take_telemetry():
+                first.send("out", [], pending)
 
     threading.Thread(target=tick, name="cadenza-engine-ticker", daemon=True).start()
 
@@ -682,7 +644,8 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
     finally:
         stop.set()
         core.stop()
-        first.send_telemetry()
+        if pending := first.take_telemetry():
+            first.send("out", [], pending)
         for outbox in reading.values():  # servers still attached (the first stopped before them)
             if outbox is not first:
                 outbox.send("died", "the engine core stopped")
