@@ -627,8 +627,11 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
     reading = dict(zip(conns, outboxes, strict=True))
     try:
         while first.conn in reading:
-            for ready in wait(list(reading)):
-                conn: Connection = ready  # type: ignore[assignment]  # wait() hands back what it was given
+            # One pipe: block on it. `wait` builds a selector at each call, and the reader holds
+            # the GIL for that while the engine thread waits for it after each native call.
+            ready = wait(list(reading)) if len(reading) > 1 else list(reading)
+            for one in ready:
+                conn: Connection = one  # type: ignore[assignment]  # wait() hands back what it was given
                 outbox = reading[conn]
                 try:
                     batch = _recv(conn)

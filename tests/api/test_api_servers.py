@@ -41,6 +41,17 @@ def _channel(port: int) -> grpc.Channel:
     return grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
 
 
+def _open_sessions(channel: grpc.Channel, until: int) -> int:
+    """GetServerInfo's open sessions once they reach `until` (within a few of the core's figure
+    periods), else the last answer."""
+    stub = pb_grpc.TextToSpeechStub(channel)
+    deadline = time.monotonic() + 2.0
+    while (n := stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).open_sessions) != until \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return n
+
+
 class Serve:
     """`cadenza serve --api-servers 3` with the tiny voice, its log in a file."""
 
@@ -91,12 +102,19 @@ def test_connections_spread_over_the_processes_and_each_serves_the_same_audio(se
     try:
         results = [stream(pb_grpc.TextToSpeechStub(c), pb.SessionConfig(seed=1), [TEXT], timeout=TIMEOUT_S)
                    for c in channels]
-        info = pb_grpc.TextToSpeechStub(channels[0]).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        # Open sessions count every process's (the others' as of the core's last figures).
+        held = [HeldStream(pb_grpc.TextToSpeechStub(c), TEXT) for c in channels[:6]]
+        assert all(h.first_audio.wait(TIMEOUT_S) for h in held)
+        while_open = _open_sessions(channels[6], until=6)
+        for h in held:
+            h.release()
+        after = _open_sessions(channels[7], until=0)
     finally:
         for c in channels:
             c.close()
     assert all(r.summary is not None and r.audio and r.audio == results[0].audio for r in results)
-    assert info.open_sessions == 0
+    assert all(h.summary is not None and h.audio == results[0].audio for h in held)
+    assert (while_open, after) == (6, 0)
     # Each process writes its sessions' stages when its busy period ends (`--timeline`): 12
     # connections on one of three processes has odds of 3 x 3^-12.
     timeline = Path(re.search(r"--timeline (\S+)", " ".join(serve.process.args)).group(1))  # type: ignore[union-attr,arg-type]
