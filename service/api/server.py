@@ -278,7 +278,9 @@ class CadenzaServer:
 
     async def drain(self) -> None:
         """No new sessions; open ones get `drain_grace_s` to finish; then stop."""
-        log.info("draining: %d open session(s), grace %.0f s", self.engine.live_sessions, self.config.drain_grace_s)
+        which = f"API server process {self.slot.index + 1} of {self.slot.count} " if self.slot.index else ""
+        log.info("%sdraining: %d open session(s), grace %.0f s", which, self.engine.live_sessions,
+                 self.config.drain_grace_s)
         self.engine.drain()
         if self.others is not None:
             self.others.drain()

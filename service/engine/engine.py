@@ -155,6 +155,9 @@ class TtsEngine:
         frontend = dataclasses.replace(self.config.frontend, preload=(
             *self.config.frontend.preload, *(str(v.config_path) for v in preload)))
         self._loaded = self.host.start(frontend, preload)
+        # The precision policy looks at the hardware (on CUDA: imports torch and asks the driver):
+        # here, before SERVING, not in the event loop at the first session.
+        self._resolve_precision(Precision.AUTO, self._default.name)
         log.info("synthesis core: %s (%s on %s)", self.core_mode, self.backend_name, self.device)
 
     async def _watch_loop_lag(self) -> None:
