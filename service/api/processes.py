@@ -66,13 +66,9 @@ class ApiServers:
             try:
                 index, metrics_port, error = ready.get(timeout=0.5)
             except queue.Empty:
-                gone = [i for i in waiting if not self.procs[i - 1].is_alive()]
-                error = f"exited with code {self.procs[gone[0] - 1].exitcode}" if gone else None
-                if error is None and time.monotonic() > deadline:
-                    gone, error = sorted(waiting)[:1], f"did not start within {self.START_TIMEOUT_S:.0f} s"
+                index, metrics_port, error = self._not_starting(waiting, deadline)
                 if error is None:
                     continue
-                index, metrics_port = gone[0], None
             if error is not None:
                 self.stop(0.0)
                 raise RuntimeError(f"API server process {index + 1} of {self.config.api_servers} could not start: "
@@ -81,6 +77,16 @@ class ApiServers:
             if metrics_port is not None and self.telemetry.metrics_also is not None:
                 self.telemetry.metrics_also.append(f"http://127.0.0.1:{metrics_port}/metrics")
         log.info("%d API server processes on port %d", len(self.procs) + 1, self.port)
+
+    def _not_starting(self, waiting: set[int], deadline: float) -> tuple[int, None, str | None]:
+        """(index, None, why) for a process still awaited that will not start (it exited, or the
+        deadline passed); (0, None, None) while they may yet."""
+        for index in sorted(waiting):
+            if not self.procs[index - 1].is_alive():
+                return index, None, f"exited with code {self.procs[index - 1].exitcode}"
+        if time.monotonic() > deadline:
+            return min(waiting), None, f"did not start within {self.START_TIMEOUT_S:.0f} s"
+        return 0, None, None
 
     def check(self) -> None:
         """Log each process that exited while it should be serving (once; the rest go on)."""

@@ -30,7 +30,7 @@ from service.api.riva import add_riva
 from service.engine.api import Engine
 from service.engine.config import EngineConfig, Limits
 from service.engine.engine import TtsEngine
-from service.engine.proc import SOLE_SERVER, ApiSlot
+from service.engine.proc import ApiSlot
 from service.telemetry import Telemetry, TelemetryConfig
 
 __all__ = ["CadenzaServer", "PortInUseError", "ServerConfig", "serve"]
@@ -160,12 +160,13 @@ class CadenzaServer:
     """Owns the engine and the gRPC server. `start()`, then `wait()`; `drain()` on SIGTERM."""
 
     def __init__(self, config: ServerConfig, extra_servicers: Sequence[AddServicer] = (),
-                 telemetry: Telemetry | None = None, slot: ApiSlot = SOLE_SERVER) -> None:
+                 telemetry: Telemetry | None = None, slot: ApiSlot | None = None) -> None:
         """`telemetry`: where metrics and spans go (tests pass in-memory readers); None builds it
         from `config.telemetry` (the metrics endpoint listens from here on). `slot`: which of
-        `config.api_servers` processes this is (the first starts the others, `ApiServers`)."""
+        `config.api_servers` processes this is; None, the first (it starts the others, `ApiServers`)."""
         logging.getLogger("grpc._cython.cygrpc").addFilter(_CLIENT_GONE)  # idempotent: one filter object
         self.config = config
+        self.slot = slot = slot or ApiSlot(0, config.api_servers)  # the first starts the core, a pipe each
         # Files first: a missing certificate or keys file fails before anything is loaded.
         self._credentials = _server_credentials(config)
         keys = load_api_keys(config.api_keys_file) if config.api_keys_file is not None else ()
@@ -180,9 +181,6 @@ class CadenzaServer:
         elif telemetry.status_of is None:
             telemetry.status_of = status_name
         self.telemetry = telemetry
-        if slot.index == 0:  # the first of config.api_servers (it starts the core with a pipe for each)
-            slot = ApiSlot(0, config.api_servers)
-        self.slot = slot
         self.engine = TtsEngine(dataclasses.replace(config.engine, limits=config.limits), telemetry, slot)
         size = config.limits.max_message_bytes
         from service.telemetry.rpc import RpcInterceptor
@@ -324,7 +322,7 @@ class CadenzaServer:
 
 
 async def serve(config: ServerConfig, extra_servicers: Sequence[AddServicer] = (),
-                on_ready: Callable[[CadenzaServer], None] | None = None, slot: ApiSlot = SOLE_SERVER) -> None:
+                on_ready: Callable[[CadenzaServer], None] | None = None, slot: ApiSlot | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain. The port is taken first (PortInUseError before any
     voice loads); a failed start stops the gRPC server and the engine before the error propagates,
     so nothing is left for the event loop to finish after it closes. A signal during start-up
@@ -332,7 +330,7 @@ async def serve(config: ServerConfig, extra_servicers: Sequence[AddServicer] = (
     A second signal while draining also quits at once (exit status 130). Another API server
     process (`slot`) heeds SIGTERM only: the first one sends it when it drains."""
     server = CadenzaServer(config, extra_servicers, slot=slot)
-    signals = (signal.SIGTERM, signal.SIGINT) if slot.index == 0 else (signal.SIGTERM,)
+    signals = (signal.SIGTERM, signal.SIGINT) if server.slot.index == 0 else (signal.SIGTERM,)
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
     main = asyncio.current_task()
