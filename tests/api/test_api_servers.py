@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
 from service.api.server import ServerConfig
 from service.engine.proc import ApiSlot
+from service.telemetry import Telemetry
 from tests.serve_process import start_serve
 from tests.telemetry.conftest import DATA, TIMEOUT_S, HeldStream
 
@@ -198,3 +200,24 @@ def test_session_ids_of_the_processes_never_meet() -> None:
 def test_api_servers_out_of_range_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="--api-servers"):
         ServerConfig(api_servers=0)
+
+
+def test_a_process_that_exits_or_never_comes_is_named() -> None:
+    import multiprocessing
+
+    from service.api.processes import ApiServers
+
+    servers = ApiServers(ServerConfig(api_servers=3), 0, [], Telemetry())
+    ctx = multiprocessing.get_context("spawn")
+    servers.procs = [ctx.Process(target=time.sleep, args=(30,)), ctx.Process(target=sys.exit, args=(3,))]
+    for p in servers.procs:
+        p.start()
+    try:
+        servers.procs[1].join(30)
+        assert servers._not_starting({1, 2}, time.monotonic() + 60) == (2, None, "exited with code 3")
+        assert servers._not_starting({1}, time.monotonic() + 60) == (0, None, None)
+        assert servers._not_starting({1}, time.monotonic() - 1)[::2] == (1, f"did not start within "
+                                                                           f"{ApiServers.START_TIMEOUT_S:.0f} s")
+    finally:
+        servers.procs[0].kill()
+        servers.procs[0].join(5)
