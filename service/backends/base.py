@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -34,6 +34,14 @@ class VocodeOut:
     nonfinite: np.ndarray  # [B] count of non-finite samples the guard saw per row
     peak: np.ndarray  # [B] max |x| over finite samples
     precision: str  # "fp32" | "fp16": what actually produced this audio
+
+
+class HostAudio(NamedTuple):
+    """A decoder step's guarded audio on the host."""
+
+    audio: np.ndarray  # [B, S] float32; non-finite samples zeroed
+    nonfinite: np.ndarray  # [B] int64, non-finite samples the guard saw per row
+    pcm16: np.ndarray  # [B, S] int16, the same audio as 16-bit PCM (`float_to_int16`'s), made by the guard
 
 
 def guard_host(audio: np.ndarray, precision: str) -> VocodeOut:

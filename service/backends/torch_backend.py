@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.guard import guard
-from service.backends.base import DevicePriorOut, EncodeOut, VocodeOut
+from service.backends.base import DevicePriorOut, EncodeOut, HostAudio, VocodeOut
 from service.models.cuda_graphs import GraphCapturer
 from service.models.vits.model import VitsModel
 from service.models.vits.precision import VITS_FP32_PINS, to_mixed_precision
@@ -210,15 +210,16 @@ class TorchBackend:
         return sum(s.lead // s.rate for s in shapes)
 
     @torch.inference_mode()
-    def guarded_host(self, audio: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """The guard over a whole step's audio [B, S] (one fused kernel on CUDA), then one copy
-        to the host: (float32 audio with non-finite samples zeroed, non-finite count per row)."""
+    def guarded_host(self, audio: torch.Tensor) -> HostAudio:
+        """The guard over a whole step's audio [B, S] (one fused kernel on CUDA, which also makes
+        the 16-bit PCM), then one copy of each to the host."""
         return self.guard_async(audio).result()
 
     def guard_async(self, audio: torch.Tensor) -> _GuardedCopy:
         """`guarded_host` without waiting: the guard and the copies to pinned host memory are
         queued behind the step on its stream; `.result()` waits for them."""
-        return _GuardedCopy(audio, guard(audio).nonfinite)
+        checked = guard(audio)
+        return _GuardedCopy(audio, checked.nonfinite, checked.pcm)
 
     def decoder_stages(self) -> list[tuple[int, int, int]]:
         return decoder_stage_table(self.models["fp32"])
@@ -432,8 +433,7 @@ def _numpy(x: torch.Tensor) -> np.ndarray:
     through the driver's staging buffers at a fraction of the bus's speed, the engine thread waiting."""
     if x.device.type != "cuda":
         return x.numpy()
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
+    host = _pinned_copy(x)
     torch.cuda.current_stream(x.device).synchronize()
     return host.numpy()
 
@@ -499,8 +499,7 @@ class PendingPrior:
         self._prior = prior
         self._event: torch.cuda.Event | None = None
         if logw.device.type == "cuda":
-            self._logw = torch.empty(logw.shape, dtype=logw.dtype, pin_memory=True)
-            self._logw.copy_(logw, non_blocking=True)
+            self._logw = _pinned_copy(logw)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
@@ -513,31 +512,38 @@ class PendingPrior:
 
 
 class _GuardedCopy:
-    """A step's audio and guard counts on their way to the host (pinned memory, one event)."""
+    """A step's audio, its PCM and its guard counts on their way to the host (pinned memory,
+    one event). The PCM comes from the device so the core's process does not convert each
+    chunk while holding the GIL the engine thread needs for its launches."""
 
-    def __init__(self, audio: torch.Tensor, nonfinite: torch.Tensor) -> None:
+    def __init__(self, audio: torch.Tensor, nonfinite: torch.Tensor, pcm16: torch.Tensor) -> None:
         self._event: torch.cuda.Event | None = None
         if audio.device.type == "cuda":
-            self._audio = torch.empty(audio.shape, dtype=torch.float32, pin_memory=True)
-            self._audio.copy_(audio.float(), non_blocking=True)
-            self._nonfinite = torch.empty(nonfinite.shape, dtype=nonfinite.dtype, pin_memory=True)
-            self._nonfinite.copy_(nonfinite, non_blocking=True)
+            self._audio, self._nonfinite, self._pcm16 = (
+                _pinned_copy(t) for t in (audio.float(), nonfinite, pcm16))
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._audio, self._nonfinite = audio.float(), nonfinite
+            self._audio, self._nonfinite, self._pcm16 = audio.float(), nonfinite, pcm16
 
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
+    def result(self) -> HostAudio:
         if self._event is not None:
             self._event.synchronize()
-        host = self._audio.numpy()
-        if self._event is not None:  # chunks cut from it wait in session queues: leave pinned memory
-            host = host.copy()
+        host, pcm16 = self._audio.numpy(), self._pcm16.numpy()
+        if self._event is not None:  # chunks cut from them wait in session queues: leave pinned memory
+            host, pcm16 = host.copy(), pcm16.copy()
         nonfinite = self._nonfinite.numpy().astype(np.int64)
         bad = nonfinite > 0
         if bad.any():
             host[bad] = np.nan_to_num(host[bad], nan=0.0, posinf=0.0, neginf=0.0)
-        return host, nonfinite
+        return HostAudio(host, nonfinite, pcm16)
+
+
+def _pinned_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of device tensor `x` in pinned host memory, queued on the current stream."""
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host
 
 
 def _to_host(audio: torch.Tensor, precision: str) -> VocodeOut:

@@ -429,7 +429,7 @@ class EngineCore:
         failed = [(s, why) for s, why in failed if s.spec.session_id in self._sessions]
         with stage("engine.deliver"):
             for c in chunks:
-                self.output.chunk(c.session, c.utterance, c.samples, c.precision, c.fallback, now)
+                self.output.chunk(c.session, c.utterance, c.samples, c.precision, c.fallback, now, c.pcm16)
             made = [(c.session.spec.session_id, c.session.spec.voice_name, c.fallback,
                      len(c.samples) / c.session.sample_rate) for c in chunks]
             self.telemetry.decoder_step(planned, made, start, now, time.monotonic(),

@@ -41,6 +41,7 @@ class Chunk:
     samples: np.ndarray
     precision: str
     fallback: bool
+    pcm16: np.ndarray | None = None  # the same samples as int16 PCM, where the step's guard made them
 
 
 @dataclass
@@ -51,7 +52,7 @@ class _InFlight:
     precision: str
     frames: int
     fed: list[int]  # each row's frames fed before this step
-    pending: Any  # backend handle: .result() -> (host audio [B, S], non-finite count per row)
+    pending: Any  # backend handle: .result() -> HostAudio
     t0: float
 
 
@@ -380,7 +381,7 @@ class Executor:
 
     def _cut(self, flight: _InFlight) -> list[Chunk]:
         with stage("step.wait"), self.timeline.timed("landed", rows=len(flight.rows)):
-            audio, nonfinite = flight.pending.result()
+            audio, nonfinite, pcm16 = flight.pending.result()
         rows, precision, frames = flight.rows, flight.precision, flight.frames
         runtime = rows[0][0].spec.runtime
         dec = self.slots(runtime, precision).decoder
@@ -392,39 +393,41 @@ class Executor:
         hop = dec.hop
         for i, (s, u) in enumerate(rows):
             start = (flight.fed[i] - dec.lag) * hop  # position of audio[i, 0] in the utterance
-            lo, hi = max(0, start), min(u.frames * hop, start + frames * hop)
+            lo = max(0, start)
+            hi = max(lo, min(u.frames * hop, start + frames * hop))  # lo == hi: none of it is this utterance's
             fallback = False
             if nonfinite[i] and precision != "fp32":
-                samples = self._redo_fp32(s, u, lo, hi)
+                samples, pcm = self._redo_fp32(s, u, lo, hi)
                 fallback = True
             else:
                 if nonfinite[i]:
                     self.stats.nonfinite_fp32 += 1  # zeroed by the guard: no FP32 to fall back to
-                samples = audio[i, lo - start : hi - start] if hi > lo else np.zeros(0, np.float32)
+                samples, pcm = audio[i, lo - start : hi - start], pcm16[i, lo - start : hi - start]
                 if self.shadow is not None and precision != "fp32" and hi > lo:
                     self.shadow.offer(runtime.backend, u.utt.z_p, (lo // hop, hi // hop),  # type: ignore[union-attr]
                                       (runtime.flow_halo, runtime.voc_halo), hop, u.utt.sid_batch,  # type: ignore[union-attr]
                                       samples)
-            self.stats.audio_seconds += (hi - lo) / runtime.sample_rate if hi > lo else 0.0
-            out.append(Chunk(s, u, samples, u.precision if not fallback else "fp32", fallback))
+            self.stats.audio_seconds += (hi - lo) / runtime.sample_rate
+            out.append(Chunk(s, u, samples, u.precision if not fallback else "fp32", fallback, pcm))
         return out
 
-    def _redo_fp32(self, s: SessionState, u: UtteranceState, lo: int, hi: int) -> np.ndarray:
+    def _redo_fp32(self, s: SessionState, u: UtteranceState, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """Guard tripped: decode this utterance again in FP32 up to where the FP16 step got
-        (same prior sample), keep this chunk's span, and continue the utterance in FP32."""
+        (same prior sample), keep this chunk's span (audio and PCM), and continue the utterance
+        in FP32."""
         runtime = s.spec.runtime
         self.release(s, u)
         u.precision = "fp32"
         if not self._start(s, u):  # the session fails with this; the others go on
             raise RuntimeError("no FP32 decoder slot or prior memory free for a guard redo")
         pool = self.slots(runtime, "fp32")
-        audio, _ = runtime.backend.guarded_host(self._replay(s, u))  # type: ignore[attr-defined]
+        audio, _, pcm16 = runtime.backend.guarded_host(self._replay(s, u))  # type: ignore[attr-defined]
         start = -pool.decoder.lag * pool.decoder.hop
         self.stats.fallbacks += 1
         log.warning("guard tripped (session %d): chunk recomputed in fp32", s.spec.session_id)
         if self.on_trip is not None:
             self.on_trip(s.spec.voice_name)
-        return audio[0, lo - start : hi - start] if hi > lo else np.zeros(0, np.float32)
+        return audio[0, lo - start : hi - start], pcm16[0, lo - start : hi - start]
 
     def _staged_chunk(self, s: SessionState, u: UtteranceState, others_urgent: bool) -> Chunk:
         """The next chunk of one utterance from its staged decoder (FP32, CPU)."""

@@ -37,16 +37,18 @@ class OutputStage:
                 p.noise_scale, p.noise_w, p.seed, spec.precision, spec.schedule, spec.word_timings)
 
     def chunk(self, s: SessionState, u: UtteranceState, samples: np.ndarray, precision: str, fallback: bool,
-              now: float) -> None:
-        """Deliver one decoded chunk of `s`'s head utterance `u`; retire `u` after its last."""
+              now: float, pcm16: np.ndarray | None = None) -> None:
+        """Deliver one decoded chunk of `s`'s head utterance `u` (and its int16 PCM, where the
+        step made it); retire `u` after its last."""
         samples = np.ascontiguousarray(samples, dtype=np.float32)
         spans = u.word_spans if u.chunk_index == 0 else []
         u.chunk_index += 1
         u.samples_done += len(samples)
         if len(samples) or spans:
-            self._emit(s, ChunkResult(samples, u.index, spans, precision, fallback, False), now)
+            self._emit(s, ChunkResult(samples, u.index, spans, precision, fallback, False, pcm16), now)
         if u.cache_key is not None and len(samples):
-            u.chunks.append(samples)
+            # A copy: a chunk is a view of its whole step's audio, which the cache must not keep.
+            u.chunks.append(samples.copy() if samples.base is not None else samples)
             u.precisions.append(precision)
         if u.samples_done >= u.frames * s.spec.runtime.hop:
             self._retire(s, u, now)

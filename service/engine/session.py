@@ -321,7 +321,8 @@ class EngineSession:
         self._model_offset += len(chunk.samples)
         self._fallbacks += int(chunk.fallback)
         before = self._output.samples_out
-        data = self._output.convert(chunk.samples)
+        pcm16 = chunk.pcm16 if chunk.pcm16 is not None and self._output.accepts_pcm16 else None
+        data = self._output.convert(chunk.samples if pcm16 is None else pcm16)
         self._emit_audio(data, self._output.samples_out - before, chunk.utterance, chunk.precision,
                          chunk.fallback, words)
 

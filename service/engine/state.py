@@ -32,6 +32,9 @@ class ChunkResult:
     precision: str
     fallback: bool
     cached: bool
+    # The same samples as 16-bit PCM (`float_to_int16`'s), where the step's guard made them on
+    # the device: outputs of 16-bit PCM at the voice's rate take these, no conversion per chunk.
+    pcm16: np.ndarray | None = None
 
 
 class Loop(Protocol):

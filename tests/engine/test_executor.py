@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from service.audio.encoding import float_to_int16
 from service.backends.torch_backend import TorchBackend
 from service.engine.config import BatchConfig
 from service.engine.executor import Executor
@@ -101,6 +102,9 @@ def test_a_guard_trip_in_a_batch_redoes_only_the_tripped_row(
     assert all(c.precision == "fp16" for c in chunks[0] + chunks[2])
     k = next(i for i, c in enumerate(chunks[1]) if c.fallback)
     assert all(c.precision == "fp32" for c in chunks[1][k:])  # the rest of the utterance stays FP32
+    # Each chunk's PCM, the guard's, redone chunk included, is its samples' as the output would make it.
+    assert all(c.pcm16 is not None and np.array_equal(c.pcm16, float_to_int16(c.samples))
+               for row in chunks for c in row)
     for got, ref in zip(chunks, reference, strict=True):
         audio = np.concatenate([c.samples for c in got])
         expected = np.concatenate([c.samples for c in ref])
