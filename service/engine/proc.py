@@ -10,8 +10,7 @@ server -> core: ("batch", [message, ...]), the messages of one event-loop turn, 
   ("open", SessionRequest, takes int16 PCM), ("text", id, text), ("end", id), ("cancel", id),
   ("read", {id: seconds read}), ("load", call, voice name), ("reset_rate",), ("settle",), ("stop",)
 core -> server: ("ready", {name: LoadedVoice}) or ("failed", exception) once at start; then
-  ("out", [(id, sink method, args)], [(telemetry method, args)], float32 audio, int16 audio) (see
-  `_Flush.wire`), ("snapshot", CoreSnapshot),
+  ("out", [(id, sink method, args)], [(telemetry method, args)]), ("snapshot", CoreSnapshot),
   ("reply", call, LoadedVoice or error text), ("trip", voice), ("settled",), ("died", why), ("stopped",)
 
 The core counts what it delivered to each session and the server reports what each client
@@ -42,8 +41,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
-
-import numpy as np
 
 from service.audio.encoding import float_to_int16
 from service.engine.config import EngineConfig
@@ -83,41 +80,13 @@ class ApiSlot:
 SOLE_SERVER = ApiSlot()  # one API server process: the usual case
 
 
-# Arrays this large cross out of band: written from their own memory after the pickle (the write
-# gives the GIL up), not copied into it while holding the GIL.
-OUT_OF_BAND_BYTES = 1 << 16
-
-
-def _dumps(message: tuple[object, ...]) -> list[bytes | memoryview]:
-    """`message` as the frames that carry it: the pickle, preceded by how many out-of-band
-    buffers follow it, then those buffers."""
-    buffers: list[memoryview] = []
-
-    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
-        view = buffer.raw()
-        if view.nbytes < OUT_OF_BAND_BYTES:
-            return True  # in band
-        buffers.append(view)
-        return False
-
-    data = pickle.dumps(message, protocol=5, buffer_callback=out_of_band)
-    return [len(buffers).to_bytes(4, "little") + data, *buffers]
-
-
 def _send(conn: Connection, message: tuple[object, ...]) -> None:
-    """One message (one writer per pipe end: a `_PipeWriter` thread on each side)."""
-    _write(conn, _dumps(message))
-
-
-def _write(conn: Connection, frames: Sequence[bytes | memoryview]) -> None:
-    for frame in frames:
-        conn.send_bytes(frame)
+    """One message, pickled (one writer per pipe end: a `_PipeWriter` thread on each side)."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _recv(conn: Connection) -> Any:
-    data = conn.recv_bytes()
-    buffers = [conn.recv_bytes() for _ in range(int.from_bytes(data[:4], "little"))]
-    return pickle.loads(memoryview(data)[4:], buffers=buffers)
+    return pickle.loads(conn.recv_bytes())
 
 
 class _PipeWriter:
@@ -151,7 +120,7 @@ class _PipeWriter:
         while (message := self._queue.get()) is not _CLOSE:
             try:
                 if isinstance(message, _Pickled):
-                    _write(self._conn, message.frames)
+                    self._conn.send_bytes(message.data)
                 else:
                     _send(self._conn, self._prepare(message))
             except (OSError, EOFError):  # the other side is gone (its side reports why)
@@ -167,7 +136,7 @@ _CLOSE = object()
 class _Pickled:
     """A message pickled once for several pipes (the core's figures go to every API server)."""
 
-    frames: list[bytes | memoryview]
+    data: bytes
 
 
 # --- server side ---------------------------------------------------------------------------------
@@ -372,7 +341,7 @@ class ProcessHost:
                 break
             kind = message[0]
             if kind == "out":
-                self._deliver(unwire(message[1], message[3], message[4]))
+                self._deliver(message[1])
                 for name, args in message[2]:
                     try:
                         getattr(self.telemetry, name)(*args)
@@ -441,49 +410,20 @@ class _Flush:
     pcm16: list[int]
 
     def wire(self) -> tuple[object, ...]:
-        """The ("out", deliveries, telemetry, float32 audio, int16 audio) message. A chunk
-        crosses as its fields (`_CHUNK_FIELDS`) and its samples as a slice of one of two
-        buffers, each sent out of band: per chunk, pickling an array (and converting it to
-        int16) holds the GIL, which the engine thread needs back after each native call. The
-        int16 PCM is the step's own (made by the guard on the device); only chunks without it
-        (cache replays, the CPU's staged decoder) are converted here."""
+        """The ("out", ...) message. Chunks of sessions taking int16 cross as the step's own PCM
+        (made by the guard on the device), else (cache replays, the CPU's staged decoder)
+        converted here; the others as float32 alone."""
         pcm16 = set(self.pcm16)
-        floats: list[np.ndarray] = []
-        ints: list[np.ndarray] = []
-        out: list[tuple[int, str, tuple[Any, ...]]] = []
         for i, (session_id, method, args) in enumerate(self.out):
-            if method == "on_chunk":
-                chunk: ChunkResult = args[0]
-                if i in pcm16:
-                    ints.append(chunk.pcm16 if chunk.pcm16 is not None else float_to_int16(chunk.samples))
-                else:
-                    floats.append(chunk.samples)
-                args = (len(chunk.samples), i in pcm16, *(getattr(chunk, f) for f in _CHUNK_FIELDS))
-            out.append((session_id, method, args))
-        f32 = np.concatenate(floats) if floats else np.zeros(0, np.float32)
-        i16 = np.concatenate(ints) if ints else np.zeros(0, np.int16)
-        return ("out", out, self.telemetry, f32, i16)
-
-
-# What crosses of a ChunkResult besides its samples (the PCM is the samples, for a session taking it).
-_CHUNK_FIELDS = tuple(f.name for f in dataclasses.fields(ChunkResult) if f.name not in ("samples", "pcm16"))
-
-
-def unwire(out: Sequence[tuple[int, str, tuple[Any, ...]]], f32: np.ndarray,
-           i16: np.ndarray) -> list[tuple[int, str, tuple[Any, ...]]]:
-    """The deliveries of an ("out", ...) message, each chunk's samples a view of its buffer
-    (int16 for sessions taking 16-bit PCM)."""
-    at = {False: 0, True: 0}
-    delivered: list[tuple[int, str, tuple[Any, ...]]] = []
-    for session_id, method, args in out:
-        if method == "on_chunk":
-            n, is_int16, *fields = args
-            buffer = i16 if is_int16 else f32
-            samples = buffer[at[is_int16]: at[is_int16] + n]
-            at[is_int16] += n
-            args = (ChunkResult(samples, *fields),)
-        delivered.append((session_id, method, args))
-    return delivered
+            if method != "on_chunk":
+                continue
+            chunk: ChunkResult = args[0]
+            if i in pcm16:
+                samples = chunk.pcm16 if chunk.pcm16 is not None else float_to_int16(chunk.samples)
+                self.out[i] = (session_id, method, (dataclasses.replace(chunk, samples=samples, pcm16=None),))
+            elif chunk.pcm16 is not None:
+                self.out[i] = (session_id, method, (dataclasses.replace(chunk, pcm16=None),))
+        return ("out", self.out, self.telemetry)
 
 
 class _Outbox:
@@ -507,9 +447,9 @@ class _Outbox:
         self._writer.put(message)
 
     # Audio one pipe message carries at most (bytes as sent; a flush with more goes as several).
-    # Building a message (the buffers' copies, the pickle) holds the GIL from start to end, and
-    # the engine thread needs it back after each of its native calls: the server also gets the
-    # first part of a large flush sooner.
+    # Pickling a message holds the GIL from start to end (C code: no bytecode to switch at), and
+    # the engine thread needs the GIL back after each of its native calls: a whole step's output
+    # in one message kept it waiting for milliseconds.
     MAX_MESSAGE_AUDIO_BYTES = 1 << 20
 
     def call_soon_threadsafe(self, callback: Callable[..., object], *args: object) -> None:
@@ -557,11 +497,6 @@ class _Outbox:
         with self._tlock:
             taken, self._telemetry = self._telemetry, []
         return taken
-
-    def send_telemetry(self) -> None:
-        """What was recorded since the last flush, without audio."""
-        if pending := self.take_telemetry():
-            self._writer.put(_Flush([], pending, []))
 
     def close(self) -> None:
         self._writer.close(5)
@@ -616,7 +551,7 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
     first = outboxes[0]
 
     def to_all(*message: object) -> None:
-        pickled = _Pickled(_dumps(message))
+        pickled = _Pickled(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         for outbox in outboxes:
             outbox.send_pickled(pickled)
 
@@ -644,7 +579,8 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
             figures = dataclasses.replace(snapshot(core, device),
                                           open_sessions=tuple(len(o.cursors) for o in outboxes))
             to_all("snapshot", figures)
-            first.send_telemetry()
+            if pending := first.take_telemetry():
+                first.send("out", [], pending)
 
     threading.Thread(target=tick, name="cadenza-engine-ticker", daemon=True).start()
 
@@ -720,7 +656,8 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
     finally:
         stop.set()
         core.stop()
-        first.send_telemetry()
+        if pending := first.take_telemetry():
+            first.send("out", [], pending)
         for outbox in reading.values():  # servers still attached (the first stopped before them)
             if outbox is not first:
                 outbox.send("died", "the engine core stopped")

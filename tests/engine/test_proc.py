@@ -150,30 +150,28 @@ def test_chunks_for_pcm16_sessions_cross_the_pipe_as_int16() -> None:
 
     from service.audio.encoding import float_to_int16
     from service.engine.output import run_all
-    from service.engine.proc import _Outbox, _recv, _RemoteSink, unwire
+    from service.engine.proc import _Outbox, _recv, _RemoteSink
     from service.engine.state import ChunkResult, ReadCursor
 
     here, there = multiprocessing.Pipe()
     outbox = _Outbox(there)
-    samples = np.linspace(-1.2, 1.2, 40_001, dtype=np.float32)  # large enough to cross out of band
-    chunk = ChunkResult(samples, 0, [("hello", 0, 500)], "fp32", False, False)
+    samples = np.linspace(-1.2, 1.2, 1001, dtype=np.float32)
+    chunk = ChunkResult(samples, 0, [], "fp32", False, False)
     # A step's chunk carries the guard's PCM: that crosses as it is (here made different on purpose).
-    stepped = ChunkResult(samples, 1, [], "fp16", True, False, pcm16=np.arange(40_001).astype(np.int16))
+    stepped = ChunkResult(samples, 1, [], "fp16", True, False, pcm16=np.arange(1001).astype(np.int16))
     pcm16, floats = _RemoteSink(1, ReadCursor(), 22050, pcm16=True), _RemoteSink(2, ReadCursor(), 22050)
     outbox.call_soon_threadsafe(run_all, [(pcm16, "on_chunk", (chunk,)), (floats, "on_chunk", (chunk,)),
                                           (pcm16, "on_chunk", (stepped,)), (floats, "on_chunk", (stepped,))])
-    kind, wire, _, f32, i16 = _recv(here)
+    kind, out, _ = _recv(here)
     outbox.close()
-    out = unwire(wire, f32, i16)  # each kind of samples crosses as one array
-    assert (f32.dtype, len(f32), i16.dtype, len(i16)) == (np.float32, 80_002, np.int16, 80_002)
     assert kind == "out" and [(sid, method) for sid, method, _ in out] == [(1, "on_chunk"), (2, "on_chunk")] * 2
     converted, untouched = out[0][2][0].samples, out[1][2][0].samples
     assert converted.dtype == np.int16 and np.array_equal(converted, float_to_int16(samples))
     assert untouched.dtype == np.float32 and np.array_equal(untouched, samples)
     assert np.array_equal(out[2][2][0].samples, stepped.pcm16) and np.array_equal(out[3][2][0].samples, samples)
-    assert [(c.utterance, c.word_spans, c.precision, c.fallback, c.pcm16) for _, _, (c,) in out] == [
-        (0, [("hello", 0, 500)], "fp32", False, None)] * 2 + [(1, [], "fp16", True, None)] * 2
-    assert chunk.samples is samples and pcm16.cursor.delivered_s == floats.cursor.delivered_s == 2 * 40_001 / 22050
+    assert [(c.utterance, c.precision, c.fallback, c.pcm16) for _, _, (c,) in out] == [
+        (0, "fp32", False, None)] * 2 + [(1, "fp16", True, None)] * 2  # the PCM crosses once, as the samples
+    assert chunk.samples is samples and pcm16.cursor.delivered_s == floats.cursor.delivered_s == 2 * 1001 / 22050
 
 
 def test_core_wakes_when_a_read_frees_a_session_it_holds_back() -> None:
@@ -207,7 +205,7 @@ def test_a_large_flush_crosses_the_pipe_as_several_messages_in_order(monkeypatch
     import multiprocessing
 
     from service.engine.output import run_all
-    from service.engine.proc import _Outbox, _recv, _RemoteSink, unwire
+    from service.engine.proc import _Outbox, _recv, _RemoteSink
     from service.engine.state import ChunkResult, ReadCursor
 
     monkeypatch.setattr(_Outbox, "MAX_MESSAGE_AUDIO_BYTES", 10_000)
@@ -225,7 +223,6 @@ def test_a_large_flush_crosses_the_pipe_as_several_messages_in_order(monkeypatch
             messages.append(_recv(here))
     finally:
         outbox.close()
-    messages = [(kind, unwire(out, f32, i16), telemetry) for kind, out, telemetry, f32, i16 in messages]
     assert len(messages) > 1 and all(kind == "out" for kind, _, _ in messages)
     assert [t for _, _, t in messages] == [[]] * (len(messages) - 1) + [[("decoder_step", ("x",))]]
     for _, out, _ in messages[:-1]:  # 4 bytes a float sample, 2 an int16 one
