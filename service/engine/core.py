@@ -80,6 +80,7 @@ class EngineCore:
         self._acoustic_job_s = 0.0  # acoustic-stage seconds per sentence, recent average (the scheduler's estimate)
         # Throughput window: (start, busy seconds, audio seconds, steps, rows) at its start.
         self._window: tuple[float, float, float, int, int] | None = None
+        self._busy_share = 0.0  # of the last closed window
         self._specs: dict[int, WorkSpec] = {}  # for the frontend thread (guarded by _cv)
         self._texts_sent: dict[int, int] = {}  # per session: texts handed to the frontend (loop side)
         self._frontend: FrontendPool | None = None
@@ -242,12 +243,22 @@ class EngineCore:
         wall = now - start
         if wall < self.RATE_WINDOW_S:
             return
+        self._busy_share = busy / wall
         n = st.steps - steps
         if busy >= self.BUSY_SHARE * wall and n and (st.rows - rows) / n >= self.FULL_ROWS:
             rate = (st.audio_seconds - audio) / busy
             old = self.executor.engine_rate
             self.executor.engine_rate = rate if not old else 0.7 * old + 0.3 * rate
         self._window = (now, 0.0, st.audio_seconds, st.steps, st.rows)
+
+    def busy_share(self) -> float:
+        """The share of its time the engine thread worked over about the last `RATE_WINDOW_S`
+        (an idle thread closes no window: then the open one, once it is that long, says it)."""
+        window = self._window
+        if window is None:
+            return 0.0
+        wall = time.monotonic() - window[0]
+        return window[1] / wall if wall >= self.RATE_WINDOW_S else self._busy_share
 
     def _die(self, exc: BaseException) -> None:
         """Record the death and fail what this thread still holds (the event loop side fails

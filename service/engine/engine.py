@@ -279,17 +279,26 @@ class TtsEngine:
         capacity = self.host.snapshot().capacity
         return capacity.get(auto or "") or capacity.get("")
 
+    # The measured capacity refuses sessions only while the engine thread works this share of
+    # its time: open sessions waiting for text (an LLM's) or held back ahead of their clients ask
+    # nothing of the engine, so open sessions past the estimate need not mean it is full.
+    SATURATED_BUSY_SHARE = 0.9
+
     async def _admit(self) -> float:
-        """At capacity, or while the engine is behind (a session waits too long for its first
-        audio), wait a little for room; then refuse with a clear status. Returns the seconds waited."""
+        """At capacity (a pinned figure; the measured one while the engine is saturated), or
+        while the engine is behind (a session waits too long for its first audio), wait a little
+        for room; then refuse with a clear status. Returns the seconds waited."""
         limits = self.config.limits
         if limits.admission_wait_s <= 0:
             return 0.0
         capacity = self.capacity_streams()
+        pinned = limits.capacity_streams is not None
 
         def full() -> bool:
-            at_capacity = capacity is not None and self.open_sessions >= capacity
-            return at_capacity or self.host.snapshot().first_audio_wait_s > limits.admission_first_audio_s
+            snap = self.host.snapshot()
+            at_capacity = capacity is not None and self.open_sessions >= capacity and (
+                pinned or snap.busy_share >= self.SATURATED_BUSY_SHARE)
+            return at_capacity or snap.first_audio_wait_s > limits.admission_first_audio_s
 
         if not full():
             return 0.0

@@ -49,6 +49,7 @@ class CoreSnapshot:
     cache_misses: int = 0
     cache_bytes: int = 0
     first_audio_wait_s: float = 0.0  # the longest any session has waited for its first audio
+    busy_share: float = 0.0  # of its recent time the engine thread worked (see EngineCore.busy_share)
     active_work: int = 0  # sessions the core still holds state for
     # Sessions the core has open for each API server process (serve --api-servers): admission
     # counts the others' from here, its own exactly.
@@ -193,7 +194,8 @@ def snapshot(core: EngineCore, device: str) -> CoreSnapshot:
     gpu = _GPU_MEMORY.read(device) if device.startswith("cuda") else {}
     return CoreSnapshot(
         stats=EngineStats(**vars(core.stats)), cache_hits=cache.hits, cache_misses=cache.misses,
-        cache_bytes=cache.bytes, first_audio_wait_s=core.first_audio_wait(), active_work=core.active_work,
+        cache_bytes=cache.bytes, first_audio_wait_s=core.first_audio_wait(), busy_share=core.busy_share(),
+        active_work=core.active_work,
         capacity=capacity, shadow_verified=shadow.verified if shadow else 0,
         shadow_min_psnr_db=shadow.psnr.minimum if shadow and shadow.verified else math.inf, gpu_memory=gpu,
         frozen_objects=_Heap.frozen)

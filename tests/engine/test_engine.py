@@ -412,6 +412,46 @@ def test_admission_waits_while_the_engine_is_behind(monkeypatch: pytest.MonkeyPa
         h.close()
 
 
+def test_the_measured_capacity_refuses_only_while_the_engine_is_saturated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the measured estimate (not a pinned one) sessions still get in while the engine
+    thread has time to spare (open sessions waiting for text ask nothing of it); once it works
+    nearly all the time, new sessions wait and are refused."""
+    h = EngineHarness(tiny_engine_config(limits=Limits(admission_wait_s=0.2)))
+    try:
+        async def run() -> None:
+            core = h.engine.host.core
+            monkeypatch.setattr(core.executor, "capacity_streams", lambda precision=None: 1.0)
+            assert h.engine.server_info().capacity_streams == 1.0
+            monkeypatch.setattr(core, "busy_share", lambda: 0.5)
+            a = await h.engine.open_session(SessionConfig())
+            b = await h.engine.open_session(SessionConfig())  # past the estimate, the engine idle
+            monkeypatch.setattr(core, "busy_share", lambda: 0.95)
+            with pytest.raises(ResourceExhausted, match=r"capacity: 2 sessions open \(about 1 real-time"):
+                await h.engine.open_session(SessionConfig())
+            a.cancel()
+            b.cancel()
+
+        h.run(run())
+    finally:
+        h.close()
+
+
+def test_the_engine_threads_busy_share_covers_idle_time(harness: EngineHarness) -> None:
+    """The share comes from the last closed window, or from the open one once it is long (an
+    idle thread closes none): a busy spell long ago does not read as saturated now."""
+    core = harness.engine.host.core  # idle: its thread touches no window meanwhile
+    saved = core._window, core._busy_share
+    try:
+        now = time.monotonic()
+        core._window, core._busy_share = (now - 0.5, 0.5, 0.0, 0, 0), 0.95  # a short open window: the last closed
+        assert core.busy_share() == 0.95
+        core._window = (now - 10.0, 0.5, 0.0, 0, 0)  # idle since: the open window says so
+        assert core.busy_share() == pytest.approx(0.05, abs=0.01)
+        assert harness.engine.host.snapshot().busy_share == pytest.approx(0.05, abs=0.01)
+    finally:
+        core._window, core._busy_share = saved
+
+
 def test_a_client_that_stops_reading_is_ended_after_the_stall_limit() -> None:
     """Held back by backpressure for `stall_timeout_s`, a session ends with ClientStalled
     (DEADLINE_EXCEEDED on the wire) and the engine forgets it."""
