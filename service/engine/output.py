@@ -70,7 +70,8 @@ class OutputStage:
     def _emit(self, s: SessionState, chunk: ChunkResult, now: float) -> None:
         if s.first_audio_at is None:
             s.first_audio_at = now
-            self.telemetry.first_audio_stages(s.marks.stages(now))
+            if not s.spec.internal:  # a warm-up's first audio waits for CUDA graph captures
+                self.telemetry.first_audio_stages(s.marks.stages(now))
             m = s.marks
             self.timeline.add("first_audio", sid=s.spec.session_id, sent=m.sent, phonemized=m.phonemized,
                               acoustic_start=m.acoustic_start, acoustic_end=m.acoustic_end, step_start=m.step_start)

@@ -137,6 +137,9 @@ def test_prometheus_scrapes_ttfa_and_active_sessions(serve: tuple[int, int], pro
         _wait_for(prometheus, "sum(cadenza_sessions_active)", 0.0)
         # The held session's first audio was counted when it came, not again when the session ended.
         assert _query(prometheus, "sum(cadenza_session_time_to_first_audio_seconds_count)") == 3.0
+        # Where first audio went counts the same sessions: not the server's warm-up ones (whose
+        # first audio waits for the start-up's captures).
+        assert _query(prometheus, 'sum(cadenza_session_first_audio_stage_seconds_count{stage="frontend"})') == 3.0
         assert _query(prometheus, "sum(cadenza_sessions_admitted_total)") == 3.0
         assert _query(prometheus, 'up{job="cadenza"}') == 1.0
     finally:
