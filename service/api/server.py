@@ -27,7 +27,7 @@ from service.api.native import add_native
 from service.api.ports import DEFAULT_HOST, DEFAULT_PORT, PortInUseError, check_port_free
 from service.api.processes import ApiServers
 from service.api.riva import add_riva
-from service.engine.api import Engine
+from service.engine.api import ENGINE_DIED, Engine
 from service.engine.config import EngineConfig, Limits
 from service.engine.engine import TtsEngine
 from service.engine.proc import ApiSlot
@@ -269,7 +269,7 @@ class CadenzaServer:
             if self.engine.dead:
                 self.engine_failed = True
                 await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-                self.engine.fail_all(RuntimeError("the engine thread died; see the server log"))
+                self.engine.fail_all(RuntimeError(ENGINE_DIED))
                 await self.stop()
                 return
             await asyncio.sleep(every_s)

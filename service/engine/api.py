@@ -49,6 +49,7 @@ MAX_SAMPLE_RATE = 48000
 MIN_SPEAKING_RATE = 0.25
 MAX_SPEAKING_RATE = 4.0
 MAX_ECHO_CHARS = 80  # client input quoted in an error message is cut to this many characters
+ENGINE_DIED = "the engine thread died; see the server log"  # what the sessions it leaves end with
 
 
 def echo(value: object, limit: int = MAX_ECHO_CHARS) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from service.engine.api import ENGINE_DIED
 from service.engine.cache import ResultCache
 from service.engine.config import BatchConfig
 from service.engine.executor import Executor
@@ -268,7 +269,7 @@ class EngineCore:
         self.dead.set()
         for s in list(self._sessions.values()):
             try:
-                self._fail(s, RuntimeError("the engine thread died"))
+                self._fail(s, RuntimeError(ENGINE_DIED))
             except Exception:  # best effort: the loop side fails them anyway
                 log.exception("could not fail a session after the engine thread died")
         self.output.flush()

@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import pickle
 import queue
+import selectors
 import signal
 import sys
 import threading
@@ -39,10 +40,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 from service.audio.encoding import float_to_int16
+from service.engine.api import ENGINE_DIED
 from service.engine.config import EngineConfig
 from service.engine.host import CoreSnapshot, LoadedVoice, Runtimes, build_core, settle_heap, snapshot
 from service.engine.output import Delivery, hand_over
@@ -371,6 +373,14 @@ class ProcessHost:
         self.dead.set()
         for future in self._calls.values():
             future.set_exception(RuntimeError(why))
+        # Nothing more comes for the open sessions: end them here, not only from the server's
+        # watcher (which starts once the server is up: a core dying in the warm-up would
+        # otherwise leave the warm-up session, and the server's start, waiting for ever).
+        ended: dict[Loop, list[Delivery]] = {}
+        for sink, loop in list(self._sinks.values()):
+            ended.setdefault(loop, []).append((sink, "on_error", (RuntimeError(ENGINE_DIED),)))
+        self._sinks.clear()
+        hand_over(ended)
 
     def _deliver(self, items: Sequence[tuple[int, str, tuple[object, ...]]]) -> None:
         """Hand one flush of the core's results to the sessions' event loops, one wake-up each."""
@@ -634,13 +644,18 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
         outbox.close()
 
     reading = dict(zip(conns, outboxes, strict=True))
+    # Several pipes: one selector for as long as they are open (`multiprocessing.connection.wait`
+    # builds one at every call, holding the GIL the engine thread waits for after each native call).
+    # One pipe: block on it.
+    selector = selectors.DefaultSelector() if len(conns) > 1 else None
+    if selector is not None:
+        for each in conns:
+            selector.register(each, selectors.EVENT_READ)
     try:
         while first.conn in reading:
-            # One pipe: block on it. `wait` builds a selector at each call, and the reader holds
-            # the GIL for that while the engine thread waits for it after each native call.
-            ready = wait(list(reading)) if len(reading) > 1 else list(reading)
+            ready = [key.fileobj for key, _ in selector.select()] if selector is not None else list(reading)
             for one in ready:
-                conn: Connection = one  # type: ignore[assignment]  # wait() hands back what it was given
+                conn: Connection = one  # type: ignore[assignment]  # registered as a Connection
                 outbox = reading[conn]
                 try:
                     batch = _recv(conn)
@@ -651,9 +666,13 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
                     go_on = all(apply(message, outbox) for message in batch[1])
                 if not go_on:
                     del reading[conn]
+                    if selector is not None:
+                        selector.unregister(conn)
                     if outbox is not first:
                         let_go(outbox)
     finally:
+        if selector is not None:
+            selector.close()
         stop.set()
         core.stop()
         if pending := first.take_telemetry():

@@ -118,6 +118,31 @@ def test_a_dead_core_process_fails_sessions_and_the_server_stops() -> None:
         server.close()
 
 
+def test_a_core_process_that_dies_in_the_warm_up_fails_the_start() -> None:
+    """The relay ends every open session when the core's pipe closes, with no server watching
+    yet: a core that dies during the warm-up (here killed as soon as it said ready, the warm-up
+    made long) makes the engine's start fail with that, instead of waiting for ever."""
+    from service.engine.engine import TtsEngine
+
+    engine = TtsEngine(tiny_engine_config(core="process", warmup_text=LONG * 4))
+    host = engine.host
+    assert isinstance(host, ProcessHost)
+
+    async def run() -> None:
+        start = asyncio.create_task(engine.start())
+        while host._receiver is None and not start.done():  # the core has said ready
+            await asyncio.sleep(0.005)
+        assert host._proc is not None and not start.done()
+        host._proc.kill()
+        with pytest.raises(RuntimeError, match="the engine thread died"):
+            await asyncio.wait_for(start, 30)
+
+    try:
+        asyncio.run(run())
+    finally:
+        host.stop()
+
+
 def test_telemetry_of_the_core_reaches_the_server() -> None:
     seen = observed()
     server = ObservedServer(tiny_server_config(core="process"), seen)
