@@ -220,6 +220,8 @@ class TtsEngine:
     def open_sessions(self) -> int:
         """Sessions open on this server, in every API server process: this one's exactly, the
         others' as the core last counted them (limits and admission count these)."""
+        if self.slot.count == 1:  # no others (and a core on a thread makes its snapshot on each call)
+            return self.live_sessions
         others = self.host.snapshot().open_sessions
         return self.live_sessions + sum(n for i, n in enumerate(others) if i != self.slot.index)
 
@@ -315,6 +317,12 @@ class TtsEngine:
             f"fit on this {self.device}; a session has waited {behind:.1f} s for its first audio); retry shortly or "
             "connect to another replica")
 
+    def _check_room(self, internal: bool) -> None:
+        """RESOURCE_EXHAUSTED at `max_sessions` open (the server's own sessions aside)."""
+        if self.open_sessions >= self.config.limits.max_sessions and not internal:
+            raise self._refused("max_sessions", ResourceExhausted(
+                f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"))
+
     async def open_session(self, config: SessionConfig) -> EngineSession:
         return await self._open_session(config, internal=False)
 
@@ -327,10 +335,7 @@ class TtsEngine:
                 "the server is draining (shutting down); connect to another instance"))
         if self.dead:
             raise self._refused("engine_failed", Unavailable("the server's engine failed; connect to another instance"))
-        if self.open_sessions >= self.config.limits.max_sessions and not internal:
-            raise self._refused("max_sessions", ResourceExhausted(
-                f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"
-            ))
+        self._check_room(internal)
         waited = 0.0 if internal else await self._admit()
         info = self._resolve_voice(config)
         sid = self._resolve_speaker(info, config.speaker)
@@ -339,9 +344,7 @@ class TtsEngine:
             await asyncio.get_running_loop().run_in_executor(None, self._load, info)
         decision = self._resolve_precision(config.precision, info.name)
         precision = Precision(decision.precision)
-        if self.open_sessions >= self.config.limits.max_sessions and not internal:  # others opened meanwhile
-            raise self._refused("max_sessions", ResourceExhausted(
-                f"too many open sessions (limit {self.config.limits.max_sessions}); retry later"))
+        self._check_room(internal)  # others opened meanwhile
         setup = SessionSetup(
             session_id=next(self._ids), config=config, in_rate=info.sample_rate,
             out_rate=config.sample_rate or info.sample_rate, precision=precision,

@@ -82,9 +82,13 @@ class ApiSlot:
 SOLE_SERVER = ApiSlot()  # one API server process: the usual case
 
 
+def _dumps(message: tuple[object, ...]) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _send(conn: Connection, message: tuple[object, ...]) -> None:
     """One message, pickled (one writer per pipe end: a `_PipeWriter` thread on each side)."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.send_bytes(_dumps(message))
 
 
 def _recv(conn: Connection) -> Any:
@@ -508,6 +512,11 @@ class _Outbox:
             taken, self._telemetry = self._telemetry, []
         return taken
 
+    def send_telemetry(self) -> None:
+        """What was recorded since the last flush, without audio."""
+        if pending := self.take_telemetry():
+            self.send("out", [], pending)
+
     def close(self) -> None:
         self._writer.close(5)
 
@@ -561,7 +570,7 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
     first = outboxes[0]
 
     def to_all(*message: object) -> None:
-        pickled = _Pickled(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        pickled = _Pickled(_dumps(message))
         for outbox in outboxes:
             outbox.send_pickled(pickled)
 
@@ -589,8 +598,7 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
             figures = dataclasses.replace(snapshot(core, device),
                                           open_sessions=tuple(len(o.cursors) for o in outboxes))
             to_all("snapshot", figures)
-            if pending := first.take_telemetry():
-                first.send("out", [], pending)
+            first.send_telemetry()
 
     threading.Thread(target=tick, name="cadenza-engine-ticker", daemon=True).start()
 
@@ -644,17 +652,14 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
         outbox.close()
 
     reading = dict(zip(conns, outboxes, strict=True))
-    # Several pipes: one selector for as long as they are open (`multiprocessing.connection.wait`
-    # builds one at every call, holding the GIL the engine thread waits for after each native call).
-    # One pipe: block on it.
-    selector = selectors.DefaultSelector() if len(conns) > 1 else None
-    if selector is not None:
-        for each in conns:
-            selector.register(each, selectors.EVENT_READ)
+    # One selector for as long as the pipes are open (`multiprocessing.connection.wait` builds one
+    # at every call, holding the GIL the engine thread waits for after each native call).
+    selector = selectors.DefaultSelector()
+    for each in conns:
+        selector.register(each, selectors.EVENT_READ)
     try:
         while first.conn in reading:
-            ready = [key.fileobj for key, _ in selector.select()] if selector is not None else list(reading)
-            for one in ready:
+            for one in [key.fileobj for key, _ in selector.select()]:
                 conn: Connection = one  # type: ignore[assignment]  # registered as a Connection
                 outbox = reading[conn]
                 try:
@@ -666,17 +671,14 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
                     go_on = all(apply(message, outbox) for message in batch[1])
                 if not go_on:
                     del reading[conn]
-                    if selector is not None:
-                        selector.unregister(conn)
+                    selector.unregister(conn)
                     if outbox is not first:
                         let_go(outbox)
     finally:
-        if selector is not None:
-            selector.close()
+        selector.close()
         stop.set()
         core.stop()
-        if pending := first.take_telemetry():
-            first.send("out", [], pending)
+        first.send_telemetry()
         for outbox in reading.values():  # servers still attached (the first stopped before them)
             if outbox is not first:
                 outbox.send("died", "the engine core stopped")
