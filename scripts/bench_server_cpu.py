@@ -6,7 +6,7 @@ runs in a process of its own. Its CPU time per message delivered is the same wor
 whatever the core's speed, so it can be compared here, on a small CPU, for the GPU host.
 
     .venv/bin/python scripts/bench_server_cpu.py [--old DIR] [--rounds N] [--sessions N] [--cached]
-                                                 [--channels N] [--args "..."] [--old-args "..."]
+                                                 [--channels N] [--tokens] [--args "..."] [--old-args "..."]
 
 Starts `cadenza serve` from this tree ("new") and, with --old, from DIR (a `git archive` of an
 older commit's service/ and kernels/) on free ports, then runs a burst of `--sessions` streams
@@ -17,7 +17,8 @@ messages its sessions received, the CPU per session and per message, and the cli
 The burst is `cadenza bench load --arrival burst` (live synthesis: on a small CPU the core is
 the limit), or with --cached seeded sessions whose sentences the server's result cache already
 holds: the core then answers at once and the server's process is the limit, as on a GPU host.
-`--channels` deals the cached sessions over that many connections; `--args` and `--old-args` are
+`--channels` deals the cached sessions over that many connections, `--tokens` sends their text as
+word-sized deltas (an LLM's tokens: the server's cost per request message); `--args` and `--old-args` are
 extra `cadenza serve` options for each side (with `--old-args` and no `--old`, both sides run this
 tree: an A/B of options). With --cached the core's process CPU per session is printed too."""
 
@@ -28,6 +29,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -83,12 +85,12 @@ class Server:
         messages = sum(s["chunks"] for s in report["sessions"])
         return cpu, messages, float(report["summary"]["ttfa_p99_ms"])
 
-    def cached_burst(self, sessions: int, channels: int = 1) -> tuple[float, int, float, float]:
+    def cached_burst(self, sessions: int, channels: int = 1, tokens: bool = False) -> tuple[float, int, float, float]:
         """Seeded sessions (their audio comes from the result cache) over `channels` connections:
         (server CPU seconds, audio messages, client TTFA p99 ms, the core's process CPU seconds)."""
         core = _core_pid(self.proc.pid)
         before, core_before = _cpu_s(self.proc.pid), _cpu_s(core) if core else 0.0
-        ttfas, messages = asyncio.run(_cached_sessions(f"127.0.0.1:{self.port}", sessions, channels))
+        ttfas, messages = asyncio.run(_cached_sessions(f"127.0.0.1:{self.port}", sessions, channels, tokens))
         cpu, core_cpu = _cpu_s(self.proc.pid) - before, _cpu_s(core) - core_before if core else math.nan
         p99 = statistics.quantiles(ttfas, n=100)[98] * 1000 if len(ttfas) > 1 else ttfas[0] * 1000
         return cpu, messages, p99, core_cpu
@@ -99,9 +101,11 @@ class Server:
         self.log.close()
 
 
-async def _cached_sessions(target: str, sessions: int, channels: int = 1) -> tuple[list[float], int]:
+async def _cached_sessions(target: str, sessions: int, channels: int = 1, tokens: bool = False
+                          ) -> tuple[list[float], int]:
     """`sessions` streams at once over `channels` connections, each two of bench load's sentences
-    with seed 7; returns their TTFAs (seconds) and the audio messages received."""
+    with seed 7 (`tokens`: sent as word-sized deltas, as an LLM's tokens come, without pauses);
+    returns their TTFAs (seconds) and the audio messages received."""
     import grpc
 
     from service.api.gen.cadenza.v1 import tts_pb2 as pb
@@ -115,7 +119,8 @@ async def _cached_sessions(target: str, sessions: int, channels: int = 1) -> tup
 
         async def requests():  # type: ignore[no-untyped-def]
             yield pb.StreamingSynthesizeRequest(config=pb.SessionConfig(seed=7))
-            yield pb.StreamingSynthesizeRequest(text=text)
+            for piece in re.findall(r"\s*\S+", text) if tokens else [text]:
+                yield pb.StreamingSynthesizeRequest(text=piece)
             yield pb.StreamingSynthesizeRequest(end_input=True)
 
         async for response in stub.StreamingSynthesize(requests()):
@@ -144,6 +149,7 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--cached", action="store_true", help="seeded sessions served from the result cache")
     parser.add_argument("--channels", type=int, default=1, help="connections the cached sessions are dealt over")
+    parser.add_argument("--tokens", action="store_true", help="cached sessions send their text as word deltas")
     parser.add_argument("--args", default="", help="extra `cadenza serve` options for this tree")
     parser.add_argument("--old-args", default=None, help="extra `cadenza serve` options for the old side")
     args = parser.parse_args()
@@ -165,7 +171,7 @@ def main() -> int:
             for s in servers if r % 2 == 0 else servers[::-1]:
                 core = ""
                 if args.cached:
-                    cpu, messages, p99, core_cpu = s.cached_burst(args.sessions, args.channels)
+                    cpu, messages, p99, core_cpu = s.cached_burst(args.sessions, args.channels, args.tokens)
                     core_ms.setdefault(s.name, []).append(core_cpu / args.sessions * 1e3)
                     core = f", core process {core_cpu / args.sessions * 1e3:.2f} ms per session"
                 else:

@@ -11,7 +11,7 @@ import asyncio
 import re
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -37,10 +37,10 @@ __all__ = [
     "SEED_METADATA_KEY",
     "UNARY_CHARS_PER_SECOND",
     "CompatServicer",
+    "RequestReader",
     "check_response_size",
     "check_unary_size",
     "language_matches",
-    "next_request",
     "normalize_language",
     "relay_events",
     "renamed",
@@ -191,40 +191,62 @@ def check_language(voice: VoiceDescription, language: str, field: str) -> None:
         )
 
 
-async def next_request(
-    requests: AsyncIterator[T], idle_timeout_s: float, session: Session | None = None,
-    hint: str = "close the stream when the text is complete",
-) -> T | None:
-    """The client's next message, None once it half-closes; IdleTimeout if it goes quiet too long.
+class RequestReader(Generic[T]):
+    """A client's request stream, read with an idle limit: `next()` raises IdleTimeout once it has
+    waited `idle_timeout_s` for a message.
 
-    With a `session`, the idle time counts only while the server has nothing left to send as
-    well (`Session.quiet_s`): a client that listens to long audio without writing is not idle.
+    With a `session` (set once it is open), the idle time counts only while the server has had
+    nothing left to send as well (`Session.quiet_s`): a client that listens to long audio without
+    writing is not idle. The limit is kept by one timer per stream that re-arms itself when it
+    fires early, not by a task and a timed wait per message: the server reads every text delta
+    of every stream, and such a wait cost more of its event loop than the read itself.
     """
-    pending = asyncio.ensure_future(anext(requests))
-    try:
-        wait = idle_timeout_s
-        while True:
-            done, _ = await asyncio.wait({pending}, timeout=wait)
-            if done:
-                try:
-                    return pending.result()
-                except StopAsyncIteration:
-                    return None
-            quiet = idle_timeout_s if session is None else session.quiet_s(time.monotonic())
-            if quiet >= idle_timeout_s:
-                raise IdleTimeout(f"no message for {idle_timeout_s:g} s; {hint}")
-            wait = idle_timeout_s - quiet
-    finally:
-        drop(pending)
 
+    def __init__(self, requests: AsyncIterator[T], idle_timeout_s: float,
+                 hint: str = "close the stream when the text is complete") -> None:
+        self.requests = aiter(requests)
+        self.idle_timeout_s = idle_timeout_s
+        self.session: Session | None = None
+        self._hint = hint
+        self._waiter: asyncio.Task[Any] | None = None  # the task waiting in `next`, if one is
+        self._waiting_since = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._expired = False
 
-def drop(future: asyncio.Future[Any] | None) -> None:
-    """Cancel a read we no longer wait for; whatever it ends with is consumed, so a stream that
-    ends while a read is in flight logs no "exception was never retrieved"."""
-    if future is None:
-        return
-    future.cancel()
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    async def next(self) -> T | None:
+        """The next message, None once the client half-closes."""
+        self._waiter = asyncio.current_task()
+        self._waiting_since = time.monotonic()
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.idle_timeout_s, self._check)
+        try:
+            return await anext(self.requests)
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            if not self._expired:
+                raise
+            assert self._waiter is not None
+            self._waiter.uncancel()
+            raise IdleTimeout(f"no message for {self.idle_timeout_s:g} s; {self._hint}") from None
+        finally:
+            self._waiter = None
+
+    def _check(self) -> None:
+        """The timer: cancel the wait if it is idle, else fire again when it could be. Not waiting
+        (a message is being handled): no timer until the next wait."""
+        self._timer = None
+        if self._waiter is None:
+            return
+        now = time.monotonic()
+        left = self.idle_timeout_s - (now - self._waiting_since)
+        if left <= 0 and self.session is not None:
+            left = self.idle_timeout_s - self.session.quiet_s(now)
+        if left > 0:
+            self._timer = asyncio.get_running_loop().call_later(left, self._check)
+            return
+        self._expired = True
+        self._waiter.cancel()
 
 
 async def relay_events(session: Session, reader: asyncio.Task[None] | None = None) -> AsyncIterator[SessionEvent]:

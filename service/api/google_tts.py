@@ -26,11 +26,11 @@ from service.api.compat import (
     DEFAULT_COMPAT_SEED,
     DEFAULT_IDLE_TIMEOUT_S,
     CompatServicer,
+    RequestReader,
     check_language,
     check_response_size,
     check_unary_size,
     language_matches,
-    next_request,
     relay_events,
     speaker_value,
     unary_text,
@@ -289,9 +289,9 @@ def _input_text(request: Any) -> str:
     return str(request.input.text)
 
 
-async def _push_inputs(requests: AsyncIterator[Any], session: Session, idle_timeout_s: float) -> None:
+async def _push_inputs(requests: RequestReader[Any], session: Session) -> None:
     """Feed the stream's texts to the session; the client closing its side ends the input."""
-    while (request := await next_request(requests, idle_timeout_s, session)) is not None:
+    while (request := await requests.next()) is not None:
         session.push_text(_input_text(request))
     session.end_input()
 
@@ -324,11 +324,11 @@ class GoogleTextToSpeechServicer(CompatServicer):
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         """First request: streaming_config; then text inputs; audio flows back as it is made."""
-        requests = aiter(request_iterator)
+        requests = RequestReader(request_iterator, self._idle_timeout_s)
         session: Session | None = None
         reader: asyncio.Task[None] | None = None
         try:
-            first = await next_request(requests, self._idle_timeout_s)
+            first = await requests.next()
             if first is None:
                 return
             if first.WhichOneof("streaming_request") != "streaming_config":
@@ -337,8 +337,8 @@ class GoogleTextToSpeechServicer(CompatServicer):
             config = streaming_session_config(
                 first.streaming_config, self._engine.voices(), default, self._seed(context)
             )
-            session = await self._engine.open_session(config)
-            reader = asyncio.create_task(_push_inputs(requests, session, self._idle_timeout_s))
+            session = requests.session = await self._engine.open_session(config)
+            reader = asyncio.create_task(_push_inputs(requests, session))
             async for event in relay_events(session, reader):
                 if isinstance(event, AudioOut) and event.audio:
                     yield StreamingSynthesizeResponse(audio_content=event.audio)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from service.api.compat import next_request, relay_events, speaker_value, unary_text
+from service.api.compat import RequestReader, relay_events, speaker_value, unary_text
 from service.api.errors import add_service, methods_of
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
@@ -120,14 +120,15 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
         session: Session | None = None
         reader: asyncio.Task[None] | None = None
         try:
-            requests = aiter(request_iterator)
-            first = await self._next(requests)
+            requests = RequestReader(request_iterator, self.idle_timeout_s,
+                                     hint="send end_input when the text is complete")
+            first = await requests.next()
             if first is None:
                 return
             if first.WhichOneof("request") != "config":
                 raise InvalidArgument("config", f"the first message must carry the session config, not "
                                       f"{first.WhichOneof('request') or 'nothing'}")
-            session = await self.engine.open_session(session_config(first.config))
+            session = requests.session = await self.engine.open_session(session_config(first.config))
             reader = asyncio.create_task(self._read(requests, session))
             async for event in relay_events(session, reader):
                 for msg in responses(event):
@@ -140,16 +141,11 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
             if session is not None:
                 session.cancel(sys.exc_info()[1])
 
-    async def _next(self, requests: AsyncIterator[pb.StreamingSynthesizeRequest], session: Session | None = None,
-                    ) -> pb.StreamingSynthesizeRequest | None:
-        return await next_request(requests, self.idle_timeout_s, session,
-                                  hint="send end_input when the text is complete")
-
-    async def _read(self, requests: AsyncIterator[pb.StreamingSynthesizeRequest], session: Session) -> None:
+    async def _read(self, requests: RequestReader[pb.StreamingSynthesizeRequest], session: Session) -> None:
         """Client messages -> session calls; a half-close without end_input ends the input too.
         After end_input the stream is still read (no idle limit: the audio may take long) so that a
         late message fails the RPC (FAILED_PRECONDITION) instead of being dropped unseen."""
-        while (req := await self._next(requests, session)) is not None:
+        while (req := await requests.next()) is not None:
             kind = req.WhichOneof("request")
             if kind == "text":
                 session.push_text(req.text)
@@ -165,7 +161,7 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
         else:
             session.end_input()
             return
-        async for late in requests:
+        async for late in requests.requests:
             raise FailedPrecondition(f"{late.WhichOneof('request') or 'a message'} sent after end_input; the "
                                      "session's input has ended (open a new session for more text)")
 

@@ -25,10 +25,10 @@ from service.api.compat import (
     DEFAULT_COMPAT_SEED,
     DEFAULT_IDLE_TIMEOUT_S,
     CompatServicer,
+    RequestReader,
     check_language,
     check_response_size,
     check_unary_size,
-    next_request,
     parse_seed,
     relay_events,
     speaker_value,
@@ -249,11 +249,11 @@ class RivaSynthesisServicer(CompatServicer, rtts_grpc.RivaSpeechSynthesisService
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         """Each request is one utterance, spoken in order; its audio streams back as it is made."""
-        requests = aiter(request_iterator)
+        requests = RequestReader(request_iterator, self._idle_timeout_s)
         while True:
             session = None
             try:
-                request = await next_request(requests, self._idle_timeout_s)
+                request = await requests.next()
                 if request is None:
                     return
                 config, _ = self._config(request, context)

@@ -249,8 +249,9 @@ class EngineSession:
                 self._last_out = time.monotonic()  # audio for it is on its way
 
     def _arm_idle(self) -> None:
-        self._disarm_idle()
-        if self._segmenter.pending:
+        """Poll the segmenter once the text has been still for its idle time. One timer at a
+        time, re-armed from the last delta when it fires early: not a timer per text delta."""
+        if self._idle is None and self._segmenter.pending:
             self._idle = self._aloop.call_later(self.setup.segmenter.idle_timeout_s, self._poll)
 
     def _disarm_idle(self) -> None:
@@ -261,8 +262,11 @@ class EngineSession:
     def _poll(self) -> None:
         self._idle = None
         if self._state == "open":
-            self._submit(self._segmenter.poll(time.monotonic()))
-            self._arm_idle()
+            now = time.monotonic()
+            self._submit(self._segmenter.poll(now))
+            wait = self._segmenter.idle_in(now)
+            if wait is not None:
+                self._idle = self._aloop.call_later(wait, self._poll)
 
     def _close(self, error: BaseException | None = None, cancelled: bool = False) -> None:
         self._state = "closed"

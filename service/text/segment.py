@@ -156,6 +156,12 @@ class IncrementalSegmenter:
             return []
         return self.flush()
 
+    def idle_in(self, now: float) -> float | None:
+        """Seconds until `poll` releases the buffer (0: now); None with nothing buffered."""
+        if not self._buffer or self._last_push is None:
+            return None
+        return max(0.0, self.config.idle_timeout_s - (now - self._last_push))
+
     def _release(self) -> list[str]:
         out: list[str] = []
         max_chars = max(1, self.config.max_chars)

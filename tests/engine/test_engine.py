@@ -205,6 +205,32 @@ def test_idle_timeout_and_flush_release_text() -> None:
         h.close()
 
 
+def test_the_idle_timeout_counts_from_the_last_delta() -> None:
+    """Deltas closer together than the idle time stay one utterance, released by the idle
+    timeout after the last of them (its timer fires early, after the first, and waits on)."""
+    from service.text.segment import SegmenterConfig
+
+    h = EngineHarness(tiny_engine_config(segmenter=SegmenterConfig(idle_timeout_s=0.3)))
+    try:
+        async def run() -> SessionSummary:
+            session = await h.engine.open_session(SessionConfig(seed=2))
+            for delta in ("no sentence", " end here", " for a while"):
+                session.push_text(delta)
+                await asyncio.sleep(0.1)
+            events = aiter(session.events())
+            first = await asyncio.wait_for(anext(events), 10)  # before end_input: the timeout let it go
+            assert isinstance(first, AudioOut) and first.utterance == 0
+            session.end_input()
+            async for event in events:
+                if isinstance(event, SessionSummary):
+                    return event
+            raise AssertionError("no summary")
+
+        assert h.run(run()).utterances == 1
+    finally:
+        h.close()
+
+
 def test_cache_hits_for_seeded_repeats_only() -> None:
     h = EngineHarness(tiny_engine_config(cache_bytes=8 << 20))
     try:

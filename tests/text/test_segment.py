@@ -103,10 +103,13 @@ def test_max_chars_split() -> None:
 def test_idle_timeout() -> None:
     segmenter = IncrementalSegmenter(SegmenterConfig(idle_timeout_s=1.0))
     assert segmenter.poll(5.0) == []
+    assert segmenter.idle_in(5.0) is None
     segmenter.push("Thinking about it", 10.0)
     assert segmenter.poll(10.5) == []
+    assert segmenter.idle_in(10.5) == 0.5
     assert segmenter.poll(11.0) == ["Thinking about it"]
     assert segmenter.pending == ""
+    assert segmenter.idle_in(11.0) is None
     assert segmenter.poll(20.0) == []
 
 
