@@ -103,14 +103,22 @@ def device_arg(value: str) -> str:
     raise argparse.ArgumentTypeError(f"invalid device {value!r} (choose from {DEVICES})")
 
 
-def _positive_int(value: str) -> int:
+def _int_at_least(value: str, least: int) -> int:
     try:
         number = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid integer {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    if number < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {number}")
     return number
+
+
+def _positive_int(value: str) -> int:
+    return _int_at_least(value, 1)
+
+
+def _nonnegative_int(value: str) -> int:
+    return _int_at_least(value, 0)
 
 
 def _port(value: str) -> int:
@@ -568,6 +576,9 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="latent frames each session advances per decoder step")
     p.add_argument("--max-step-rows", type=_positive_int, default=_batch("max_step_rows"),
                    help="sessions one decoder step advances at most")
+    p.add_argument("--step-fill-rows", type=_nonnegative_int, default=_batch("step_fill_rows"),
+                   help="a GPU step that runs for urgent sessions takes the next in line up to this many rows "
+                        "(0: only the urgent ones)")
     p.add_argument("--slots", type=_positive_int, default=_batch("slots"),
                    help="utterances decoding at once per voice and precision")
     p.add_argument("--max-ahead", type=float, default=_batch("max_ahead_s"),
@@ -580,7 +591,8 @@ def _batch_config(args: argparse.Namespace) -> BatchConfig:
     from service.engine.config import BatchConfig
 
     return BatchConfig(decoder=args.decoder, step_frames=args.step_frames, max_step_rows=args.max_step_rows,
-                       slots=args.slots, max_ahead_s=args.max_ahead, acoustic_max_batch=args.acoustic_max_batch)
+                       step_fill_rows=args.step_fill_rows, slots=args.slots, max_ahead_s=args.max_ahead,
+                       acoustic_max_batch=args.acoustic_max_batch)
 
 
 def _version() -> str:

@@ -38,6 +38,10 @@ class BatchConfig:
     decoder: str = "auto"
     step_frames: int = 64  # latent frames a session advances per step after its first chunk
     max_step_rows: int = 256  # sessions advanced by one step at most (the most urgent first)
+    # A GPU step that runs for urgent sessions takes the next sessions in line too, up to this
+    # many rows: a step's fixed cost (launch, small-batch device time) is paid once for all of
+    # them instead of once per trickle of urgent rows. On a CPU each row costs its own time: no fill.
+    step_fill_rows: int = 32
     slots: int = 1024  # utterances decoding at once per voice and precision (state kept on the device)
     cuda_graphs: bool = True  # capture each (batch bucket, step size) as a CUDA graph
     max_ahead_s: float = 3.0  # backpressure: a session whose client has this much audio unread is not stepped
@@ -64,6 +68,8 @@ class BatchConfig:
             raise ValueError("gil_switch_interval_s must be in (0, 1] seconds")
         if min(self.step_frames, self.max_step_rows, self.slots, self.acoustic_max_batch) < 1:
             raise ValueError("step_frames, max_step_rows, slots and acoustic_max_batch must be at least 1")
+        if self.step_fill_rows < 0:
+            raise ValueError("step_fill_rows must be at least 0")
 
 
 @dataclass(frozen=True)

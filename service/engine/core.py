@@ -332,8 +332,9 @@ class EngineCore:
         runtime = sessions[0].spec.runtime if sessions else None
         max_rows = self.executor.max_rows(runtime)
         free = self.executor.free_slots if runtime is not None and self.executor.uses_slots(runtime) else None
+        fill = self.executor.fill_rows(runtime) if runtime is not None else 0
         with stage("engine.plan"):
-            plan = self.scheduler.plan(sessions, now, max_rows, free, self._acoustic_job_s)
+            plan = self.scheduler.plan(sessions, now, max_rows, free, self._acoustic_job_s, fill)
         if plan.empty:
             if not self._sessions:
                 self.timeline.flush()  # the busy period is over
@@ -359,7 +360,7 @@ class EngineCore:
             self._acoustic(plan.acoustic)
             if plan.acoustic:  # sentences that just got their latent frames start now
                 plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free,
-                                           self._acoustic_job_s)
+                                           self._acoustic_job_s, fill)
             self._decode(plan.decode)
         for s in list(self._sessions.values()):
             self._finish_if_done(s)

@@ -96,6 +96,12 @@ class Executor:
             raise ValueError(f"the {runtime.backend.name} backend has no slot decoder; use --decoder staged")
         return has
 
+    def fill_rows(self, runtime: Synthesizer) -> int:
+        """Rows a step that runs anyway is filled up to (`BatchConfig.step_fill_rows`): where a
+        step runs on a device whose small batches cost about the same (CUDA), not where each
+        row costs its own time (a CPU)."""
+        return self.config.step_fill_rows if self.overlaps(runtime) else 0
+
     def max_rows(self, runtime: Synthesizer | None) -> int:
         """Sessions one step may advance: many with slots, one with the staged decoder."""
         return self.config.max_step_rows if runtime is None or self.uses_slots(runtime) else 1
@@ -111,6 +117,9 @@ class Executor:
                 graph_frames=(self.config.step_frames, first + self._lag(backend)),
             )
             decoder.capture_all()
+            if decoder.step_seconds:  # what a step costs by rows (step_fill_rows rests on it)
+                log.info("%s decoder steps (rows, frames: ms): %s", precision, ", ".join(
+                    f"{rows}x{n}: {seconds * 1e3:.2f}" for (rows, n), seconds in sorted(decoder.step_seconds.items())))
             pool = self._slots[key] = _Slots(decoder, runtime.sample_rate)
         return pool
 

@@ -93,6 +93,24 @@ def test_sessions_ahead_of_their_lead_wait_while_others_are_urgent(runtime: Synt
     assert [s for s, _ in plan.decode] == [ahead]
 
 
+def test_a_step_for_urgent_rows_is_filled_with_the_next_in_line(runtime: Synthesizer) -> None:
+    """Up to `fill_rows`, least buffered first; never past backpressure; no step only to fill."""
+    cfg = BatchConfig(lead_s=1.0, max_ahead_s=3.0)
+    behind = _session(runtime, 1, playing_for=1.0, slack=0.5)
+    ahead = [_session(runtime, 2 + k, playing_for=1.0, slack=2.0 - 0.1 * k) for k in range(4)]
+    held = _session(runtime, 9, playing_for=1.0, slack=1.2, unread=3.5)
+    starting = _session(runtime, 10, decoding=False, acoustic=1)
+    sessions = [*ahead, held, behind, starting]
+    plan = Scheduler(cfg).plan(sessions, NOW, max_rows=8, fill_rows=3)
+    assert [s.spec.session_id for s, _ in plan.decode] == [1, 5, 4]  # the urgent one, then the least ahead
+    assert [s for s, _ in plan.acoustic] == [starting]
+    plan = Scheduler(cfg).plan(sessions, NOW, max_rows=8, fill_rows=0)
+    assert [s for s, _ in plan.decode] == [behind]
+    # Nothing urgent, a sentence waits for the acoustic stage: no step is made only to fill one.
+    plan = Scheduler(cfg).plan([*ahead, starting], NOW, max_rows=8, fill_rows=3)
+    assert plan.decode == []
+
+
 def test_backpressure_on_unread_audio(runtime: Synthesizer) -> None:
     cfg = BatchConfig(max_ahead_s=3.0)
     stalled = _session(runtime, 1, playing_for=1.0, slack=0.1, unread=3.5)
