@@ -232,6 +232,13 @@ class RequestReader(Generic[T]):
         finally:
             self._waiter = None
 
+    def close(self) -> None:
+        """The stream is over: drop the timer now (it would hold the session until it fired)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.session = None
+
     def _check(self) -> None:
         """The timer: cancel the wait if it is idle, else fire again when it could be. Not waiting
         (a message is being handled): no timer until the next wait."""

@@ -347,6 +347,7 @@ class GoogleTextToSpeechServicer(CompatServicer):
         finally:
             if reader is not None and not reader.done():
                 reader.cancel()
+            requests.close()
             if session is not None:
                 session.cancel(sys.exc_info()[1])
 

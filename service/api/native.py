@@ -117,11 +117,10 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
     async def StreamingSynthesize(
         self, request_iterator: AsyncIterator[pb.StreamingSynthesizeRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamingSynthesizeResponse]:
+        requests = RequestReader(request_iterator, self.idle_timeout_s, hint="send end_input when the text is complete")
         session: Session | None = None
         reader: asyncio.Task[None] | None = None
         try:
-            requests = RequestReader(request_iterator, self.idle_timeout_s,
-                                     hint="send end_input when the text is complete")
             first = await requests.next()
             if first is None:
                 return
@@ -138,6 +137,7 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
                 reader.cancel()
                 with contextlib.suppress(BaseException):
                     await reader
+            requests.close()
             if session is not None:
                 session.cancel(sys.exc_info()[1])
 

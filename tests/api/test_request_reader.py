@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 import pytest
@@ -91,3 +93,22 @@ def test_the_limit_waits_for_the_session_to_fall_quiet() -> None:
 
     waited = asyncio.run(main())
     assert 3 * LIMIT_S * 0.9 <= waited < 3 * LIMIT_S + 0.5
+
+
+def test_close_lets_the_session_go() -> None:
+    """The timer, armed for 60 s, would keep the reader (and its session) alive after the stream."""
+    async def main() -> tuple[bool, bool]:
+        reader = RequestReader(_paced(1, 0.0), 60.0)
+        session = _Speaking(0.0)
+        reader.session = session  # type: ignore[assignment]
+        assert await reader.next() == 0  # the timer is armed for 60 s and holds the reader
+        ref = weakref.ref(session)
+        del session
+        gc.collect()
+        held = ref() is not None
+        reader.close()
+        gc.collect()
+        return held, ref() is None
+
+    held_before, freed_after = asyncio.run(main())
+    assert held_before and freed_after
