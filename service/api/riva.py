@@ -249,34 +249,31 @@ class RivaSynthesisServicer(CompatServicer, rtts_grpc.RivaSpeechSynthesisService
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         """Each request is one utterance, spoken in order; its audio streams back as it is made."""
-        requests = RequestReader(request_iterator, self._idle_timeout_s)
-        try:
-            while True:
+        requests = RequestReader(request_iterator, self._idle_timeout_s)  # holds no session: its timer lapses
+        while True:
+            session = None
+            try:
+                request = await requests.next()
+                if request is None:
+                    return
+                config, _ = self._config(request, context)
+                text = unary_text(request.text)
+                session = await self._engine.open_session(config)
+                session.push_text(text)
+                session.end_input()
+                async for event in relay_events(session):
+                    if not isinstance(event, AudioOut):
+                        continue
+                    response = rtts.SynthesizeSpeechResponse(audio=event.audio)
+                    if config.word_timings and event.words:
+                        response.meta.words.extend(riva_words(event.words, event.sample_rate))
+                    if request.HasField("id"):
+                        response.id.CopyFrom(request.id)
+                    yield response
                 session = None
-                try:
-                    request = await requests.next()
-                    if request is None:
-                        return
-                    config, _ = self._config(request, context)
-                    text = unary_text(request.text)
-                    session = await self._engine.open_session(config)
-                    session.push_text(text)
-                    session.end_input()
-                    async for event in relay_events(session):
-                        if not isinstance(event, AudioOut):
-                            continue
-                        response = rtts.SynthesizeSpeechResponse(audio=event.audio)
-                        if config.word_timings and event.words:
-                            response.meta.words.extend(riva_words(event.words, event.sample_rate))
-                        if request.HasField("id"):
-                            response.id.CopyFrom(request.id)
-                        yield response
-                    session = None
-                finally:
-                    if session is not None:
-                        session.cancel(sys.exc_info()[1])
-        finally:
-            requests.close()
+            finally:
+                if session is not None:
+                    session.cancel(sys.exc_info()[1])
 
     async def GetRivaSynthesisConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """The voices, one Riva "model" each."""

@@ -92,7 +92,7 @@ class Scheduler:
             # the urgent ones (below their lead, or first chunks) come first in that order
             urgent = sum(item[0][0] < 2 or item[0][1] < cfg.lead_s for item in decode)
             if urgent or acoustic:
-                decode = decode[: max(urgent, fill_rows if urgent else 0)]
+                decode = decode[: max(urgent, fill_rows)] if urgent else []
             plan.decode = self._take(decode, max_rows, free_slots)
             plan.decode_first = bool(decode) and decode[0][0][0] == 0
         if plan.empty and wake < math.inf:

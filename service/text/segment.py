@@ -150,11 +150,7 @@ class IncrementalSegmenter:
 
     def poll(self, now: float) -> list[str]:
         """Release the buffer if nothing arrived for ``idle_timeout_s``."""
-        if not self._buffer or self._last_push is None:
-            return []
-        if now - self._last_push < self.config.idle_timeout_s:
-            return []
-        return self.flush()
+        return self.flush() if self.idle_in(now) == 0 else []
 
     def idle_in(self, now: float) -> float | None:
         """Seconds until `poll` releases the buffer (0: now); None with nothing buffered."""
