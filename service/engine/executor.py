@@ -247,7 +247,11 @@ class Executor:
             except Exception as exc:
                 log.exception("staged decode failed (session %d)", s.spec.session_id)
                 return [], [(s, exc)]
-        groups: dict[tuple[int, str, bool], list[tuple[SessionState, UtteranceState]]] = {}
+        # One call per (voice, precision, first chunks or not), in the plan's order of urgency,
+        # except that rows ranked after a precision's first chunks get their own call after them:
+        # the rows that fill a step never hold up a session's first audio.
+        groups: dict[tuple[int, str, bool, bool], list[tuple[SessionState, UtteranceState]]] = {}
+        seen_first: set[tuple[int, str]] = set()
         failed: list[Failure] = []
         for s, u in rows:
             if u.slot is None:
@@ -257,10 +261,14 @@ class Executor:
                 except Exception as exc:
                     failed.append((s, exc))
                     continue
-            groups.setdefault((id(s.spec.runtime), u.precision, u.fed == 0), []).append((s, u))
+            kind = (id(s.spec.runtime), u.precision)
+            first = u.fed == 0
+            if first:
+                seen_first.add(kind)
+            groups.setdefault((*kind, first, not first and kind in seen_first), []).append((s, u))
         if not groups:
             return [], failed
-        batches = [(part, precision, first) for (_, precision, first), group in groups.items()
+        batches = [(part, precision, first) for (_, precision, first, _), group in groups.items()
                    for part in _halves(group, self.PIPELINE_MIN_ROWS)]
         out: list[Chunk] = []
         # Pipelined: batch i+1 is prepared and launched while the device still runs batch i,

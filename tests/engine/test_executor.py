@@ -167,6 +167,23 @@ def test_meanwhile_runs_once_between_the_launches_and_the_first_result(
     assert seen[-1] == ([], -1)
 
 
+def test_rows_ranked_after_first_chunks_step_after_them(runtime: Synthesizer, loop: asyncio.AbstractEventLoop) -> None:
+    """A playing row ranked before a first chunk (about to run dry) steps before it; one ranked
+    after it (a fill) gets its own call after it, instead of riding in the first call."""
+    executor = _executor(EngineStats(), pipelined=False)
+    a, b, c = _rows(runtime, "fp32", loop)
+    executor.decode([a, c], 0.0, lambda s: False)  # a and c are playing now; b starts below
+    steps = executor.stats.steps
+    chunks, failed = executor.decode([a, b, c], 0.0, lambda s: False)
+    assert not failed
+    assert [ch.session.spec.session_id for ch in chunks] == [0, 1, 2]
+    assert executor.stats.steps - steps == 3
+    # with no first chunk between them, playing rows share one call
+    steps = executor.stats.steps
+    chunks, failed = executor.decode([a, c], 0.0, lambda s: False)
+    assert not failed and executor.stats.steps - steps == 1
+
+
 def test_an_utterance_waits_while_prior_memory_is_full_and_one_too_long_fails_alone(
     runtime: Synthesizer, loop: asyncio.AbstractEventLoop
 ) -> None:
