@@ -41,7 +41,7 @@ class BatchConfig:
     # A GPU step that runs for urgent sessions takes the next sessions in line too, up to this
     # many rows: a step's fixed cost (launch, small-batch device time) is paid once for all of
     # them instead of once per trickle of urgent rows. On a CPU each row costs its own time: no fill.
-    step_fill_rows: int = 64
+    step_fill_rows: int = 128
     slots: int = 1024  # utterances decoding at once per voice and precision (state kept on the device)
     cuda_graphs: bool = True  # capture each (batch bucket, step size) as a CUDA graph
     max_ahead_s: float = 3.0  # backpressure: a session whose client has this much audio unread is not stepped
