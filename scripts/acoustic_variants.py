@@ -4,7 +4,9 @@ on real sentences, side by side in one process:
 * `tf32`: the same graph with TF32 tensor-core matrix products (10 mantissa bits);
 * `compiled`: the FP32 stage through `torch.compile` (inductor fuses its elementwise kernels; the
   arithmetic stays FP32);
-* `compiled-tf32`: both.
+* `compiled-dynamic`: the same compiled with dynamic shapes, as the server compiles it once for
+  all its buckets (`--compile-acoustic`);
+* `compiled-tf32`: compiled with TF32.
 
 For each it prints the device time of one call on a padded batch (a CUDA graph of it on CUDA, the
 way the server replays the stage; best of `--rounds`), the largest change of any log-duration
@@ -74,7 +76,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--variants", default="tf32,compiled,compiled-tf32")
+    ap.add_argument("--variants", default="tf32,compiled,compiled-dynamic,compiled-tf32")
     args = ap.parse_args()
 
     voice = Voice(list_voices()[0])
@@ -113,14 +115,18 @@ def main() -> None:
     phonemes = int(lengths.sum())
     print(f"device={args.device} batch={args.batch} phonemes={phonemes} (padded to {ids.shape[1]})", flush=True)
     print(f"  fp32 (the server's): {base_ms:.2f} ms", flush=True)
-    compiled = None
+    compiled: dict[bool, Callable[..., tuple[torch.Tensor, ...]]] = {}
     for name in args.variants.split(","):
-        if name.startswith("compiled") and compiled is None:
-            t0 = time.perf_counter()
-            compiled = torch.compile(model.encode, dynamic=False)
-            stage(compiled)()
-            print(f"  (compiled in {time.perf_counter() - t0:.1f} s)", flush=True)
-        fn = compiled if name.startswith("compiled") else model.encode
+        fn = model.encode
+        if name.startswith("compiled"):
+            dynamic = name == "compiled-dynamic"
+            if dynamic not in compiled:
+                t0 = time.perf_counter()
+                compiled[dynamic] = torch.compile(model.encode, dynamic=dynamic)
+                stage(compiled[dynamic])()
+                print(f"  ({'dynamic shapes ' if dynamic else ''}compiled in {time.perf_counter() - t0:.1f} s)",
+                      flush=True)
+            fn = compiled[dynamic]
         ms, out = _timed(stage(fn), device, args.rounds, tf32=name.endswith("tf32"))
         mask = torch.as_tensor(base_w > 0, device=out[2].device)[:, None]
         dlogw = float(((out[2] - base[2]).abs() * mask).max())

@@ -585,6 +585,9 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="seconds of unread audio after which a session is not stepped")
     p.add_argument("--acoustic-max-batch", type=_positive_int, default=_batch("acoustic_max_batch"),
                    help="sentences one acoustic-stage call takes at most")
+    p.add_argument("--compile-acoustic", action=argparse.BooleanOptionalAction, default=_batch("compile_acoustic"),
+                   help="on CUDA, run the acoustic stage through torch.compile (fused FP32 kernels; compiles at "
+                        "start-up)")
 
 
 def _batch_config(args: argparse.Namespace) -> BatchConfig:
@@ -592,7 +595,7 @@ def _batch_config(args: argparse.Namespace) -> BatchConfig:
 
     return BatchConfig(decoder=args.decoder, step_frames=args.step_frames, max_step_rows=args.max_step_rows,
                        step_fill_rows=args.step_fill_rows, slots=args.slots, max_ahead_s=args.max_ahead,
-                       acoustic_max_batch=args.acoustic_max_batch)
+                       acoustic_max_batch=args.acoustic_max_batch, compile_acoustic=args.compile_acoustic)
 
 
 def _version() -> str:

@@ -61,7 +61,10 @@ class TorchBackend:
         threads: int | None = None,
         pins: Sequence[str] = VITS_FP32_PINS,
         stream_pool_size: int = 8,
+        compile_acoustic: bool = False,
     ) -> None:
+        """`compile_acoustic`: on CUDA, run the acoustic stage's graphs through `torch.compile`
+        (see `BatchConfig.compile_acoustic`)."""
         if threads:
             torch.set_num_threads(threads)
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -84,7 +87,9 @@ class TorchBackend:
             model = self.models["fp32"]
             gemm_convs(model.enc_p)
             gemm_convs(model.dp)
-            self._encoder_graphs = _EncoderGraphs(model, self._device)
+            self._encoder_graphs = _EncoderGraphs(model, self._device, compiled=compile_acoustic)
+        elif compile_acoustic:
+            log.info("compile_acoustic applies to CUDA only: the acoustic stage runs eagerly on %s", device)
         if self._device.type == "cuda":
             # FP32 must mean FP32: TF32 tensor-core math keeps only 10 mantissa bits, no
             # better than FP16, and the FP32 path is the numerical safety net.
@@ -298,8 +303,14 @@ class _EncoderGraphs:
 
     BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128)
 
-    def __init__(self, model: VitsModel, device: torch.device, length_step: int = 32, max_phonemes: int = 512) -> None:
+    def __init__(self, model: VitsModel, device: torch.device, length_step: int = 32, max_phonemes: int = 512,
+                 compiled: bool = False) -> None:
         self.model = model
+        # `compiled`: the stage as inductor's fused FP32 kernels, compiled once for every bucket
+        # (dynamic shapes) at the first capture's warm-up run; eager if compiling fails.
+        self._encode: Callable[..., tuple[torch.Tensor, ...]] = model.encode
+        if compiled:
+            self._encode = torch.compile(model.encode, dynamic=True)
         self.device = device
         self.length_step = length_step
         self.max_phonemes = max_phonemes
@@ -379,7 +390,15 @@ class _EncoderGraphs:
 
     def _run(self, ids: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
              sid: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        m_p, logs_p, logw, _ = self.model.encode(ids, lengths, noise, sid if self.multi_speaker else None)
+        speaker = sid if self.multi_speaker else None
+        try:
+            m_p, logs_p, logw, _ = self._encode(ids, lengths, noise, speaker)
+        except Exception as exc:  # a compiler failure shows at the first (warm-up) run, outside any capture
+            if self._encode == self.model.encode:
+                raise
+            log.warning("compiling the acoustic stage failed (%s: %s); it runs eagerly", type(exc).__name__, exc)
+            self._encode = self.model.encode
+            m_p, logs_p, logw, _ = self._encode(ids, lengths, noise, speaker)
         return m_p, logs_p, logw
 
     @torch.inference_mode()

@@ -305,3 +305,31 @@ def test_cuda_acoustic_batches_split_by_measured_device_time_keep_every_duration
     for a, b in zip(whole, parts, strict=True):
         assert np.array_equal(a.durations, b.durations)
         np.testing.assert_allclose(a.prior.mean, b.prior.mean, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_acoustic_stage_keeps_every_duration() -> None:
+    """`compile_acoustic`: the stage's graphs hold inductor's kernels (compiled, not fallen back
+    to eager) and give the eager graphs' utterances: the same durations for every sentence, at a
+    batch of one and of many, and priors to FP32 rounding."""
+    from service.synthesis import AcousticJob, utterance_rng
+    from service.tools.bench_load import SENTENCES
+
+    voice = Voice(builtin_voice_info())
+    sentences = [s for t in SENTENCES for s in voice.frontend.sentences(t) if s.phoneme_ids]
+    sentences = (sentences * 4)[:45]
+    params = SynthesisParams(seed=3)
+
+    def utterances(backend: TorchBackend, batch: list) -> list:  # type: ignore[type-arg]
+        synth = Synthesizer(voice, backend, ChunkSchedule())
+        return synth.acoustic_batch([AcousticJob(s, None, params, utterance_rng(3, s.phoneme_ids)) for s in batch])
+
+    eager = TorchBackend(voice, device="cuda")
+    compiled = TorchBackend(voice, device="cuda", compile_acoustic=True)
+    graphs = compiled._encoder_graphs
+    assert graphs is not None
+    for batch in (sentences[:1], sentences):
+        for a, b in zip(utterances(eager, batch), utterances(compiled, batch), strict=True):
+            assert np.array_equal(a.durations, b.durations)
+            np.testing.assert_allclose(a.prior.mean, b.prior.mean, atol=1e-4)
+    assert graphs._graphs and graphs._encode != graphs.model.encode  # it ran compiled
