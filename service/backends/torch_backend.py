@@ -374,7 +374,15 @@ class _EncoderGraphs:
                       torch.zeros(rows, 2, length, dtype=torch.float32, device=dev),
                       torch.zeros(rows, dtype=torch.long, device=dev))
             with torch.inference_mode(), torch.backends.cudnn.flags(enabled=False):
-                graph, outputs = self._capturer.capture(self._run, *inputs, warmups=1)
+                try:
+                    graph, outputs = self._capturer.capture(self._run, *inputs, warmups=1)
+                except Exception as exc:
+                    if self._encode == self.model.encode:
+                        raise
+                    log.warning("capturing the compiled acoustic stage failed (%s: %s); it runs eagerly",
+                                type(exc).__name__, exc)
+                    self._encode = self.model.encode
+                    graph, outputs = self._capturer.capture(self._run, *inputs, warmups=1)
             self._graphs[key] = (graph, inputs, outputs)
         return self._graphs[key]
 
