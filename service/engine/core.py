@@ -25,7 +25,7 @@ import numpy as np
 from service.engine.api import ENGINE_DIED
 from service.engine.cache import ResultCache
 from service.engine.config import BatchConfig
-from service.engine.executor import Executor
+from service.engine.executor import Chunk, Executor
 from service.engine.output import OutputStage
 from service.engine.scheduler import Scheduler
 from service.engine.state import (
@@ -427,9 +427,22 @@ class EngineCore:
         for s, _ in rows:
             if s.first_audio_at is None:
                 s.marks.step_start = start
+        delivered: list[Chunk] = []
+
+        def deliver(chunks: list[Chunk]) -> None:
+            """One call's chunks, out now (the output stage flushes them to the sessions' loops)."""
+            now = time.monotonic()
+            # `meanwhile` may have failed some of the sessions that were stepped
+            chunks = [c for c in chunks if c.session.spec.session_id in self._sessions]
+            with stage("engine.deliver"):
+                for c in chunks:
+                    self.output.chunk(c.session, c.utterance, c.samples, c.precision, c.fallback, now, c.pcm16)
+                self.output.flush()
+            delivered.extend(chunks)
+
         try:
             with stage("engine.decode"):
-                chunks, failed = self.executor.decode(rows, start, self._others_urgent, meanwhile)
+                _, failed = self.executor.decode(rows, start, self._others_urgent, meanwhile, deliver)
         except Exception as exc:  # outside any one step (slot bookkeeping): every row fails
             log.exception("decoder step failed")
             for s, _ in rows:
@@ -437,19 +450,13 @@ class EngineCore:
                     self._fail(s, exc)
             return
         now = time.monotonic()
-        # `meanwhile` may have failed some of the sessions that were stepped
-        chunks = [c for c in chunks if c.session.spec.session_id in self._sessions]
         failed = [(s, why) for s, why in failed if s.spec.session_id in self._sessions]
-        with stage("engine.deliver"):
-            for c in chunks:
-                self.output.chunk(c.session, c.utterance, c.samples, c.precision, c.fallback, now, c.pcm16)
-            made = [(c.session.spec.session_id, c.session.spec.voice_name, c.fallback,
-                     len(c.samples) / c.session.sample_rate) for c in chunks]
-            self.telemetry.decoder_step(planned, made, start, now, time.monotonic(),
-                                        self.stats.nonfinite_fp32 - nonfinite)
-            for s, why in failed:
-                self._fail(s, why)
-            self.output.flush()  # this step's chunks go out before the next stage runs
+        made = [(c.session.spec.session_id, c.session.spec.voice_name, c.fallback,
+                 len(c.samples) / c.session.sample_rate) for c in delivered]
+        self.telemetry.decoder_step(planned, made, start, now, time.monotonic(), self.stats.nonfinite_fp32 - nonfinite)
+        for s, why in failed:
+            self._fail(s, why)
+        self.output.flush()
 
     def _others_urgent(self, s: SessionState) -> bool:
         """Another session is waiting for its first audio or will soon run out of it."""

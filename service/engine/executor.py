@@ -223,27 +223,33 @@ class Executor:
 
     def decode(self, rows: list[tuple[SessionState, UtteranceState]], now: float,
                others_urgent: Callable[[SessionState], bool],
-               meanwhile: Callable[[], None] | None = None) -> tuple[list[Chunk], list[Failure]]:
+               meanwhile: Callable[[], None] | None = None,
+               landed: Callable[[list[Chunk]], None] | None = None) -> tuple[list[Chunk], list[Failure]]:
         """Advance the planned rows: (chunks, sessions that failed with why). A failing batched
         step is retried in halves, each row's decoder state rebuilt first, so a fault that
         one row causes (or a batch too large for the device) fails only what it must.
         `meanwhile` runs once the first step is launched, before any result is waited for
-        (after the chunk, where the decoder is synchronous)."""
+        (after the chunk, where the decoder is synchronous). `landed` gets each call's chunks
+        as soon as that call is cut, before the later calls are waited for: first chunks go
+        out without waiting for the step that fills behind them."""
         once = _Once(meanwhile)
         try:
-            return self._decode(rows, others_urgent, once)
+            return self._decode(rows, others_urgent, once, landed or (lambda chunks: None))
         finally:
             once()
 
     def _decode(self, rows: list[tuple[SessionState, UtteranceState]],
-                others_urgent: Callable[[SessionState], bool], meanwhile: _Once) -> tuple[list[Chunk], list[Failure]]:
+                others_urgent: Callable[[SessionState], bool], meanwhile: _Once,
+                landed: Callable[[list[Chunk]], None]) -> tuple[list[Chunk], list[Failure]]:
         if not rows:
             return [], []
         runtime = rows[0][0].spec.runtime
         if not self.uses_slots(runtime):
             s, u = rows[0]
             try:
-                return [self._staged_chunk(s, u, others_urgent(s))], []
+                chunk = self._staged_chunk(s, u, others_urgent(s))
+                landed([chunk])
+                return [chunk], []
             except Exception as exc:
                 log.exception("staged decode failed (session %d)", s.spec.session_id)
                 return [], [(s, exc)]
@@ -278,6 +284,7 @@ class Executor:
             following = self._launch_or_fallback(*batches[i + 1]) if i + 1 < len(batches) else None
             meanwhile()
             chunks, bad = self._land(flight, *batches[i])
+            landed(chunks)
             out += chunks
             failed += bad
             flight = following

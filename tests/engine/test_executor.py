@@ -169,15 +169,19 @@ def test_meanwhile_runs_once_between_the_launches_and_the_first_result(
 
 def test_rows_ranked_after_first_chunks_step_after_them(runtime: Synthesizer, loop: asyncio.AbstractEventLoop) -> None:
     """A playing row ranked before a first chunk (about to run dry) steps before it; one ranked
-    after it (a fill) gets its own call after it, instead of riding in the first call."""
+    after it (a fill) gets its own call after it, instead of riding in the first call. Each
+    call's chunks are handed over as it lands, before the next call is waited for."""
     executor = _executor(EngineStats(), pipelined=False)
     a, b, c = _rows(runtime, "fp32", loop)
     executor.decode([a, c], 0.0, lambda s: False)  # a and c are playing now; b starts below
     steps = executor.stats.steps
-    chunks, failed = executor.decode([a, b, c], 0.0, lambda s: False)
+    seen: list[tuple[list[int], int]] = []
+    chunks, failed = executor.decode(
+        [a, b, c], 0.0, lambda s: False,
+        landed=lambda got: seen.append(([ch.session.spec.session_id for ch in got], executor.stats.steps - steps)))
     assert not failed
     assert [ch.session.spec.session_id for ch in chunks] == [0, 1, 2]
-    assert executor.stats.steps - steps == 3
+    assert seen == [([0], 1), ([1], 2), ([2], 3)]  # (sessions handed over, calls landed by then)
     # with no first chunk between them, playing rows share one call
     steps = executor.stats.steps
     chunks, failed = executor.decode([a, c], 0.0, lambda s: False)
