@@ -248,11 +248,11 @@ class Executor:
             s, u = rows[0]
             try:
                 chunk = self._staged_chunk(s, u, others_urgent(s))
-                landed([chunk])
-                return [chunk], []
             except Exception as exc:
                 log.exception("staged decode failed (session %d)", s.spec.session_id)
                 return [], [(s, exc)]
+            landed([chunk])
+            return [chunk], []
         # One call per (voice, precision, first chunks or not), in the plan's order of urgency,
         # except that rows ranked after a precision's first chunks get their own call after them:
         # the rows that fill a step never hold up a session's first audio.
