@@ -18,7 +18,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.backends.base import Backend, DevicePriorOut, EncodeOut
-from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
 from service.staged_decoder import StagedDecoder
 from service.telemetry.ranges import stage
 from service.text.frontend import PhonemizedSentence
@@ -326,6 +325,9 @@ class Synthesizer:
         self.backend = backend
         self.schedule = schedule or ChunkSchedule()
         self.hop = voice.hop_length
+        # imported here: it needs torch, which the server's process (a user of this module's types) never loads
+        from service.models.vits.receptive_field import flow_halo_frames, generator_halo_frames
+
         self.flow_halo = flow_halo_frames(voice.model.flow)
         self.voc_halo = generator_halo_frames(voice.model.dec)
 

@@ -452,7 +452,8 @@ class TtsEngine:
             raise InvalidArgument("config.precision", f"the {self.backend_name} backend on {self.device} runs "
                                   f"{', '.join(supported)} only; ask for AUTO or FP32")
         if self._policy is None:
-            self._policy = PrecisionPolicy(Hardware.detect(self.device), tuple(supported), self.config.precision)
+            hardware = loaded.hardware if loaded and loaded.hardware else Hardware.detect(self.device)
+            self._policy = PrecisionPolicy(hardware, tuple(supported), self.config.precision)
         return self._policy.resolve(asked.value, voice, self.open_sessions)
 
     def _on_trip(self, voice: str) -> None:

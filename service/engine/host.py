@@ -20,6 +20,7 @@ from service.backends.registry import create_backend
 from service.engine.cache import ResultCache
 from service.engine.config import EngineConfig
 from service.engine.core import EngineCore
+from service.engine.precision import Hardware
 from service.engine.shadow import ShadowVerifier
 from service.engine.state import EngineStats, ReadCursor, SessionRequest, Sink, WorkSpec
 from service.synthesis import Synthesizer
@@ -38,6 +39,8 @@ class LoadedVoice:
     name: str
     precisions: tuple[str, ...]  # what its backend runs
     fp32_pins: tuple[str, ...] = ()
+    # The device it runs on, as the core sees it: the server's process never imports torch for it.
+    hardware: Hardware | None = None
 
 
 @dataclass
@@ -132,7 +135,7 @@ class Runtimes:
     def describe(self, info: VoiceInfo) -> LoadedVoice:
         backend = self.get(info).backend
         return LoadedVoice(info.name, tuple(backend.supported_precisions()),
-                           tuple(getattr(backend, "fp32_pins", ()) or ()))
+                           tuple(getattr(backend, "fp32_pins", ()) or ()), Hardware.detect(self.device))
 
 
 class _Heap:

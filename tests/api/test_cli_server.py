@@ -32,6 +32,8 @@ def test_serve_client_quickstart_and_drain(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stderr
         assert "time to first audio" in done.stdout and "chunk   0" in done.stdout
+        # torch lives in the core's process only: the server's (one per API server) never loads it
+        assert "libtorch" not in Path(f"/proc/{server.pid}/maps").read_text()
         with wave.open(str(out)) as w:
             assert w.getframerate() == 22050 and w.getnframes() > 22050
         streamed = subprocess.run(
