@@ -35,7 +35,7 @@ from service.engine.api import (
     echo,
 )
 from service.engine.config import EngineConfig
-from service.engine.host import Host, LoadedVoice, LocalHost
+from service.engine.host import Host, LoadedVoice, LocalHost, resolve_device
 from service.engine.precision import Hardware, PrecisionDecision, PrecisionPolicy
 from service.engine.proc import SOLE_SERVER, ApiSlot, ProcessHost
 from service.engine.session import EngineSession, SessionSetup
@@ -51,15 +51,6 @@ MAX_CHUNK_FRAMES = 1024
 _SPEAKER_INDEX = re.compile(r"[0-9]{1,9}")  # ASCII digits only: "²" and "٣" are names, not indexes
 
 
-def resolve_device(device: str) -> str:
-    """"auto" picks CUDA when torch sees a GPU, else the CPU."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class TtsEngine:
     """Implements `service.engine.api.Engine`. Call `await start()` before opening sessions."""
 
@@ -68,8 +59,12 @@ class TtsEngine:
         first starts the core and warms it up; see `service.engine.proc`)."""
         self.config = config
         self.slot = slot
-        self.device = resolve_device(config.device)
-        self.backend_name = default_backend(self.device) if config.backend == "auto" else config.backend
+        # With the core in its own process, "auto" is resolved there and reported with the voices
+        # it loads (`start`), so this process never imports torch for it.
+        deferred = config.device == "auto" and config.core == "process"
+        self.device = config.device if deferred else resolve_device(config.device)
+        self.backend_name = (config.backend if config.backend != "auto" or deferred
+                             else default_backend(self.device))
         self.telemetry = telemetry or Telemetry()
         self.timeline = Timeline(config.timeline_dir, "api")
         self.core_mode = config.core
@@ -84,7 +79,7 @@ class TtsEngine:
             self.host = LocalHost(config, self.device, self.backend_name, self.telemetry, self._on_trip)
         if slot.index == 0:  # the core's figures, counted once
             self.telemetry.observe(cache=self._cache_lookups,
-                                   gpu_memory=self._gpu_memory if self.device.startswith("cuda") else None)
+                                   gpu_memory=self._gpu_memory if self.device != "cpu" else None)
         self._policy: PrecisionPolicy | None = None
         self._voices: dict[str, VoiceInfo] = {}
         self._default: VoiceInfo | None = None
@@ -155,6 +150,9 @@ class TtsEngine:
         frontend = dataclasses.replace(self.config.frontend, preload=(
             *self.config.frontend.preload, *(str(v.config_path) for v in preload)))
         self._loaded = self.host.start(frontend, preload)
+        first = self._loaded.get(self._default.name)
+        if first is not None and first.hardware is not None:  # what the core runs on ("auto" resolved)
+            self.device, self.backend_name = first.hardware.device, first.backend or self.backend_name
         # The precision policy looks at the hardware (on CUDA: imports torch and asks the driver):
         # here, before SERVING, not in the event loop at the first session.
         self._resolve_precision(Precision.AUTO, self._default.name)

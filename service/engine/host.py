@@ -39,8 +39,10 @@ class LoadedVoice:
     name: str
     precisions: tuple[str, ...]  # what its backend runs
     fp32_pins: tuple[str, ...] = ()
-    # The device it runs on, as the core sees it: the server's process never imports torch for it.
+    # The device it runs on and the backend, as the core sees them: the server's process never
+    # imports torch to know them.
     hardware: Hardware | None = None
+    backend: str = ""
 
 
 @dataclass
@@ -95,6 +97,15 @@ class Host(Protocol):
     def stop(self) -> None: ...
 
 
+def resolve_device(device: str) -> str:
+    """"auto" picks CUDA when torch sees a GPU, else the CPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class Runtimes:
     """Loads each voice once (weights, backend, exports) on the side that runs the core."""
 
@@ -135,7 +146,8 @@ class Runtimes:
     def describe(self, info: VoiceInfo) -> LoadedVoice:
         backend = self.get(info).backend
         return LoadedVoice(info.name, tuple(backend.supported_precisions()),
-                           tuple(getattr(backend, "fp32_pins", ()) or ()), Hardware.detect(self.device))
+                           tuple(getattr(backend, "fp32_pins", ()) or ()), Hardware.detect(self.device),
+                           self.backend_name)
 
 
 class _Heap:

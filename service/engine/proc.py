@@ -46,9 +46,18 @@ from typing import Any
 from service.audio.encoding import float_to_int16
 from service.engine.api import ENGINE_DIED
 from service.engine.config import EngineConfig
-from service.engine.host import CoreSnapshot, LoadedVoice, Runtimes, build_core, settle_heap, snapshot
+from service.engine.host import (
+    CoreSnapshot,
+    LoadedVoice,
+    Runtimes,
+    build_core,
+    resolve_device,
+    settle_heap,
+    snapshot,
+)
 from service.engine.output import Delivery, hand_over
 from service.engine.state import ChunkResult, Loop, ReadCursor, SessionRequest, Sink, WorkSpec
+from service.synthesis import default_backend
 from service.telemetry import Telemetry
 from service.telemetry.config import LogConfig
 from service.text.frontend_pool import FrontendPoolConfig
@@ -575,6 +584,9 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
             outbox.send_pickled(pickled)
 
     try:
+        device = resolve_device(device)  # "auto" is decided here, where torch is loaded anyway
+        if backend_name == "auto":
+            backend_name = default_backend(device)
         voices: Mapping[str, VoiceInfo] = {v.name: v for v in list_voices(config.voices_dir)}
         runtimes = Runtimes(config, device, backend_name)
         loaded = {name: runtimes.prepare(voices[name]) for name in preload}

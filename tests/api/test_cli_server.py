@@ -11,8 +11,11 @@ import time
 import wave
 from pathlib import Path
 
+import grpc
 import pytest
 
+from service.api.gen.cadenza.v1 import tts_pb2 as pb
+from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
 from tests.serve_process import start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,8 +24,9 @@ CLI = [sys.executable, "-m", "service.cli"]
 
 @pytest.mark.slow
 def test_serve_client_quickstart_and_drain(tmp_path: Path) -> None:
+    """README's `cadenza serve` (the default `--device auto`, resolved by the core's process)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server, port = start_serve("--device", "cpu", "--threads", "2")
+    server, port = start_serve("--threads", "2")
     try:
         out = tmp_path / "hello.wav"
         done = subprocess.run(
@@ -32,8 +36,12 @@ def test_serve_client_quickstart_and_drain(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stderr
         assert "time to first audio" in done.stdout and "chunk   0" in done.stdout
-        # torch lives in the core's process only: the server's (one per API server) never loads it
+        # torch lives in the core's process only: the server's (one per API server) never loads it,
+        # and it reports the device the core resolved "auto" to
         assert "libtorch" not in Path(f"/proc/{server.pid}/maps").read_text()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = pb_grpc.TextToSpeechStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+        assert (info.device, info.backend) == ("cpu", "onnxruntime")
         with wave.open(str(out)) as w:
             assert w.getframerate() == 22050 and w.getnframes() > 22050
         streamed = subprocess.run(
