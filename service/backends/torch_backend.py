@@ -377,11 +377,7 @@ class _EncoderGraphs:
                 try:
                     graph, outputs = self._capturer.capture(self._run, *inputs, warmups=1)
                 except Exception as exc:
-                    if self._encode == self.model.encode:
-                        raise
-                    log.warning("capturing the compiled acoustic stage failed (%s: %s); it runs eagerly",
-                                type(exc).__name__, exc)
-                    self._encode = self.model.encode
+                    self._eager_after(exc, "capturing")
                     graph, outputs = self._capturer.capture(self._run, *inputs, warmups=1)
             self._graphs[key] = (graph, inputs, outputs)
         return self._graphs[key]
@@ -402,12 +398,16 @@ class _EncoderGraphs:
         try:
             m_p, logs_p, logw, _ = self._encode(ids, lengths, noise, speaker)
         except Exception as exc:  # a compiler failure shows at the first (warm-up) run, outside any capture
-            if self._encode == self.model.encode:
-                raise
-            log.warning("compiling the acoustic stage failed (%s: %s); it runs eagerly", type(exc).__name__, exc)
-            self._encode = self.model.encode
+            self._eager_after(exc, "compiling")
             m_p, logs_p, logw, _ = self._encode(ids, lengths, noise, speaker)
         return m_p, logs_p, logw
+
+    def _eager_after(self, exc: Exception, doing: str) -> None:
+        """The compiled stage failed: run the eager one from now on (re-raise if it was eager)."""
+        if self._encode == self.model.encode:
+            raise exc
+        log.warning("%s the compiled acoustic stage failed (%s: %s); it runs eagerly", doing, type(exc).__name__, exc)
+        self._encode = self.model.encode
 
     @torch.inference_mode()
     def run(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray,

@@ -40,7 +40,7 @@ from service.engine.precision import Hardware, PrecisionDecision, PrecisionPolic
 from service.engine.proc import SOLE_SERVER, ApiSlot, ProcessHost
 from service.engine.session import EngineSession, SessionSetup
 from service.engine.state import SessionRequest
-from service.synthesis import ChunkSchedule, SynthesisParams, default_backend
+from service.synthesis import ChunkSchedule, SynthesisParams
 from service.telemetry import Telemetry
 from service.telemetry.timeline import LOOP_LAG_PERIOD_S, LOOP_LAG_RECORDED_S, Timeline
 from service.voices import Voice, VoiceInfo, VoiceNotFoundError, list_voices
@@ -61,10 +61,8 @@ class TtsEngine:
         self.slot = slot
         # With the core in its own process, "auto" is resolved there and reported with the voices
         # it loads (`start`), so this process never imports torch for it.
-        deferred = config.device == "auto" and config.core == "process"
-        self.device = config.device if deferred else resolve_device(config.device)
-        self.backend_name = (config.backend if config.backend != "auto" or deferred
-                             else default_backend(self.device))
+        self.device, self.backend_name = ((config.device, config.backend) if config.core == "process"
+                                          else resolve_device(config.device, config.backend))
         self.telemetry = telemetry or Telemetry()
         self.timeline = Timeline(config.timeline_dir, "api")
         self.core_mode = config.core
@@ -79,7 +77,7 @@ class TtsEngine:
             self.host = LocalHost(config, self.device, self.backend_name, self.telemetry, self._on_trip)
         if slot.index == 0:  # the core's figures, counted once
             self.telemetry.observe(cache=self._cache_lookups,
-                                   gpu_memory=self._gpu_memory if self.device != "cpu" else None)
+                                   gpu_memory=self._gpu_memory)  # nothing off CUDA
         self._policy: PrecisionPolicy | None = None
         self._voices: dict[str, VoiceInfo] = {}
         self._default: VoiceInfo | None = None
@@ -151,8 +149,8 @@ class TtsEngine:
             *self.config.frontend.preload, *(str(v.config_path) for v in preload)))
         self._loaded = self.host.start(frontend, preload)
         first = self._loaded.get(self._default.name)
-        if first is not None and first.hardware is not None:  # what the core runs on ("auto" resolved)
-            self.device, self.backend_name = first.hardware.device, first.backend or self.backend_name
+        if first is not None:  # what the core runs on ("auto" resolved)
+            self.device, self.backend_name = first.hardware.device, first.backend
         # The precision policy looks at the hardware (on CUDA: imports torch and asks the driver):
         # here, before SERVING, not in the event loop at the first session.
         self._resolve_precision(Precision.AUTO, self._default.name)
@@ -450,7 +448,7 @@ class TtsEngine:
             raise InvalidArgument("config.precision", f"the {self.backend_name} backend on {self.device} runs "
                                   f"{', '.join(supported)} only; ask for AUTO or FP32")
         if self._policy is None:
-            hardware = loaded.hardware if loaded and loaded.hardware else Hardware.detect(self.device)
+            hardware = loaded.hardware if loaded else Hardware.detect(self.device)
             self._policy = PrecisionPolicy(hardware, tuple(supported), self.config.precision)
         return self._policy.resolve(asked.value, voice, self.open_sessions)
 

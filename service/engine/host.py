@@ -23,7 +23,7 @@ from service.engine.core import EngineCore
 from service.engine.precision import Hardware
 from service.engine.shadow import ShadowVerifier
 from service.engine.state import EngineStats, ReadCursor, SessionRequest, Sink, WorkSpec
-from service.synthesis import Synthesizer
+from service.synthesis import Synthesizer, default_backend
 from service.telemetry import Telemetry
 from service.telemetry.timeline import Timeline
 from service.text.frontend_pool import FrontendPoolConfig
@@ -38,11 +38,11 @@ class LoadedVoice:
 
     name: str
     precisions: tuple[str, ...]  # what its backend runs
+    # The device it runs on and the backend, as the core sees them ("auto" resolved): the
+    # server's process never imports torch to know them.
+    hardware: Hardware
+    backend: str
     fp32_pins: tuple[str, ...] = ()
-    # The device it runs on and the backend, as the core sees them: the server's process never
-    # imports torch to know them.
-    hardware: Hardware | None = None
-    backend: str = ""
 
 
 @dataclass
@@ -97,13 +97,14 @@ class Host(Protocol):
     def stop(self) -> None: ...
 
 
-def resolve_device(device: str) -> str:
-    """"auto" picks CUDA when torch sees a GPU, else the CPU."""
-    if device != "auto":
-        return device
-    import torch
+def resolve_device(device: str, backend: str) -> tuple[str, str]:
+    """(device, backend) with "auto" decided: CUDA when torch sees a GPU, else the CPU; the
+    default backend for that device (imports torch only for an "auto" device)."""
+    if device == "auto":
+        import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, default_backend(device) if backend == "auto" else backend
 
 
 class Runtimes:
@@ -145,9 +146,8 @@ class Runtimes:
 
     def describe(self, info: VoiceInfo) -> LoadedVoice:
         backend = self.get(info).backend
-        return LoadedVoice(info.name, tuple(backend.supported_precisions()),
-                           tuple(getattr(backend, "fp32_pins", ()) or ()), Hardware.detect(self.device),
-                           self.backend_name)
+        return LoadedVoice(info.name, tuple(backend.supported_precisions()), Hardware.detect(self.device),
+                           self.backend_name, tuple(getattr(backend, "fp32_pins", ()) or ()))
 
 
 class _Heap:

@@ -57,7 +57,6 @@ from service.engine.host import (
 )
 from service.engine.output import Delivery, hand_over
 from service.engine.state import ChunkResult, Loop, ReadCursor, SessionRequest, Sink, WorkSpec
-from service.synthesis import default_backend
 from service.telemetry import Telemetry
 from service.telemetry.config import LogConfig
 from service.text.frontend_pool import FrontendPoolConfig
@@ -584,9 +583,7 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
             outbox.send_pickled(pickled)
 
     try:
-        device = resolve_device(device)  # "auto" is decided here, where torch is loaded anyway
-        if backend_name == "auto":
-            backend_name = default_backend(device)
+        device, backend_name = resolve_device(device, backend_name)  # "auto": here, where torch is loaded anyway
         voices: Mapping[str, VoiceInfo] = {v.name: v for v in list_voices(config.voices_dir)}
         runtimes = Runtimes(config, device, backend_name)
         loaded = {name: runtimes.prepare(voices[name]) for name in preload}
