@@ -587,7 +587,7 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="sentences one acoustic-stage call takes at most")
     p.add_argument("--compile-acoustic", action=argparse.BooleanOptionalAction, default=_batch("compile_acoustic"),
                    help="on CUDA, run the acoustic stage through torch.compile (fused FP32 kernels; compiles at "
-                        "start-up)")
+                        "the first start-up, kept under ~/.cache/cadenza/inductor or $TORCHINDUCTOR_CACHE_DIR)")
 
 
 def _batch_config(args: argparse.Namespace) -> BatchConfig:

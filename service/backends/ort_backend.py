@@ -12,17 +12,9 @@ from typing import Any
 import numpy as np
 
 from service.backends.base import EncodeOut, VocodeOut, guard_host
-from service.backends.stage_export import cached_stage_exports, decoder_stage_names
+from service.backends.stage_export import cached_stage_exports, decoder_stage_names, default_cache_dir
 from service.models.vits.receptive_field import decoder_stage_table
 from service.voices import Voice
-
-
-def default_cache_dir() -> Path:
-    """Where stage exports are kept; XDG cache by default (never raises for a user without a home:
-    an unusable path falls back later, see stage_export.writable_cache_dir)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cadenza" / "onnx"
-
 
 # Staged-decoder calls are cut in time into pieces of at least this many input frames
 # (flow) or samples (generator), at most one per CPU lane, each run by a one-thread

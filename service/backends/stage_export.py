@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -155,6 +156,18 @@ PREBUILT_DIR = Path("/opt/cadenza/onnx")
 def export_dir_name(onnx_path: Path) -> str:
     """<voice>-<digest>-v<version>: a changed voice file or export code never reuses old graphs."""
     return f"{onnx_path.name.removesuffix('.onnx')}-{voice_digest(onnx_path)}-v{EXPORT_VERSION}"
+
+
+def cache_home() -> Path:
+    """Cadenza's own cache: $XDG_CACHE_HOME or ~/.cache, /cadenza (never raises for a user without
+    a home: an unusable path falls back later, see writable_cache_dir)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cadenza"
+
+
+def default_cache_dir() -> Path:
+    """Where stage exports are kept when no --cache-dir is given."""
+    return cache_home() / "onnx"
 
 
 def writable_cache_dir(cache_dir: Path) -> Path:

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from kernels.guard import guard
 from service.backends.base import DevicePriorOut, EncodeOut, HostAudio, VocodeOut
+from service.backends.stage_export import cache_home
 from service.models.cuda_graphs import GraphCapturer
 from service.models.vits.model import VitsModel
 from service.models.vits.precision import VITS_FP32_PINS, to_mixed_precision
@@ -293,6 +295,13 @@ class TorchBackend:
         return VocodeOut(audio=out_audio, nonfinite=nonfinite, peak=peak, precision=precision)
 
 
+def _keep_compiled_kernels() -> None:
+    """inductor keeps what it compiled under /tmp by default, so a new machine or a cleared /tmp
+    compiles again at start-up (minutes): keep it in Cadenza's cache instead, beside the ONNX
+    exports. A TORCHINDUCTOR_CACHE_DIR the user set wins (the Helm chart sets it to its volume)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home() / "inductor"))
+
+
 class _EncoderGraphs:
     """The acoustic stage as CUDA graphs, one per (batch bucket, phoneme-length bucket): the
     encoder and the duration predictor are hundreds of small kernels, so launching them costs
@@ -310,6 +319,7 @@ class _EncoderGraphs:
         # (dynamic shapes) at the first capture's warm-up run; eager if compiling fails.
         self._encode: Callable[..., tuple[torch.Tensor, ...]] = model.encode
         if compiled:
+            _keep_compiled_kernels()
             self._encode = torch.compile(model.encode, dynamic=True)
         self.device = device
         self.length_step = length_step

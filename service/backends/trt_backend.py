@@ -26,8 +26,7 @@ from typing import Any
 import numpy as np
 
 from service.backends.base import EncodeOut, VocodeOut, guard_host
-from service.backends.ort_backend import default_cache_dir
-from service.backends.stage_export import STAGES, cached_stage_exports, decoder_stage_names
+from service.backends.stage_export import STAGES, cached_stage_exports, decoder_stage_names, default_cache_dir
 from service.models.vits.precision import VITS_FP32_PINS
 from service.models.vits.receptive_field import decoder_stage_table
 from service.voices import Voice

@@ -173,6 +173,13 @@ def test_gpu_mode_switches_the_image_and_asks_for_a_gpu_node() -> None:
     assert spec["terminationGracePeriodSeconds"] == 60 + 5 + 15  # drain grace + preStop pause + time to exit
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["voices"]["persistentVolumeClaim"] == {"claimName": "piper-voices", "readOnly": True}
+    # The acoustic stage is compiled, and what inductor compiled is kept in the cache volume.
+    assert serve_args(c["args"]).compile_acoustic is True
+    eager = container(render("gpu.enabled=true", "server.compileAcoustic=false"))
+    assert serve_args(eager["args"]).compile_acoustic is False
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(
+        next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "cache") + "/")
     # Without a gpuTag the CUDA image is <appVersion>-cuda; a digest wins over either tag.
     assert container(render("gpu.enabled=true"))["image"] == "cadenza:0.1.0-cuda"
     digest = "sha256:" + "a" * 64
@@ -349,6 +356,7 @@ def test_values_defaults_are_the_servers_own() -> None:
     assert (server["stepFrames"], server["maxStepRows"], server["stepFillRows"], server["slots"], server["decoder"]) \
         == (batch.step_frames, batch.max_step_rows, batch.step_fill_rows, batch.slots, batch.decoder)
     assert (server["maxAheadSeconds"], server["admissionWaitSeconds"]) == (batch.max_ahead_s, limits.admission_wait_s)
+    assert server["compileAcoustic"] is batch.compile_acoustic
     assert (server["maxSessions"], server["maxTextChars"], server["maxMessageBytes"], server["idleTimeoutSeconds"]) \
         == (limits.max_sessions, limits.max_text_chars, limits.max_message_bytes, limits.idle_timeout_s)
     assert (server["device"], server["backend"], server["cacheMb"] << 20, server["core"]) == (
