@@ -51,9 +51,9 @@ class BatchConfig:
     acoustic_max_batch: int = 64  # sentences per acoustic-stage call
     # On CUDA, run the acoustic stage (text encoder and duration predictor, FP32) through
     # torch.compile: inductor fuses its many small elementwise kernels, so each sentence waits
-    # less for its durations; the arithmetic stays FP32 (no duration changes, tested). Costs a
-    # compile at the first start-up, kept in the cache for the next (bench/RESULTS.md).
-    compile_acoustic: bool = True
+    # less for its durations; the arithmetic stays FP32 (no duration changes, tested). Off: it
+    # adds minutes to a start-up and has not helped the burst (bench/RESULTS.md).
+    compile_acoustic: bool = False
     acoustic_lookahead_s: float = 2.0  # a session's next sentence waits while this much audio is queued
     # Staged decoding: while another session is starting or has less than `cpu_urgent_slack_s`
     # of audio left, a chunk is cut to at most this many frames, so one session's big chunk does
