@@ -297,8 +297,8 @@ class TorchBackend:
 
 def _keep_compiled_kernels() -> None:
     """inductor keeps what it compiled under /tmp by default, so a new machine or a cleared /tmp
-    compiles again at start-up (minutes): keep it in Cadenza's cache instead, beside the ONNX
-    exports. A TORCHINDUCTOR_CACHE_DIR the user set wins (the Helm chart sets it to its volume)."""
+    compiles again at start-up: keep it under Cadenza's cache home instead (`cache_home()`). A
+    TORCHINDUCTOR_CACHE_DIR the user set wins (the Helm chart sets it to its volume)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home() / "inductor"))
 
 

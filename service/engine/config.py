@@ -52,7 +52,7 @@ class BatchConfig:
     # On CUDA, run the acoustic stage (text encoder and duration predictor, FP32) through
     # torch.compile: inductor fuses its many small elementwise kernels, so each sentence waits
     # less for its durations; the arithmetic stays FP32 (no duration changes, tested). Off: it
-    # adds minutes to a start-up and has not helped the burst (bench/RESULTS.md).
+    # lengthens every start-up by the compile (bench/RESULTS.md weighs it).
     compile_acoustic: bool = False
     acoustic_lookahead_s: float = 2.0  # a session's next sentence waits while this much audio is queued
     # Staged decoding: while another session is starting or has less than `cpu_urgent_slack_s`

@@ -123,10 +123,10 @@ class Runtimes:
             if runtime is None:
                 voice = Voice(info)
                 options: dict[str, object] = {"threads": self.config.threads} if self.config.threads else {}
-                if self.config.cache_dir is not None and self.backend_name != "torch":  # the exporting backends
+                if self.backend_name == "torch":
+                    options["compile_acoustic"] = self.config.batch.compile_acoustic
+                elif self.config.cache_dir is not None:  # the exporting backends
                     options["cache_dir"] = self.config.cache_dir
-                if self.config.batch.compile_acoustic and self.backend_name == "torch":
-                    options["compile_acoustic"] = True
                 backend = create_backend(self.backend_name, voice, self.device, **options)
                 runtime = Synthesizer(voice, backend, self.config.schedule)
                 self.loaded[info.name] = runtime
