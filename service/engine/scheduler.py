@@ -21,7 +21,14 @@ stage and which sessions advance by one decoder step, most urgent first:
 * a sentence is taken to the acoustic stage only when its session has less than
   `acoustic_lookahead_s` of audio waiting, so a long text queued at once never holds up the
   chunks of the sentence that is playing, nor other sessions' first audio;
-* when a playing session is about to run dry, its step runs before the acoustic batch.
+* when a playing session is about to run dry, its step runs before the acoustic batch;
+* a full acoustic batch holding a session's first sentence means starts are backing up: that
+  iteration steps only the rows that cannot wait (about to run dry, first chunks), with no
+  fill. On a GPU a step beside the acoustic call shares the device with it, and every session
+  queued behind the batch waits for both; sessions below their lead catch up once the starts
+  are through (their buffered audio covers that: they are not about to run dry);
+* among sessions waiting for their first audio, a first sentence goes to the acoustic stage
+  before a session's next one (which its first audio does not need).
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ class Scheduler:
         `fill_rows`: a step for urgent rows takes the next in line up to this many rows."""
         cfg = self.config
         plan = Plan()
-        acoustic: list[tuple[tuple[float, float], SessionState, UtteranceState]] = []
+        acoustic: list[tuple[tuple[float, bool, float], SessionState, UtteranceState]] = []
         ready: list[tuple[SessionState, UtteranceState, float]] = []
         wake = math.inf
         for s in sessions:
@@ -77,7 +84,7 @@ class Scheduler:
             nxt = next((u for u in s.utterances if u.status is UtteranceStatus.ACOUSTIC), None)
             if nxt is not None:
                 if s.queued_audio_s() < cfg.acoustic_lookahead_s:
-                    acoustic.append(((slack, s.ready_since), s, nxt))
+                    acoustic.append(((slack, nxt is not head, s.ready_since), s, nxt))
                 else:
                     wake = min(wake, now + 0.05)  # the queue drains as audio plays
         if acoustic:
@@ -85,14 +92,17 @@ class Scheduler:
             runtime = acoustic[0][1].spec.runtime
             plan.acoustic = [(s, u) for _, s, u in acoustic if s.spec.runtime is runtime][: cfg.acoustic_max_batch]
         urgent_slack = max(cfg.urgent_slack_s, len(plan.acoustic) * acoustic_job_s)
+        backlog = (len(plan.acoustic) >= cfg.acoustic_max_batch
+                   and any(s.first_audio_at is None for s, _ in plan.acoustic))
         decode = [((1 if u.chunk_index == 0 else 0 if slack < urgent_slack else 2, slack, s.ready_since), s, u)
                   for s, u, slack in ready]
         if decode:
             decode.sort(key=lambda item: item[0])
-            # the urgent ones (below their lead, or first chunks) come first in that order
-            urgent = sum(item[0][0] < 2 or item[0][1] < cfg.lead_s for item in decode)
+            # the urgent ones (below their lead, or first chunks; in a backlog of starts only those
+            # about to run dry and first chunks) come first in that order
+            urgent = sum(item[0][0] < 2 or (not backlog and item[0][1] < cfg.lead_s) for item in decode)
             if urgent or acoustic:
-                decode = decode[: max(urgent, fill_rows)] if urgent else []
+                decode = decode[: max(urgent, 0 if backlog else fill_rows)] if urgent else []
             plan.decode = self._take(decode, max_rows, free_slots)
             plan.decode_first = bool(decode) and decode[0][0][0] == 0
         if plan.empty and wake < math.inf:

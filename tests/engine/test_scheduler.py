@@ -155,3 +155,40 @@ def test_a_slow_acoustic_batch_makes_a_playing_session_urgent(runtime: Synthesiz
     assert len(slow.acoustic) == 7
     fast = Scheduler(cfg).plan([playing, *starting], NOW, max_rows=1, acoustic_job_s=0.0005)
     assert not fast.decode_first and len(fast.acoustic) == 7
+
+
+def test_a_backlog_of_starts_steps_only_the_rows_that_cannot_wait(runtime: Synthesizer) -> None:
+    """A full acoustic batch with a session's first sentence in it: sessions below their lead
+    but not about to run dry wait, and no step is filled; first chunks and the dry-soon step."""
+    cfg = BatchConfig(lead_s=1.0, urgent_slack_s=0.3, acoustic_max_batch=4)
+    dry = _session(runtime, 1, playing_for=1.0, slack=0.2)
+    below_lead = _session(runtime, 2, playing_for=1.0, slack=0.6)
+    ahead = _session(runtime, 3, playing_for=1.0, slack=2.0)
+    fresh = _session(runtime, 4)  # through the acoustic stage: its first chunk is next
+    starts = [_session(runtime, 10 + k, decoding=False, acoustic=1) for k in range(5)]
+    sessions = [dry, below_lead, ahead, fresh, *starts]
+    plan = Scheduler(cfg).plan(sessions, NOW, max_rows=8, fill_rows=8)
+    assert len(plan.acoustic) == 4
+    assert [s for s, _ in plan.decode] == [dry, fresh]
+    # Not full: as before, the sessions below their lead step too, and the fill takes the rest.
+    plan = Scheduler(cfg).plan([dry, below_lead, ahead, fresh, *starts[:3]], NOW, max_rows=8, fill_rows=8)
+    assert len(plan.acoustic) == 3
+    assert [s for s, _ in plan.decode] == [dry, fresh, below_lead, ahead]
+    # Full, but of sentences of sessions already playing: no backlog of starts.
+    playing = [_session(runtime, 20 + k, playing_for=1.0, slack=1.5 + 0.1 * k, acoustic=1) for k in range(4)]
+    lookahead = BatchConfig(lead_s=1.0, urgent_slack_s=0.3, acoustic_max_batch=4, acoustic_lookahead_s=100.0)
+    plan = Scheduler(lookahead).plan([below_lead, *playing], NOW, max_rows=8)
+    assert len(plan.acoustic) == 4 and [s for s, _ in plan.decode] == [below_lead]
+
+
+def test_first_sentences_go_to_the_acoustic_stage_before_next_ones(runtime: Synthesizer) -> None:
+    """Both sessions wait for their first audio; one is through the acoustic stage already and
+    its next sentence does not make its first audio come sooner."""
+    started = _session(runtime, 2, acoustic=1)  # readied before the other
+    waiting = _session(runtime, 1, decoding=False, acoustic=1)
+    assert started.ready_since < waiting.ready_since
+    cfg = BatchConfig(acoustic_max_batch=1, acoustic_lookahead_s=100.0)
+    plan = Scheduler(cfg).plan([started, waiting], NOW, max_rows=8)
+    assert [s for s, _ in plan.acoustic] == [waiting]
+    plan = Scheduler(cfg).plan([started], NOW, max_rows=8)
+    assert [s for s, _ in plan.acoustic] == [started]  # alone, its next sentence goes
