@@ -27,7 +27,7 @@ from service.engine.cache import ResultCache
 from service.engine.config import BatchConfig
 from service.engine.executor import Chunk, Executor
 from service.engine.output import OutputStage
-from service.engine.scheduler import Scheduler
+from service.engine.scheduler import AcousticCost, Scheduler
 from service.engine.state import (
     EngineStats,
     SessionState,
@@ -78,7 +78,7 @@ class EngineCore:
         self._stopping = False
         self._poked = False  # a client took audio since the last plan
         self._first_audio_wait_s = 0.0
-        self._acoustic_job_s = 0.0  # acoustic-stage seconds per sentence, recent average (the scheduler's estimate)
+        self._acoustic_cost = AcousticCost()  # the scheduler's estimate of the stage's time per sentence
         # Throughput window: (start, busy seconds, audio seconds, steps, rows) at its start.
         self._window: tuple[float, float, float, int, int] | None = None
         self._busy_share = 0.0  # of the last closed window
@@ -334,7 +334,7 @@ class EngineCore:
         free = self.executor.free_slots if runtime is not None and self.executor.uses_slots(runtime) else None
         fill = self.executor.fill_rows(runtime) if runtime is not None else 0
         with stage("engine.plan"):
-            plan = self.scheduler.plan(sessions, now, max_rows, free, self._acoustic_job_s, fill)
+            plan = self.scheduler.plan(sessions, now, max_rows, free, self._acoustic_cost.per_sentence, fill)
         if plan.empty:
             if not self._sessions:
                 self.timeline.flush()  # the busy period is over
@@ -360,7 +360,7 @@ class EngineCore:
             self._acoustic(plan.acoustic)
             if plan.acoustic:  # sentences that just got their latent frames start now
                 plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free,
-                                           self._acoustic_job_s, fill)
+                                           self._acoustic_cost.per_sentence, fill)
             self._decode(plan.decode)
         for s in list(self._sessions.values()):
             self._finish_if_done(s)
@@ -374,7 +374,7 @@ class EngineCore:
         the other sessions were stepped already this iteration."""
         fresh = {id(u) for _, u in jobs}
         plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free,
-                                   self._acoustic_job_s)
+                                   self._acoustic_cost.per_sentence)
         self._decode([(s, u) for s, u in plan.decode if id(u) in fresh])
 
     def _end_stalled(self, now: float) -> float | None:
@@ -406,8 +406,7 @@ class EngineCore:
         for s, why in failed:
             self._fail(s, why)
         now = time.monotonic()
-        per_job = (now - start) / len(jobs)
-        self._acoustic_job_s = per_job if not self._acoustic_job_s else 0.8 * self._acoustic_job_s + 0.2 * per_job
+        self._acoustic_cost.add(now - start, len(jobs))
         self.telemetry.acoustic_step([(s.spec.session_id, u.index) for s, u in jobs], start, now)
         for s, u in jobs:
             s.ready_since = now

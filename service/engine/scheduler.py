@@ -22,11 +22,12 @@ stage and which sessions advance by one decoder step, most urgent first:
   `acoustic_lookahead_s` of audio waiting, so a long text queued at once never holds up the
   chunks of the sentence that is playing, nor other sessions' first audio;
 * when a playing session is about to run dry, its step runs before the acoustic batch;
-* a full acoustic batch holding a session's first sentence means starts are backing up: that
-  iteration steps only the rows that cannot wait (about to run dry, first chunks), with no
-  fill. On a GPU a step beside the acoustic call shares the device with it, and every session
-  queued behind the batch waits for both; sessions below their lead catch up once the starts
-  are through (their buffered audio covers that: they are not about to run dry);
+* when starts back up (sessions waiting for the acoustic stage to begin their audio, half an
+  acoustic batch of them or more: a burst) an iteration steps only the rows that cannot wait
+  (about to run dry, first chunks), with no fill. On a GPU any other step shares the device
+  with the acoustic call or runs before the next one, and every waiting start waits for it;
+  sessions below their lead catch up once the starts are through (their buffered audio covers
+  that: they are not about to run dry);
 * among sessions waiting for their first audio, a first sentence goes to the acoustic stage
   before a session's next one (which its first audio does not need).
 """
@@ -53,6 +54,25 @@ class Plan:
     @property
     def empty(self) -> bool:
         return not self.acoustic and not self.decode
+
+
+@dataclass
+class AcousticCost:
+    """The acoustic stage's seconds per sentence over its recent calls: decaying sums of seconds
+    and of sentences, so a one-sentence call's fixed cost does not stand for every sentence of
+    the next big batch (an average of per-call ratios would let it)."""
+
+    seconds: float = 0.0
+    sentences: float = 0.0
+    keep: float = 0.8  # weight of the past at each call
+
+    def add(self, seconds: float, sentences: int) -> None:
+        self.seconds = self.keep * self.seconds + seconds
+        self.sentences = self.keep * self.sentences + sentences
+
+    @property
+    def per_sentence(self) -> float:
+        return self.seconds / self.sentences if self.sentences else 0.0
 
 
 class Scheduler:
@@ -92,8 +112,8 @@ class Scheduler:
             runtime = acoustic[0][1].spec.runtime
             plan.acoustic = [(s, u) for _, s, u in acoustic if s.spec.runtime is runtime][: cfg.acoustic_max_batch]
         urgent_slack = max(cfg.urgent_slack_s, len(plan.acoustic) * acoustic_job_s)
-        backlog = (len(plan.acoustic) >= cfg.acoustic_max_batch
-                   and any(s.first_audio_at is None for s, _ in plan.acoustic))
+        starts = sum(s.first_audio_at is None and u is s.utterances[0] for _, s, u in acoustic)
+        backlog = 2 * starts >= max(2, cfg.acoustic_max_batch)
         decode = [((1 if u.chunk_index == 0 else 0 if slack < urgent_slack else 2, slack, s.ready_since), s, u)
                   for s, u, slack in ready]
         if decode:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from service.engine.config import BatchConfig
-from service.engine.scheduler import Scheduler
+from service.engine.scheduler import AcousticCost, Scheduler
 from service.engine.state import ReadCursor, SessionState, UtteranceState, UtteranceStatus, WorkSpec
 from service.synthesis import ChunkSchedule, PriorSample, SynthesisParams, Synthesizer, Utterance, open_synthesizer
 from service.text.frontend import PhonemizedSentence
@@ -158,23 +158,23 @@ def test_a_slow_acoustic_batch_makes_a_playing_session_urgent(runtime: Synthesiz
 
 
 def test_a_backlog_of_starts_steps_only_the_rows_that_cannot_wait(runtime: Synthesizer) -> None:
-    """A full acoustic batch with a session's first sentence in it: sessions below their lead
-    but not about to run dry wait, and no step is filled; first chunks and the dry-soon step."""
+    """Half an acoustic batch of sessions or more waiting for the acoustic stage to begin their
+    audio: sessions below their lead but not about to run dry wait, and no step is filled;
+    first chunks and the dry-soon step."""
     cfg = BatchConfig(lead_s=1.0, urgent_slack_s=0.3, acoustic_max_batch=4)
     dry = _session(runtime, 1, playing_for=1.0, slack=0.2)
     below_lead = _session(runtime, 2, playing_for=1.0, slack=0.6)
     ahead = _session(runtime, 3, playing_for=1.0, slack=2.0)
     fresh = _session(runtime, 4)  # through the acoustic stage: its first chunk is next
     starts = [_session(runtime, 10 + k, decoding=False, acoustic=1) for k in range(5)]
-    sessions = [dry, below_lead, ahead, fresh, *starts]
-    plan = Scheduler(cfg).plan(sessions, NOW, max_rows=8, fill_rows=8)
-    assert len(plan.acoustic) == 4
-    assert [s for s, _ in plan.decode] == [dry, fresh]
-    # Not full: as before, the sessions below their lead step too, and the fill takes the rest.
-    plan = Scheduler(cfg).plan([dry, below_lead, ahead, fresh, *starts[:3]], NOW, max_rows=8, fill_rows=8)
-    assert len(plan.acoustic) == 3
+    for waiting in (starts, starts[:2]):  # more than a batch; half of one
+        plan = Scheduler(cfg).plan([dry, below_lead, ahead, fresh, *waiting], NOW, max_rows=8, fill_rows=8)
+        assert len(plan.acoustic) == min(4, len(waiting))
+        assert [s for s, _ in plan.decode] == [dry, fresh]
+    # One start: as before, the sessions below their lead step too, and the fill takes the rest.
+    plan = Scheduler(cfg).plan([dry, below_lead, ahead, fresh, starts[0]], NOW, max_rows=8, fill_rows=8)
     assert [s for s, _ in plan.decode] == [dry, fresh, below_lead, ahead]
-    # Full, but of sentences of sessions already playing: no backlog of starts.
+    # A full batch of the next sentences of sessions already playing: no backlog of starts.
     playing = [_session(runtime, 20 + k, playing_for=1.0, slack=1.5 + 0.1 * k, acoustic=1) for k in range(4)]
     lookahead = BatchConfig(lead_s=1.0, urgent_slack_s=0.3, acoustic_max_batch=4, acoustic_lookahead_s=100.0)
     plan = Scheduler(lookahead).plan([below_lead, *playing], NOW, max_rows=8)
@@ -192,3 +192,18 @@ def test_first_sentences_go_to_the_acoustic_stage_before_next_ones(runtime: Synt
     assert [s for s, _ in plan.acoustic] == [waiting]
     plan = Scheduler(cfg).plan([started], NOW, max_rows=8)
     assert [s for s, _ in plan.acoustic] == [started]  # alone, its next sentence goes
+
+
+def test_the_acoustic_cost_per_sentence_weighs_calls_by_their_sentences() -> None:
+    """A one-sentence call's fixed cost must not make the next 64-sentence batch look 64 times
+    that long (which would make every playing session look about to run dry)."""
+    cost = AcousticCost()
+    assert cost.per_sentence == 0.0
+    cost.add(0.020, 1)
+    assert cost.per_sentence == pytest.approx(0.020)
+    cost.add(0.053, 64)
+    assert cost.per_sentence == pytest.approx((0.8 * 0.020 + 0.053) / (0.8 + 64))
+    assert cost.per_sentence < 0.0011
+    for _ in range(40):  # the past fades
+        cost.add(0.022, 64)
+    assert cost.per_sentence == pytest.approx(0.022 / 64, rel=1e-3)
