@@ -94,6 +94,7 @@ class Scheduler:
         acoustic: list[tuple[tuple[float, bool, float], SessionState, UtteranceState]] = []
         ready: list[tuple[SessionState, UtteranceState, float]] = []
         wake = math.inf
+        starts = 0  # sessions waiting for the acoustic stage to begin their audio
         for s in sessions:
             if not s.utterances:  # waiting for text: nothing to plan
                 continue
@@ -105,6 +106,7 @@ class Scheduler:
             if nxt is not None:
                 if s.queued_audio_s() < cfg.acoustic_lookahead_s:
                     acoustic.append(((slack, nxt is not head, s.ready_since), s, nxt))
+                    starts += s.first_audio_at is None and nxt is head
                 else:
                     wake = min(wake, now + 0.05)  # the queue drains as audio plays
         if acoustic:
@@ -112,17 +114,17 @@ class Scheduler:
             runtime = acoustic[0][1].spec.runtime
             plan.acoustic = [(s, u) for _, s, u in acoustic if s.spec.runtime is runtime][: cfg.acoustic_max_batch]
         urgent_slack = max(cfg.urgent_slack_s, len(plan.acoustic) * acoustic_job_s)
-        starts = sum(s.first_audio_at is None and u is s.utterances[0] for _, s, u in acoustic)
+        # a backlog of starts: the lead does not count and no step is filled
         backlog = 2 * starts >= max(2, cfg.acoustic_max_batch)
+        lead_s, fill = (-math.inf, 0) if backlog else (cfg.lead_s, fill_rows)
         decode = [((1 if u.chunk_index == 0 else 0 if slack < urgent_slack else 2, slack, s.ready_since), s, u)
                   for s, u, slack in ready]
         if decode:
             decode.sort(key=lambda item: item[0])
-            # the urgent ones (below their lead, or first chunks; in a backlog of starts only those
-            # about to run dry and first chunks) come first in that order
-            urgent = sum(item[0][0] < 2 or (not backlog and item[0][1] < cfg.lead_s) for item in decode)
+            # the urgent ones (below their lead, or first chunks) come first in that order
+            urgent = sum(item[0][0] < 2 or item[0][1] < lead_s for item in decode)
             if urgent or acoustic:
-                decode = decode[: max(urgent, 0 if backlog else fill_rows)] if urgent else []
+                decode = decode[: max(urgent, fill)] if urgent else []
             plan.decode = self._take(decode, max_rows, free_slots)
             plan.decode_first = bool(decode) and decode[0][0][0] == 0
         if plan.empty and wake < math.inf:
