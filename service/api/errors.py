@@ -16,14 +16,17 @@ do, with two differences that make every API answer any input with a clean statu
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import inspect
 import logging
+import math
 import secrets
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -235,12 +238,54 @@ async def _fail(context: grpc.aio.ServicerContext, rpc: str, exc: Exception, fie
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 
+async def _write(context: grpc.aio.ServicerContext, response: Any, stall_s: float) -> None:
+    """Send one response; a client whose transport takes nothing for `stall_s` (it stopped reading
+    and its flow-control window is full) gets DEADLINE_EXCEEDED now, after the messages it already
+    holds, instead of holding the stream, its session and its audio open until it reads again."""
+    task = asyncio.current_task()
+    assert task is not None
+    fired = False
+
+    def stalled() -> None:
+        nonlocal fired
+        fired = True
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_later(stall_s, stalled)
+    try:
+        await context.write(response)
+    except asyncio.CancelledError:
+        if not fired:
+            raise
+        task.uncancel()
+        raise ClientStalled(f"the client took no audio for {stall_s:g} s; the stream is closed (read the "
+                            "audio as it arrives)") from None
+    finally:
+        timer.cancel()
+
+
+# A bidirectional stream that ends with an error while its client is still writing: the client's
+# pending writes fail, and some clients (grpc.aio) then report that failure instead of the status.
+# So the requests the client already sent are read (and dropped) first, for at most this long.
+DRAIN_REQUESTS_S = 1.0
+
+
+async def _drain(requests: AsyncIterator[Any]) -> None:
+    """Read what the client already sent (until it half-closes, or `DRAIN_REQUESTS_S`)."""
+    with contextlib.suppress(Exception, asyncio.TimeoutError):
+        async with asyncio.timeout(DRAIN_REQUESTS_S):
+            async for _ in requests:
+                pass
+
+
 def boundary(
-    handler: Callable[..., Any], rpc: str, request_streaming: bool, fields: Mapping[str, str] | None = None
+    handler: Callable[..., Any], rpc: str, request_streaming: bool, fields: Mapping[str, str] | None = None,
+    write_stall_s: float = math.inf,
 ) -> Callable[..., Any]:
     """`handler` (a servicer method) with every failure turned into a clean status (see the module doc).
 
-    Works for coroutine handlers (unary responses) and async-generator handlers (streamed responses)."""
+    Works for coroutine handlers (unary responses) and async-generator handlers (streamed responses,
+    written here with `write_stall_s` as the longest a client may leave a response untaken)."""
     names: Mapping[str, str] = fields or {}
 
     def request_of(request: Any) -> Any:
@@ -253,14 +298,24 @@ def boundary(
     if inspect.isasyncgenfunction(handler):
 
         @functools.wraps(handler)
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:
+            responses: AsyncGenerator[Any] | None = None
             try:
-                async for response in handler(request_of(request), context):
-                    yield response
+                responses = handler(request_of(request), context)
+                async for response in responses:
+                    try:
+                        await _write(context, response, write_stall_s)
+                    except ClientStalled as exc:  # thrown into the handler: its session ends with it
+                        await responses.athrow(exc)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
+                if request_streaming:
+                    await _drain(request)
                 await _fail(context, rpc, exc, names)
+            finally:
+                if responses is not None:
+                    await responses.aclose()
 
         return stream
 
@@ -312,6 +367,8 @@ def add_service(
     servicer: object,
     methods: Mapping[str, Method],
     fields: Mapping[str, Mapping[str, str]] | None = None,
+    *,
+    write_stall_s: float,
 ) -> None:
     """Register `servicer`'s methods under `service_name`, each behind `boundary` and `decoder`.
 
@@ -319,7 +376,7 @@ def add_service(
     handlers = {}
     for name, method in methods.items():
         wrapped = boundary(getattr(servicer, name), f"{service_name}/{name}", method.request_streaming,
-                           (fields or {}).get(name))
+                           (fields or {}).get(name), write_stall_s)
         make = _HANDLERS[(method.request_streaming, method.response_streaming)]
         handlers[name] = make(wrapped, request_deserializer=decoder(method.request),
                               response_serializer=method.response.SerializeToString)

@@ -381,9 +381,12 @@ def add_google(
     engine: Engine,
     default_seed: int | None = DEFAULT_COMPAT_SEED,
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    *,
+    write_stall_s: float,
 ) -> None:
     """Serve ``google.cloud.texttospeech.v1.TextToSpeech`` on `server` under Google's method paths."""
     register_service_descriptor()
     servicer = GoogleTextToSpeechServicer(engine, default_seed, idle_timeout_s)
     add_service(server, SERVICE_NAME, servicer, GOOGLE_METHODS,
-                fields={"SynthesizeSpeech": _UNARY_FIELDS, "StreamingSynthesize": _STREAMING_FIELDS})
+                fields={"SynthesizeSpeech": _UNARY_FIELDS, "StreamingSynthesize": _STREAMING_FIELDS},
+                write_stall_s=write_stall_s)

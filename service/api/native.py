@@ -205,7 +205,7 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
 NATIVE_METHODS = methods_of(pb.DESCRIPTOR.services_by_name["TextToSpeech"])
 
 
-def add_native(server: grpc.aio.Server, engine: Engine, idle_timeout_s: float) -> None:
+def add_native(server: grpc.aio.Server, engine: Engine, idle_timeout_s: float, write_stall_s: float) -> None:
     """Serve ``cadenza.v1.TextToSpeech`` on `server`, every RPC behind the shared error boundary."""
     service = pb.DESCRIPTOR.services_by_name["TextToSpeech"].full_name
-    add_service(server, service, NativeServicer(engine, idle_timeout_s), NATIVE_METHODS)
+    add_service(server, service, NativeServicer(engine, idle_timeout_s), NATIVE_METHODS, write_stall_s=write_stall_s)

@@ -285,8 +285,11 @@ def add_riva(
     engine: Engine,
     default_seed: int | None = DEFAULT_COMPAT_SEED,
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    *,
+    write_stall_s: float,
 ) -> None:
     """Serve ``nvidia.riva.tts.RivaSpeechSynthesis`` on `server`."""
     servicer = RivaSynthesisServicer(engine, default_seed, idle_timeout_s)
     service = rtts.DESCRIPTOR.services_by_name["RivaSpeechSynthesis"]
-    add_service(server, service.full_name, servicer, methods_of(service), fields=dict.fromkeys(RIVA_RPCS, _FIELDS))
+    add_service(server, service.full_name, servicer, methods_of(service), fields=dict.fromkeys(RIVA_RPCS, _FIELDS),
+                write_stall_s=write_stall_s)

@@ -195,9 +195,10 @@ class CadenzaServer:
                    ("grpc.so_reuseport", int(config.api_servers > 1))]
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
         self.health = health.aio.HealthServicer()
-        add_native(self.server, self.engine, config.limits.idle_timeout_s)
-        add_riva(self.server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)  # same port, same engine
-        add_google(self.server, self.engine, idle_timeout_s=config.limits.idle_timeout_s)
+        idle, stall = config.limits.idle_timeout_s, config.engine.batch.stall_timeout_s
+        add_native(self.server, self.engine, idle, stall)
+        add_riva(self.server, self.engine, idle_timeout_s=idle, write_stall_s=stall)  # same port, same engine
+        add_google(self.server, self.engine, idle_timeout_s=idle, write_stall_s=stall)
         for add in extra_servicers:
             add(self.server, self.engine)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

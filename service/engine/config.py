@@ -18,6 +18,12 @@ class Limits:
     max_sessions: int = 1024  # open sessions; one more -> RESOURCE_EXHAUSTED (admission control acts first)
     max_text_chars: int = 100_000  # characters one session may send; more -> RESOURCE_EXHAUSTED
     max_message_bytes: int = 4 << 20  # largest gRPC message either way
+    # Work is bounded in the units that cost, not only in characters: a dictionary entry or an
+    # annotation can make one word hundreds of phonemes. Phonemes one session may have spoken
+    # (about 3 hours of speech); more -> RESOURCE_EXHAUSTED.
+    max_session_phonemes: int = 200_000
+    max_dictionary_entries: int = 1000  # custom dictionary entries per session
+    max_dictionary_entry_chars: int = 200  # characters of one entry's word or of its pronunciation
     idle_timeout_s: float = 60.0  # a stream with no client message for this long is closed
     # At the estimated capacity (real-time streams, see GetServerInfo) a new session waits this
     # long for one to end, then gets RESOURCE_EXHAUSTED; 0 turns admission control off.

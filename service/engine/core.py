@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.engine.api import ENGINE_DIED
+from service.engine.api import ENGINE_DIED, ResourceExhausted
 from service.engine.cache import ResultCache
 from service.engine.config import BatchConfig
 from service.engine.executor import Chunk, Executor
@@ -295,6 +295,12 @@ class EngineCore:
                 s.arrived[seq] = (sent, done, sentences)
                 while s.applied in s.arrived:
                     sent, done, sentences = s.arrived.pop(s.applied)
+                    s.phonemes += sum(len(x.phonemes) for x in sentences)
+                    if s.spec.max_phonemes is not None and s.phonemes > s.spec.max_phonemes:
+                        self._fail(s, ResourceExhausted(
+                            f"the session's text came to more than {s.spec.max_phonemes} phonemes, the most one "
+                            "session may speak; open a new session for more text"))
+                        break
                     if s.marks.sent is None and sentences:
                         s.marks.sent, s.marks.phonemized = sent, done
                     for sentence in sentences:
@@ -302,6 +308,8 @@ class EngineCore:
                         self.telemetry.utterance_queued(sid, s.next_index, now)
                         s.next_index += 1
                     s.applied += 1
+                if sid not in self._sessions:
+                    continue
                 s.status = SessionStatus.ACTIVE
                 s.ready_since = now
                 if s.first_text_at is None and s.utterances:
@@ -378,20 +386,25 @@ class EngineCore:
         self._decode([(s, u) for s, u in plan.decode if id(u) in fresh])
 
     def _end_stalled(self, now: float) -> float | None:
-        """End sessions whose client has taken no audio for `stall_timeout_s` while they were
-        held back (their queued audio is freed); returns when to look again."""
+        """End sessions held back by backpressure whose client has taken no audio for
+        `stall_timeout_s` (their queued audio is freed); returns when to look again. The clock
+        restarts whenever the client reads: a fast reader of long audio is never cut, however
+        large one chunk is next to `max_ahead_s`."""
         from service.engine.api import ClientStalled
 
         limit, check = self.batch.stall_timeout_s, None
         for s in list(self._sessions.values()):
-            if s.unread_s() < self.batch.max_ahead_s or not s.utterances:
-                s.held_since = None
+            held, read = bool(s.utterances) and s.unread_s() >= self.batch.max_ahead_s, s.spec.cursor.read_s
+            if not held or read != s.read_at_hold:
+                s.held_since, s.read_at_hold = None, read
+            if not held:
                 continue
             if s.held_since is None:
                 s.held_since = now
             if now - s.held_since >= limit:
                 self._fail(s, ClientStalled(
-                    f"the client took no audio for {limit:.0f} s ({s.unread_s():.1f} s unread); the stream is closed"))
+                    f"the client took no audio for {limit:.0f} s with {s.unread_s():.1f} s of audio waiting for it; "
+                    "the stream is closed (read the audio as it arrives)"))
             else:
                 check = min(check or math.inf, s.held_since + limit)
         return check
@@ -485,3 +498,4 @@ class _Tracked(SessionState):
     arrived: dict[int, tuple[float, float, list[PhonemizedSentence]]] = field(default_factory=dict)
     applied: int = 0
     end_after: int | None = None
+    phonemes: int = 0  # phonemes of the texts applied so far

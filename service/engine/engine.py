@@ -9,6 +9,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Mapping
 from importlib import metadata
 from multiprocessing.connection import Connection
 
@@ -148,6 +149,8 @@ class TtsEngine:
         frontend = dataclasses.replace(self.config.frontend, preload=(
             *self.config.frontend.preload, *(str(v.config_path) for v in preload)))
         self._loaded = self.host.start(frontend, preload)
+        for name in self._loaded:
+            self.telemetry.voice_loaded(name)
         first = self._loaded.get(self._default.name)
         if first is not None:  # what the core runs on ("auto" resolved)
             self.device, self.backend_name = first.hardware.device, first.backend
@@ -192,6 +195,10 @@ class TtsEngine:
     def drain(self) -> None:
         """Refuse new sessions from now on; open ones continue."""
         self.draining = True
+
+    def sessions(self) -> list[EngineSession]:
+        """The sessions open in this process (a drain cuts those left at its end)."""
+        return list(self._sessions.values())
 
     def _cache_lookups(self) -> tuple[int, int]:
         """(hits, misses) of the core's result cache, for the telemetry's collection thread."""
@@ -243,6 +250,7 @@ class TtsEngine:
     def _load(self, info: VoiceInfo) -> None:
         """Load a voice where the core runs (blocking: the first session of a voice waits)."""
         self._loaded[info.name] = self.host.load(info)
+        self.telemetry.voice_loaded(info.name)
 
     def voices(self) -> list[VoiceDescription]:
         out = []
@@ -358,7 +366,7 @@ class TtsEngine:
         request = SessionRequest(
             session_id=session.id, voice_name=info.name, sid=sid, params=params, schedule=schedule,
             precision=precision.value, custom_dictionary=config.custom_dictionary, word_timings=config.word_timings,
-            internal=internal)
+            internal=internal, max_phonemes=self.config.limits.max_session_phonemes)
         self.host.submit_open(request, info, session, asyncio.get_running_loop(), setup.cursor)
         return session
 
@@ -429,15 +437,28 @@ class TtsEngine:
         if not first <= largest <= MAX_CHUNK_FRAMES:
             raise InvalidArgument("config.max_chunk_frames",
                                   f"{largest} must be between first_chunk_frames ({first}) and {MAX_CHUNK_FRAMES}")
-        if c.custom_dictionary and any(not k.strip() or not v.strip() for k, v in c.custom_dictionary.items()):
-            raise InvalidArgument("config.custom_dictionary", "entries need a non-empty word and pronunciation")
-        for word, pronunciation in (c.custom_dictionary or {}).items():
-            check_text(word + pronunciation, "config.custom_dictionary")
+        self._check_dictionary(c.custom_dictionary or {})
         schedule = dataclasses.replace(base, first_frames=first, max_frames=largest)
         params = SynthesisParams(
             length_scale=info.length_scale / rate, noise_scale=c.noise_scale, noise_w=c.noise_w, seed=c.seed,
         )
         return params, schedule
+
+    def _check_dictionary(self, dictionary: Mapping[str, str]) -> None:
+        """Entries bounded in count and length: one entry must not turn a word into minutes of audio."""
+        limits, field = self.config.limits, "config.custom_dictionary"
+        if len(dictionary) > limits.max_dictionary_entries:
+            raise InvalidArgument(field, f"{len(dictionary)} entries; at most {limits.max_dictionary_entries} "
+                                  "are allowed per session")
+        longest = limits.max_dictionary_entry_chars
+        for word, pronunciation in dictionary.items():
+            if not word.strip() or not pronunciation.strip():
+                raise InvalidArgument(field, "entries need a non-empty word and pronunciation")
+            for what, value in (("word", word), ("pronunciation", pronunciation)):
+                if len(value) > longest:
+                    raise InvalidArgument(field, f"the {what} of entry {echo(word, 40)} has {len(value)} characters; "
+                                          f"at most {longest} are allowed")
+            check_text(word + pronunciation, field)
 
     def _resolve_precision(self, asked: Precision, voice: str) -> PrecisionDecision:
         """Explicit requests must be supported by the backend; AUTO asks the policy

@@ -77,6 +77,7 @@ class SessionRequest:
     custom_dictionary: Mapping[str, str] | None
     word_timings: bool = True  # the client asked for word timings (without: the frontend skips word alignment)
     internal: bool = False  # the server's own warm-up session (not profiled)
+    max_phonemes: int | None = None  # phonemes the session may have spoken; more fails it (RESOURCE_EXHAUSTED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +178,7 @@ class SessionState:
     first_text_at: float | None = None  # when its first sentence reached the engine
     marks: FirstAudioMarks = field(default_factory=FirstAudioMarks)
     held_since: float | None = None  # when backpressure last started holding it back
+    read_at_hold: float = 0.0  # the client's read cursor then (reading restarts the stall clock)
     ready_since: float = 0.0  # when it last got new work or output (ties in urgency)
 
     @property

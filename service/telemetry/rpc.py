@@ -8,6 +8,7 @@ Health checks and reflection are left out (probes would drown the rest)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -40,7 +41,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         metadata = handler_call_details.invocation_metadata or ()
         if handler.response_streaming:
             behavior = handler.unary_stream or handler.stream_stream
-            wrapped: Any = self._streaming(behavior, method, metadata)
+            # A handler that writes its responses itself (context.write) is a coroutine.
+            wrap = self._streaming if inspect.isasyncgenfunction(behavior) else self._unary
+            wrapped: Any = wrap(behavior, method, metadata)
         else:
             behavior = handler.unary_unary or handler.stream_unary
             wrapped = self._unary(behavior, method, metadata)

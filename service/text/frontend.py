@@ -39,6 +39,11 @@ _PUNCT_PHONEMES = frozenset(",.;:!?")
 # Preference for sentence breaks after sentence-final punctuation, in units of "words off".
 _NO_PUNCT_PENALTY = 1.5
 _SOLO_CACHE_MAX = 20_000
+# The most phonemes one utterance may hold. A longer sentence (a run of numbers or symbols, or
+# long annotations) is split at word boundaries: the acoustic stage's time and memory grow with
+# the square of an utterance's length, and one utterance of minutes would hold every other
+# session's first audio behind it.
+MAX_SENTENCE_PHONEMES = 400
 _SENTENCE_SLACK = 10  # how many words past a sentence's count its end is searched
 
 
@@ -172,8 +177,9 @@ class Frontend:
                         _Word(word.text, word.start + place.offset, word.end + place.offset)
                     )
         return [
-            self._finish(text, phonemes, builder)
+            self._finish(text, part, piece)
             for phonemes, builder in zip(out, builders, strict=True)
+            for part, piece in _split_long(phonemes, builder, MAX_SENTENCE_PHONEMES)
         ]
 
     def _text_sentences(self, text: str, after_word: bool) -> list[list[str]]:
@@ -275,6 +281,31 @@ class Frontend:
             last_end = end_id
         source = text[builder.char_start : builder.char_end] if builder.char_start >= 0 else ""
         return PhonemizedSentence(source, list(phonemes), converted.ids, spans)
+
+
+def _split_long(
+    phonemes: list[str], builder: _Builder, limit: int
+) -> list[tuple[list[str], _Builder]]:
+    """A sentence of more than `limit` phonemes as pieces of at most `limit`, cut after the last
+    word break (a space phoneme) that fits, else hard at the limit."""
+    if len(phonemes) <= limit:
+        return [(phonemes, builder)]
+    pieces: list[tuple[list[str], _Builder]] = []
+    start = 0
+    while start < len(phonemes):
+        end = min(start + limit, len(phonemes))
+        if end < len(phonemes):
+            spaces = [k for k in range(start + 1, end) if phonemes[k] == " "]
+            if spaces:
+                end = spaces[-1] + 1
+        piece = _Builder(from_user={k - start for k in builder.from_user if start <= k < end})
+        for word in builder.words:
+            if start <= word.start < end:
+                piece.words.append(_Word(word.text, word.start - start, min(word.end, end) - start))
+        piece.char_start, piece.char_end = builder.char_start, builder.char_end
+        pieces.append((phonemes[start:end], piece))
+        start = end
+    return pieces
 
 
 def _split_plain(text: str, offset: int, entries: Mapping[str, list[str]]) -> list[_Source]:

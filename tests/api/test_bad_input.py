@@ -253,6 +253,32 @@ CASES = [
     Case("native-stream-nul", _native_stream(NCFG, N(text="a\x00b"), N(end_input=True)), IA, "NUL"),
     Case("native-stream-speaker-superscript", _native_stream(N(config=pb.SessionConfig(speaker="²"))), NF,
          "speaker"),
+    # hostile values: amplification and huge or odd numbers (never INTERNAL)
+    Case("native-dictionary-bomb", _native_unary("boom boom", custom_dictionary={"boom": "[AA1]" * 5000}), IA,
+         "at most 200"),
+    Case("native-dictionary-100k-value", _native_unary(custom_dictionary={"boom": "a" * 100_000}), IA,
+         "at most 200"),
+    Case("native-dictionary-too-many", _native_unary(custom_dictionary={f"w{i}": "[AA1]" for i in range(1001)}),
+         IA, "at most 1000"),
+    Case("native-stream-dictionary-bomb", _native_stream(
+        N(config=pb.SessionConfig(custom_dictionary={"boom": "[AA1]" * 5000})), N(text="boom boom"),
+        N(end_input=True)), IA, "at most 200"),
+    Case("native-stream-phoneme-budget", _native_stream(
+        N(config=pb.SessionConfig(custom_dictionary={"boom": "[AA1]" * 40})), N(text="boom " * 5000),
+        N(end_input=True)), grpc.StatusCode.RESOURCE_EXHAUSTED, "phonemes"),
+    Case("native-speaker-minus-one", _native_unary(speaker="-1"), NF, "speaker"),
+    Case("native-speaker-11-digits", _native_unary(speaker="99999999999"), NF, "speaker"),
+    Case("native-sample-rate-1", _native_unary(sample_rate_hz=1), IA, "config.sample_rate"),
+    Case("native-sample-rate-int32-max", _native_unary(sample_rate_hz=2**31 - 1), IA, "config.sample_rate"),
+    Case("native-noise-w-1e6", _native_unary(noise_w=1e6), IA, "config.noise_w"),
+    Case("native-language-100k", _native_unary(language="x" * 100_000), NF, "100000 characters"),
+    Case("native-text-3-5-mb", _native_unary("word " * 700_000), grpc.StatusCode.RESOURCE_EXHAUSTED,
+         "characters"),
+    Case("native-stream-sample-rate-int32-max", _native_stream(N(config=pb.SessionConfig(
+        sample_rate_hz=2**31 - 1)), *[N(text="More text. ")] * 20, N(end_input=True)), IA, "config.sample_rate"),
+    Case("riva-dictionary-bomb", _riva("boom", custom_dictionary="boom  " + "AA1 " * 5000), IA, "at most 200"),
+    Case("google-pronunciation-bomb", _google("boom", pronunciations=(("boom", IPA, "ə" * 5000),)), IA,
+         "at most 200"),
     # NVIDIA Riva
     Case("riva-voice-superscript-two", _riva(voice_name="tiny-multi.²"), NF, "voice_name"),
     Case("riva-voice-unknown-speaker-index", _riva(voice_name="tiny-multi.7"), NF, "voice_name"),
@@ -451,6 +477,7 @@ def test_zz_the_healthy_session_was_complete(healthy: Healthy) -> None:
     assert healthy.error is None, healthy.error
     summary, chunks = healthy.summary, healthy.chunks
     assert summary is not None and chunks
+    assert summary.ttfa_seconds < 2.0, summary.ttfa_seconds  # its first audio came as usual
     assert summary.characters == healthy.sent_chars > len(SENTENCE)
     assert summary.chunks == len(chunks) and [c.seq for c in chunks] == list(range(len(chunks)))
     total_bytes = sum(len(c.audio) for c in chunks)
