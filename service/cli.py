@@ -583,6 +583,9 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="utterances decoding at once per voice and precision")
     p.add_argument("--max-ahead", type=float, default=_batch("max_ahead_s"),
                    help="seconds of unread audio after which a session is not stepped")
+    p.add_argument("--stall-timeout", type=float, default=_batch("stall_timeout_s"),
+                   help="seconds a client may take no audio (while held back, or with a response waiting) "
+                        "before its stream ends with DEADLINE_EXCEEDED")
     p.add_argument("--acoustic-max-batch", type=_positive_int, default=_batch("acoustic_max_batch"),
                    help="sentences one acoustic-stage call takes at most")
     p.add_argument("--compile-acoustic", action=argparse.BooleanOptionalAction, default=_batch("compile_acoustic"),
@@ -595,6 +598,7 @@ def _batch_config(args: argparse.Namespace) -> BatchConfig:
 
     return BatchConfig(decoder=args.decoder, step_frames=args.step_frames, max_step_rows=args.max_step_rows,
                        step_fill_rows=args.step_fill_rows, slots=args.slots, max_ahead_s=args.max_ahead,
+                       stall_timeout_s=args.stall_timeout,
                        acoustic_max_batch=args.acoustic_max_batch, compile_acoustic=args.compile_acoustic)
 
 

@@ -266,16 +266,18 @@ async def _write(context: grpc.aio.ServicerContext, response: Any, stall_s: floa
 
 # A bidirectional stream that ends with an error while its client is still writing: the client's
 # pending writes fail, and some clients (grpc.aio) then report that failure instead of the status.
-# So the requests the client already sent are read (and dropped) first, for at most this long.
+# So the requests the client already sent are read (and dropped) first: until it half-closes or
+# sends nothing for DRAIN_GAP_S, for at most DRAIN_REQUESTS_S.
 DRAIN_REQUESTS_S = 1.0
+DRAIN_GAP_S = 0.05
 
 
 async def _drain(requests: AsyncIterator[Any]) -> None:
-    """Read what the client already sent (until it half-closes, or `DRAIN_REQUESTS_S`)."""
+    """Read what the client already sent, within the limits above."""
+    deadline = time.monotonic() + DRAIN_REQUESTS_S
     with contextlib.suppress(Exception, asyncio.TimeoutError):
-        async with asyncio.timeout(DRAIN_REQUESTS_S):
-            async for _ in requests:
-                pass
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.wait_for(anext(requests), min(DRAIN_GAP_S, left))
 
 
 def boundary(

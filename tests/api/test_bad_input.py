@@ -486,3 +486,35 @@ def test_zz_the_healthy_session_was_complete(healthy: Healthy) -> None:
     assert abs(total_samples / chunks[0].sample_rate_hz - summary.audio_seconds) < 1e-3
     offsets = [c.offset_samples for c in chunks]
     assert offsets == [sum(c.num_samples for c in chunks[:i]) for i in range(len(chunks))]
+
+
+# --- a refused config while the client is still writing ---------------------------------------
+
+
+def test_aio_client_writing_sees_the_refusal(server: ServerThread) -> None:
+    """A grpc.aio client that queued its messages behind a bad config gets the server's status
+    (NOT_FOUND for the speaker), not a client-side INTERNAL from its failed writes."""
+    import asyncio
+
+    async def one() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(server.addr) as ch:
+            call = pb_grpc.TextToSpeechStub(ch).StreamingSynthesize(timeout=TIMEOUT_S)
+            await call.write(N(config=pb.SessionConfig(speaker="99999999999")))
+            for _ in range(20):
+                await call.write(N(text="More text for a stream that was refused. "))
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    assert "speaker" in (exc.details() or "")
+                return exc.code()
+            except Exception:  # a write after the status: the status is still the call's code
+                pass
+            return await call.code()
+
+    async def runs() -> list[grpc.StatusCode]:
+        return [await one() for _ in range(20)]
+
+    codes = asyncio.run(runs())
+    assert codes == [grpc.StatusCode.NOT_FOUND] * 20, codes

@@ -117,3 +117,23 @@ def test_dictionary_matches_whole_words_only(frontend: Frontend) -> None:
 def test_dictionary_entry_errors_name_the_word(frontend: Frontend) -> None:
     with pytest.raises(AnnotationError, match=r"'gif'.*'QQ1'"):
         frontend.sentences("A gif.", {"gif": "[JH][QQ1][F]"})
+
+
+def test_long_sentences_split_at_word_breaks(frontend: Frontend) -> None:
+    """A sentence past MAX_SENTENCE_PHONEMES (long annotations, a run of numbers) becomes several
+    utterances of at most that many phonemes, cut between words; its words all survive."""
+    from service.text.frontend import MAX_SENTENCE_PHONEMES
+
+    dictionary = {"boom": "[AA1]" * 40}
+    text = " ".join(["boom"] * 30) + "."
+    sentences = frontend.sentences(text, dictionary)
+    assert len(sentences) > 1
+    assert all(len(s.phonemes) <= MAX_SENTENCE_PHONEMES for s in sentences)
+    assert sum(len(s.words) for s in sentences) == 30
+    assert sum(s.phonemes.count("ɑ") for s in sentences) == 30 * 40
+    for s in sentences[:-1]:
+        assert s.phonemes[-1] == " "  # cut after a word break, never inside a word
+    numbers = frontend.sentences("999,999,999,999 " * 10)
+    assert len(numbers) > 1 and all(len(s.phonemes) <= MAX_SENTENCE_PHONEMES for s in numbers)
+    short = frontend.sentences("A short sentence stays whole.")
+    assert len(short) == 1
