@@ -925,11 +925,15 @@ def _quiet_known_warnings() -> None:
 def _setup_logging(command: str, args: argparse.Namespace | None = None) -> None:
     """serve: a server log at --log-level, as text lines with timestamps or JSON lines. Other
     commands: warnings, plus the progress of slow one-time work (the first export of a voice),
-    as `cadenza: ...` lines on stderr."""
+    as `cadenza: ...` lines on stderr. With JSON lines, what C code writes to stderr is made JSON
+    too (before the core's process starts: it inherits that stderr)."""
     if command == "serve" and args is not None:
-        from service.telemetry.logs import setup_logging
+        from service.telemetry.logs import relay_stderr, setup_logging
 
-        setup_logging(_log_config(args))
+        config = _log_config(args)
+        if config.format == "json":
+            relay_stderr()
+        setup_logging(config)
         return
     logging.basicConfig(level=logging.WARNING, format="cadenza: %(message)s")
     logging.getLogger("service.backends.stage_export").setLevel(logging.INFO)

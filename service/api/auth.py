@@ -16,7 +16,7 @@ import grpc
 
 __all__ = ["OPEN_SERVICES", "UNAUTHENTICATED_MESSAGE", "ApiKeyInterceptor", "bearer_metadata", "load_api_keys"]
 
-log = logging.getLogger(__name__)
+failures = logging.getLogger("service.api.errors")  # where every failed RPC is logged
 
 # Services callable without a key: the gRPC health check and server reflection (v1 and v1alpha).
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
@@ -64,14 +64,18 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __repr__(self) -> str:  # never the keys
         return f"ApiKeyInterceptor({len(self._keys)} key(s))"
 
-    def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+    def refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+        """Why a call with `metadata` is refused (None: it is not). The reason never quotes the key."""
         token = _bearer_token(metadata)
         if token is None:
-            return False
+            return "no API key ('authorization: Bearer <key>' metadata)"
         found = False
         for key in self._keys:  # every key, so the time taken does not say which one matched
             found |= hmac.compare_digest(token, key)
-        return found
+        return None if found else "unknown API key"
+
+    def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        return self.refusal(metadata) is None
 
     async def intercept_service(
         self,
@@ -80,12 +84,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method or ""
         service = method.lstrip("/").partition("/")[0]
-        if service in OPEN_SERVICES or self.authorized(handler_call_details.invocation_metadata):
+        reason = None if service in OPEN_SERVICES else self.refusal(handler_call_details.invocation_metadata)
+        if reason is None:
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is None:  # an unknown method: UNIMPLEMENTED, as without keys
             return handler
-        log.debug("refused a call to %s: missing or unknown API key", method)
+        # The one line per failed RPC (see service.api.errors): a client's mistake, so INFO.
+        rpc = method.lstrip("/")
+        failures.info("%s failed: UNAUTHENTICATED: %s", rpc, reason, extra={"rpc": rpc, "status": "UNAUTHENTICATED"})
         return _refusal(handler)
 
 

@@ -29,6 +29,8 @@ RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 PSNR_BUCKETS_DB = (20.0, 30.0, 40.0, 45.0, 50.0, 55.0, 60.0, 70.0, 80.0, 100.0)
 
 STAGE_DECODER = "decoder"  # the stage the guard checks (every decoded chunk)
+PRECISIONS = ("fp16", "fp32")  # what a session's precision resolves to
+REJECT_REASONS = ("capacity", "max_sessions", "draining", "not_ready", "engine_failed")
 
 
 def _version() -> str:
@@ -173,6 +175,20 @@ class Telemetry:
                          "FP16 chunk vs its FP32 recomputation (shadow verification), waveform PSNR",
                          PSNR_BUCKETS_DB)
         self.meter = meter
+        # Counters of events are on /metrics at 0 from the start, not from their first event
+        # (a dashboard would show "no data" where there were none). Per voice: `voice_loaded`.
+        self.admitted.add(0)
+        for reason in REJECT_REASONS:
+            self.rejected.add(0, {"reason": reason})
+
+    def voice_loaded(self, voice: str) -> None:
+        """Put the voice's series of event counters (and of open sessions) at 0."""
+        self.active.add(0, {"cadenza.voice": voice})
+        self.fallbacks.add(0, {"cadenza.voice": voice, "stage": STAGE_DECODER})
+        for precision in PRECISIONS:
+            labels = {"cadenza.voice": voice, "cadenza.precision": precision}
+            self.trips.add(0, {**labels, "stage": STAGE_DECODER})
+            self.underruns.add(0, labels)
 
     # --- set-up ----------------------------------------------------------------------------------
 
@@ -413,4 +429,4 @@ def _ids(span: trace.Span) -> dict[str, str]:
     return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
 
 
-__all__ = ["PSNR_BUCKETS_DB", "SessionInfo", "SessionTrace", "Telemetry"]
+__all__ = ["PRECISIONS", "PSNR_BUCKETS_DB", "REJECT_REASONS", "SessionInfo", "SessionTrace", "Telemetry"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import json
 import logging
 import signal
 import threading
@@ -288,8 +289,48 @@ def test_keys_never_logged(keys_server: ServerThread, caplog: pytest.LogCaptureF
         _synthesize(keys_server.addr, _bearer(KEY + "-wrong"))
     with pytest.raises(grpc.RpcError):
         _synthesize(keys_server.addr)
-    assert any("API key" in r.getMessage() for r in caplog.records)  # refusals are logged, at debug
+    # One line per refusal (README: one per failed RPC), with the method and why, never the key.
+    refusals = [r for r in caplog.records if "UNAUTHENTICATED" in r.getMessage()]
+    assert [(r.name, r.levelno, r.getMessage()) for r in refusals] == [
+        ("service.api.errors", logging.INFO,
+         "cadenza.v1.TextToSpeech/StreamingSynthesize failed: UNAUTHENTICATED: unknown API key"),
+        ("service.api.errors", logging.INFO, "cadenza.v1.TextToSpeech/StreamingSynthesize failed: UNAUTHENTICATED: "
+                                             "no API key ('authorization: Bearer <key>' metadata)"),
+    ]
     assert KEY not in caplog.text and OTHER_KEY not in caplog.text
+
+
+def test_json_log_is_json_on_every_stderr_line_with_tls(pki: Pki, keys_file: Path, tmp_path: Path) -> None:
+    """`--log-format json`: gRPC's C core writes a failed TLS handshake (a plaintext client) straight
+    to fd 2; that line is JSON too, as is the refusal of a call without a key (which names no key)."""
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        server, port = start_serve("--voices", str(DATA), "--voice", "tiny-multi", "--backend", "torch",
+                                   "--device", "cpu", "--threads", "1", "--log-format", "json",
+                                   "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+                                   "--api-keys-file", str(keys_file), stderr=out)
+        try:
+            with pytest.raises(grpc.RpcError) as err:  # plaintext to a TLS port: the handshake fails
+                _synthesize(f"127.0.0.1:{port}", _bearer(KEY))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.RpcError) as err:
+                _synthesize(f"localhost:{port}", _bearer(KEY + "-wrong"), tls_ca=pki.ca)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=30)
+    text = log.read_text()
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            raise AssertionError(f"not JSON: {line!r}\n{text}") from None
+    assert any("Handshake failed" in r["message"] and r["logger"] == "stderr" for r in records), text
+    (refused,) = [r for r in records if r.get("status") == "UNAUTHENTICATED"]
+    assert refused["message"] == "cadenza.v1.TextToSpeech/StreamingSynthesize failed: UNAUTHENTICATED: unknown API key"
+    assert refused["level"] == "INFO" and refused["rpc"] == "cadenza.v1.TextToSpeech/StreamingSynthesize"
+    assert KEY not in text
 
 
 # --- reflection and health ----------------------------------------------------------------------------
