@@ -161,7 +161,7 @@ class EngineCore:
 
     def reset_rate(self) -> None:
         """Forget the decoder's measured speed so far (first runs are slower than serving)."""
-        self.stats.step_seconds = self.stats.audio_seconds = 0.0
+        self.stats.step_seconds = self.stats.audio_seconds = self.stats.acoustic_seconds = 0.0
 
     def first_audio_wait(self) -> float:
         """The longest any session waited for its first audio at the last iteration (seconds;
@@ -419,6 +419,7 @@ class EngineCore:
         for s, why in failed:
             self._fail(s, why)
         now = time.monotonic()
+        self.stats.acoustic_seconds += now - start
         self._acoustic_cost.add(now - start, len(jobs))
         self.telemetry.acoustic_step([(s.spec.session_id, u.index) for s, u in jobs], start, now)
         for s, u in jobs:

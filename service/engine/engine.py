@@ -241,6 +241,7 @@ class TtsEngine:
             "cache_bytes": snap.cache_bytes, "steps": s.steps, "step_rows": s.rows, "max_step_rows": s.max_rows,
             "step_seconds": s.step_seconds, "step_audio_seconds": s.audio_seconds,
             "acoustic_jobs": s.acoustic_jobs, "acoustic_batches": s.acoustic_batches,
+            "acoustic_seconds": s.acoustic_seconds,
             "overlapped_acoustic": s.overlapped, "fp32_fallbacks": s.fallbacks,
             "shadow_verified": snap.shadow_verified, "shadow_min_psnr_db": snap.shadow_min_psnr_db,
         }
@@ -285,15 +286,19 @@ class TtsEngine:
         capacity = self.host.snapshot().capacity
         return capacity.get(auto or "") or capacity.get("")
 
-    # The measured capacity refuses sessions only while the engine thread works this share of
-    # its time: open sessions waiting for text (an LLM's) or held back ahead of their clients ask
-    # nothing of the engine, so open sessions past the estimate need not mean it is full.
-    SATURATED_BUSY_SHARE = 0.9
+    def demand(self) -> int:
+        """Open sessions that need the engine now or soon (`EngineSession.demanding`); other API
+        server processes' sessions all count."""
+        now = time.monotonic()
+        own = sum(1 for s in self._sessions.values() if s.demanding(now))
+        return own + self.open_sessions - self.live_sessions
 
     async def _admit(self) -> float:
-        """At capacity (a pinned figure; the measured one while the engine is saturated), or
-        while the engine is behind (a session waits too long for its first audio), wait a little
-        for room; then refuse with a clear status. Returns the seconds waited."""
+        """At capacity, or while the engine is behind (a session waits too long for its first
+        audio), wait a little for room; then refuse with a clear status. Returns the seconds
+        waited. A pinned capacity counts open sessions; the measured one counts the sessions that
+        need the engine (new ones, and those speaking), so a burst is refused past it before the
+        engine is even busy, while sessions waiting for an LLM's next words leave room."""
         limits = self.config.limits
         if limits.admission_wait_s <= 0:
             return 0.0
@@ -301,10 +306,9 @@ class TtsEngine:
         pinned = limits.capacity_streams is not None
 
         def full() -> bool:
-            snap = self.host.snapshot()
-            at_capacity = capacity is not None and self.open_sessions >= capacity and (
-                pinned or snap.busy_share >= self.SATURATED_BUSY_SHARE)
-            return at_capacity or snap.first_audio_wait_s > limits.admission_first_audio_s
+            load = self.open_sessions if pinned else self.demand()
+            at_capacity = capacity is not None and load >= capacity
+            return at_capacity or self.host.snapshot().first_audio_wait_s > limits.admission_first_audio_s
 
         if not full():
             return 0.0
@@ -317,9 +321,9 @@ class TtsEngine:
         behind = self.host.snapshot().first_audio_wait_s
         self.telemetry.admission(False, time.monotonic() - start, "capacity")
         raise ResourceExhausted(
-            f"server at capacity: {self.open_sessions} sessions open (about {capacity or 0:.0f} real-time streams "
-            f"fit on this {self.device}; a session has waited {behind:.1f} s for its first audio); retry shortly or "
-            "connect to another replica")
+            f"server at capacity: {self.open_sessions} sessions open, {self.demand()} of them speaking or starting "
+            f"(about {capacity or 0:.0f} real-time streams fit on this {self.device}; a session has waited "
+            f"{behind:.1f} s for its first audio); retry shortly or connect to another replica")
 
     def _check_room(self, internal: bool) -> None:
         """RESOURCE_EXHAUSTED at `max_sessions` open (the server's own sessions aside)."""

@@ -130,7 +130,7 @@ class Executor:
     def capacity_streams(self, precision: str | None = None) -> float | None:
         """Real-time streams the engine can carry: audio seconds made per second at the best
         measured batch of steady steps (GPU step times timed at warm-up), or the staged
-        decoder's measured speed, and never more than the whole engine thread made while it
+        decoder's measured speed with the acoustic stage, and never more than the whole engine thread made while it
         was busy (acoustic stage, planning and delivery included). None before anything was
         measured."""
         best = 0.0
@@ -145,7 +145,9 @@ class Executor:
                 if n == frames and seconds > 0:
                     best = max(best, rows * audio / seconds)
         if not best and self.stats.step_seconds > 0 and not self._slots:
-            best = self.stats.audio_seconds / self.stats.step_seconds
+            # Staged decoding (a CPU): one thread runs every stage in turn, so a stream costs
+            # its acoustic stage as well as its decoding.
+            best = self.stats.audio_seconds / (self.stats.step_seconds + self.stats.acoustic_seconds)
         if self.engine_rate > 0:
             best = min(best, self.engine_rate) if best else self.engine_rate
         return best * self.CAPACITY_HEADROOM if best else None

@@ -143,6 +143,8 @@ class EngineSession:
         self._fallbacks = 0
         self._cache_hits = 0
         self._first_text_at: float | None = None
+        self._first_audio_at: float | None = None
+        self._last_text_at = 0.0  # when text last went to the engine
         self._ttfa: float | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._last_out = time.monotonic()  # when the client last took an event (or text was sent)
@@ -223,6 +225,21 @@ class EngineSession:
                 return
             self._taken(item)
 
+    # Seconds after its last text reached the engine, or after its audio played out, that a
+    # session still counts as needing the engine (its next sentence is likely on its way).
+    DEMAND_LINGER_S = 2.0
+
+    def demanding(self, now: float) -> bool:
+        """Needs the engine now or soon (what admission counts): it has had no audio yet, holds
+        text not yet released, sent text lately, or its audio is still playing (on the playback
+        clock from its first audio). A session waiting for its next text asks nothing."""
+        if self._state == "closed":
+            return False
+        if self._first_audio_at is None or self._segmenter.pending:
+            return True
+        playing_until = self._first_audio_at + self.setup.cursor.delivered_s
+        return now < max(playing_until, self._last_text_at) + self.DEMAND_LINGER_S
+
     def quiet_s(self, now: float) -> float:
         if self._writing or not self._queue.empty():
             return 0.0
@@ -246,7 +263,7 @@ class EngineSession:
         for text in texts:
             if text.strip():
                 self._engine_loop.submit_text(self.id, text)
-                self._last_out = time.monotonic()  # audio for it is on its way
+                self._last_out = self._last_text_at = time.monotonic()  # audio for it is on its way
 
     def _arm_idle(self) -> None:
         """Poll the segmenter once the text has been still for its idle time. One timer at a
@@ -282,6 +299,8 @@ class EngineSession:
         if not data and not words:
             return
         now = time.monotonic()
+        if self._first_audio_at is None:
+            self._first_audio_at = now
         if self._ttfa is None and self._first_text_at is not None:
             self._ttfa = now - self._first_text_at
             self._timeline.add("audio_out", sid=self.id)

@@ -220,6 +220,7 @@ class EngineStats:
     step_seconds: float = 0.0  # wall time inside decoder steps
     audio_seconds: float = 0.0  # audio produced by them
     acoustic_jobs: int = 0
+    acoustic_seconds: float = 0.0  # wall time inside acoustic-stage calls
     acoustic_batches: int = 0
     overlapped: int = 0  # acoustic-stage calls made while a decoder step ran on the device
     fallbacks: int = 0

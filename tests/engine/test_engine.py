@@ -377,14 +377,16 @@ def test_admission_control_waits_for_a_free_stream_then_refuses() -> None:
 
 
 def test_capacity_is_measured_from_the_decoder() -> None:
-    """Without a pinned figure the capacity comes from the decoder's measured speed (the
-    staged decoder: its warm-up), and GetServerInfo reports it."""
+    """Without a pinned figure the capacity comes from the engine's measured speed (the staged
+    decoder: its warm-up, acoustic stage included), and GetServerInfo reports it."""
     h = EngineHarness(tiny_engine_config(batch=BatchConfig(decoder="staged")))
     try:
         capacity = h.engine.server_info().capacity_streams
         stats = h.engine.stats()
         assert capacity is not None and capacity > 0
-        assert capacity == pytest.approx(0.8 * stats["step_audio_seconds"] / stats["step_seconds"])
+        busy = stats["step_seconds"] + stats["acoustic_seconds"]
+        assert stats["acoustic_seconds"] > 0
+        assert capacity == pytest.approx(0.8 * stats["step_audio_seconds"] / busy)
     finally:
         h.close()
 
@@ -438,22 +440,29 @@ def test_admission_waits_while_the_engine_is_behind(monkeypatch: pytest.MonkeyPa
         h.close()
 
 
-def test_the_measured_capacity_refuses_only_while_the_engine_is_saturated(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past the measured estimate (not a pinned one) sessions still get in while the engine
-    thread has time to spare (open sessions waiting for text ask nothing of it); once it works
-    nearly all the time, new sessions wait and are refused."""
+def test_the_measured_capacity_counts_sessions_that_need_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the measured estimate (not a pinned one), a new session is refused while the open
+    ones are starting or speaking, whatever the engine is doing this instant (a burst is refused
+    before the engine is busy); a session whose audio has played out and that waits for its next
+    text (an LLM's) leaves room."""
     h = EngineHarness(tiny_engine_config(limits=Limits(admission_wait_s=0.2)))
     try:
         async def run() -> None:
             core = h.engine.host.core
             monkeypatch.setattr(core.executor, "capacity_streams", lambda precision=None: 1.0)
+            monkeypatch.setattr(core, "busy_share", lambda: 0.0)  # the engine idle: no matter
             assert h.engine.server_info().capacity_streams == 1.0
-            monkeypatch.setattr(core, "busy_share", lambda: 0.5)
-            a = await h.engine.open_session(SessionConfig())
-            b = await h.engine.open_session(SessionConfig())  # past the estimate, the engine idle
-            monkeypatch.setattr(core, "busy_share", lambda: 0.95)
-            with pytest.raises(ResourceExhausted, match=r"capacity: 2 sessions open \(about 1 real-time"):
+            a = await h.engine.open_session(SessionConfig(seed=1, encoding=FLOAT))
+            with pytest.raises(ResourceExhausted, match=r"capacity: 1 sessions open, 1 of them speaking or starting"):
                 await h.engine.open_session(SessionConfig())
+            a.push_text("Hello there. ")
+            a.flush()
+            events = a.events()
+            first = await anext(events)
+            assert isinstance(first, AudioOut)
+            while h.engine.demand():  # its audio plays out (on the playback clock), then it idles
+                await asyncio.sleep(0.05)
+            b = await h.engine.open_session(SessionConfig())  # room again: a waits for text
             a.cancel()
             b.cancel()
 
