@@ -160,7 +160,9 @@ class EngineCore:
         self._post("text", session_id, (seq, sent, time.monotonic(), [s for s in future.result() if s.phoneme_ids]))
 
     def reset_rate(self) -> None:
-        """Forget the decoder's measured speed so far (first runs are slower than serving)."""
+        """Forget the decoder's measured speed so far (first runs are slower than serving); the
+        staged speed of the run that ends here is kept as one sample of the warm-up's."""
+        self.executor.sample_rate()
         self.stats.step_seconds = self.stats.audio_seconds = self.stats.acoustic_seconds = 0.0
 
     def first_audio_wait(self) -> float:
@@ -281,6 +283,8 @@ class EngineCore:
                 assert isinstance(payload, WorkSpec)
                 seed = payload.params.seed
                 rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little")) if seed is None else None
+                if not payload.internal:  # serving begins: the warm-up's measurements stand
+                    self.executor.freeze_rate()
                 self._sessions[sid] = _Tracked(payload, rng, ready_since=now)
                 self.timeline.add("open", sid=sid)
                 continue

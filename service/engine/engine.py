@@ -91,6 +91,8 @@ class TtsEngine:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
+    CAPACITY_RUNS = 3  # measured warm-up runs (see start)
+
     async def start(self) -> None:
         """Load the default voice, start the engine thread and warm it up through a real
         session (every step shape the decoder uses is prepared before the first caller)."""
@@ -106,10 +108,12 @@ class TtsEngine:
             for precision in self._warm_precisions():
                 config = SessionConfig(voice=info.name, seed=0, precision=precision)
                 await self._collect(await self._open_session(config, internal=True), self.config.warmup_text)
-        # Once more, warm, for the decoder's measured speed (first runs are slower than serving).
-        self.host.reset_rate()
-        session = await self._open_session(SessionConfig(seed=1), internal=True)
-        await self._collect(session, self.config.warmup_text)
+        # Again, warm, for the decoder's measured speed (first runs are slower than serving); a
+        # few runs, the slowest of which the capacity estimate takes (see Executor.freeze_rate).
+        for run in range(self.CAPACITY_RUNS):
+            self.host.reset_rate()
+            session = await self._open_session(SessionConfig(seed=1 + run), internal=True)
+            await self._collect(session, self.config.warmup_text)
         # After warm-up: what the server built is not scanned by the collector again (off the
         # loop: the process core's collection is waited for).
         await asyncio.get_running_loop().run_in_executor(None, self.host.settle)

@@ -85,6 +85,8 @@ class Executor:
         # Audio seconds the engine thread makes per second of its work, measured while it was
         # busy (EngineCore.note_busy); 0 until then.
         self.engine_rate = 0.0
+        self.staged_rate: float | None = None  # see freeze_rate
+        self._rate_samples: list[float] = []
 
     # --- mode ------------------------------------------------------------------------------------
 
@@ -144,13 +146,38 @@ class Executor:
             for (rows, n), seconds in list(dec.step_seconds.items()):
                 if n == frames and seconds > 0:
                     best = max(best, rows * audio / seconds)
-        if not best and self.stats.step_seconds > 0 and not self._slots:
-            # Staged decoding (a CPU): one thread runs every stage in turn, so a stream costs
-            # its acoustic stage as well as its decoding.
-            best = self.stats.audio_seconds / (self.stats.step_seconds + self.stats.acoustic_seconds)
+        if not best and not self._slots:
+            best = self.staged_rate if self.staged_rate is not None else self._warm_rate()
         if self.engine_rate > 0:
             best = min(best, self.engine_rate) if best else self.engine_rate
         return best * self.CAPACITY_HEADROOM if best else None
+
+    def _staged_rate_now(self) -> float:
+        """Staged decoding (a CPU): one thread runs every stage in turn, so a stream costs its
+        acoustic stage as well as its decoding."""
+        busy = self.stats.step_seconds + self.stats.acoustic_seconds
+        return self.stats.audio_seconds / busy if self.stats.step_seconds > 0 else 0.0
+
+    def sample_rate(self) -> None:
+        """End one measured warm-up run (the core's `reset_rate`): keep its staged speed."""
+        if not self._slots and (rate := self._staged_rate_now()):
+            self._rate_samples.append(rate)
+
+    def freeze_rate(self) -> None:
+        """Keep the warm-up's staged speed as the capacity's basis. Its slowest measured run (the
+        first, cold run not counted): on a CPU the engine's threads run fastest while the other
+        cores are idle, which they are not under load (frontend workers, the API server), so a
+        fast run overstates what the engine carries; and measured while serving, the figure would
+        follow whatever else the host is doing, and admission with it."""
+        if self.staged_rate is None and not self._slots:
+            self.sample_rate()
+            self.staged_rate = self._warm_rate() or None
+
+    def _warm_rate(self) -> float:
+        """The slowest of the measured warm-up runs and the run in progress."""
+        now = self._staged_rate_now()
+        runs = [*self._rate_samples[1:], *([now] if now else [])] or self._rate_samples
+        return min(runs, default=0.0)
 
     @staticmethod
     def _lag(backend: object) -> int:
