@@ -21,6 +21,9 @@ Rules (documented simplifications):
   tail (", please?") stays with its sentence. Decided from those characters alone.
 - Text reaching ``max_chars`` without a cut is split at its last clause boundary, else its
   last whitespace, else hard at ``max_chars``.
+- Text no rule cut is released whole when no delta came for a while (see `SegmenterConfig`):
+  sooner when it ends at a word boundary, later when it ends inside a word that the next
+  delta may continue, so a slow stream is not spoken in fragments of words.
 """
 
 from __future__ import annotations
@@ -36,15 +39,24 @@ _ABBREVIATIONS = frozenset(
 _CANDIDATE = re.compile(rf"[.!?…]+[{re.escape(_CLOSERS)}]*|[,;:]+[{re.escape(_CLOSERS)}]*|—")
 _CLAUSE_BOUNDARY = re.compile(r"(?:[,;:]+|—)\s*")
 _WHITESPACE = re.compile(r"\s+")
+_FINAL_END = re.compile(rf"[.!?…][{re.escape(_CLOSERS)}]*$")
 
 
 @dataclass(frozen=True)
 class SegmenterConfig:
-    """When the streaming segmenter releases text."""
+    """When the streaming segmenter releases text.
+
+    With no delta for ``idle_timeout_s``, a buffer ending in whitespace or a sentence-final
+    punctuation is released: longer than the gap between tokens of even a slow stream (one a
+    second, plus jitter), short enough for a finished sentence without punctuation. One ending
+    inside a word waits ``word_timeout_s``: the next delta may continue that word, so only a
+    stream stalled (or ended without a flush) for that long has its last word spoken alone.
+    """
 
     min_clause_chars: int = 60
     max_chars: int = 300
-    idle_timeout_s: float = 1.0
+    idle_timeout_s: float = 1.5
+    word_timeout_s: float = 3.0
     first_min_clause_chars: int | None = 20  # None: the first utterance cuts like the rest
     first_clause_lookahead_chars: int = 40
 
@@ -149,14 +161,18 @@ class IncrementalSegmenter:
         return out
 
     def poll(self, now: float) -> list[str]:
-        """Release the buffer if nothing arrived for ``idle_timeout_s``."""
+        """Release the buffer if nothing arrived for its idle timeout (see `SegmenterConfig`)."""
         return self.flush() if self.idle_in(now) == 0 else []
 
     def idle_in(self, now: float) -> float | None:
         """Seconds until `poll` releases the buffer (0: now); None with nothing buffered."""
         if not self._buffer or self._last_push is None:
             return None
-        return max(0.0, self.config.idle_timeout_s - (now - self._last_push))
+        at_boundary = self._buffer[-1].isspace() or _FINAL_END.search(self._buffer) is not None
+        timeout = self.config.idle_timeout_s
+        if not at_boundary:
+            timeout = max(timeout, self.config.word_timeout_s)
+        return max(0.0, timeout - (now - self._last_push))
 
     def _release(self) -> list[str]:
         out: list[str] = []

@@ -3,6 +3,7 @@ input without an unexpected exception and account for every character (issue 12,
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Set
 from typing import Any
@@ -109,3 +110,37 @@ def test_frontend_annotations_parse_or_raise_annotation_error(
         assert str(exc)
         return
     assert all(s.phoneme_ids is not None for s in sentences)
+
+
+_WORDS = st.lists(
+    st.text("abcXYZ19", min_size=1, max_size=12), min_size=1, max_size=25
+)
+_SEPARATORS = st.sampled_from([" ", "  ", ". ", ", ", "! ", "? ", "\n", ".\" ", " — "])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    _WORDS, st.lists(_SEPARATORS, min_size=25, max_size=25), CONFIGS,
+    st.lists(st.integers(0, 10_000), max_size=40), st.lists(st.floats(0.0, 0.99), min_size=41, max_size=41),
+)
+def test_idle_releases_never_split_a_word(
+    words: list[str], separators: list[str], config: SegmenterConfig, cuts: list[int], gaps: list[float]
+) -> None:
+    """Deltas at any pace short of the word timeout, polled often: every cut (idle or not) falls
+    between words, never inside one."""
+    config = dataclasses.replace(config, max_chars=max(config.max_chars, 13), idle_timeout_s=1.0, word_timeout_s=3.0)
+    text = "".join(w + s for w, s in zip(words, separators, strict=False))[:-1]  # may end inside a word
+    seg = IncrementalSegmenter(config)
+    pieces: list[str] = []
+    now = 0.0
+    for delta, gap in zip(_deltas(text, cuts), gaps, strict=False):
+        pieces += seg.push(delta, now)
+        for step in range(1, 5):  # polls up to just short of the word timeout
+            pieces += seg.poll(now + step * gap * config.word_timeout_s / 4)
+        now += gap * config.word_timeout_s
+    pieces += seg.flush()
+    assert "".join(pieces) == text
+    pos = 0
+    for piece in pieces[:-1]:
+        pos += len(piece)
+        assert not (text[pos - 1].isalnum() and text[pos].isalnum()), (pieces, pos)

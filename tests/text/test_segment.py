@@ -101,16 +101,46 @@ def test_max_chars_split() -> None:
 
 
 def test_idle_timeout() -> None:
-    segmenter = IncrementalSegmenter(SegmenterConfig(idle_timeout_s=1.0))
+    segmenter = IncrementalSegmenter(SegmenterConfig(idle_timeout_s=1.0, word_timeout_s=3.0))
     assert segmenter.poll(5.0) == []
     assert segmenter.idle_in(5.0) is None
-    segmenter.push("Thinking about it", 10.0)
+    segmenter.push("Thinking about it ", 10.0)  # ends at a word boundary: the short timeout
     assert segmenter.poll(10.5) == []
     assert segmenter.idle_in(10.5) == 0.5
-    assert segmenter.poll(11.0) == ["Thinking about it"]
+    assert segmenter.poll(11.0) == ["Thinking about it "]
     assert segmenter.pending == ""
     assert segmenter.idle_in(11.0) is None
     assert segmenter.poll(20.0) == []
+
+
+def test_idle_release_waits_longer_inside_a_word() -> None:
+    segmenter = IncrementalSegmenter(SegmenterConfig(idle_timeout_s=1.0, word_timeout_s=3.0))
+    segmenter.push("Thinking about i", 10.0)  # "i" may be the start of "it" or "its"
+    assert segmenter.poll(11.5) == []
+    assert segmenter.idle_in(11.5) == 1.5
+    segmenter.push("ts", 12.0)
+    assert segmenter.poll(14.5) == []
+    assert segmenter.poll(15.0) == ["Thinking about its"]  # stalled that long: the word is done
+    segmenter.push("Is it done?", 20.0)  # a sentence end at the end of the buffer is a boundary
+    assert segmenter.idle_in(20.0) == 1.0
+    segmenter.push(")", 20.5)
+    assert segmenter.poll(21.5) == ["Is it done?)"]
+
+
+def test_one_character_a_second_is_not_spoken_in_fragments() -> None:
+    """Issue 33 item 6: a slow stream gave an utterance per character or two."""
+    text = "Hello there, how are you doing today?"
+    segmenter = IncrementalSegmenter()
+    out: list[str] = []
+    for i, ch in enumerate(text):
+        out += segmenter.push(ch, float(i))
+        for quarter in (0.25, 0.5, 0.75, 1.0):  # polls between deltas, one at the next delta's time
+            out += segmenter.poll(i + quarter)
+    now = float(len(text))
+    while segmenter.pending:
+        now += 0.25
+        out += segmenter.poll(now)
+    assert out == [text]
 
 
 def test_invariants_random_splits() -> None:
