@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import unicodedata
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -46,6 +47,7 @@ __all__ = [
     "renamed",
     "seed_from_metadata",
     "speaker_value",
+    "spoken_chars",
     "unary_text",
     "voice_for_language",
 ]
@@ -55,9 +57,12 @@ DEFAULT_COMPAT_SEED = 0
 _RANDOM_SEED_WORDS = frozenset({"random", "none"})
 _MAX_SEED = 2**64 - 1
 DEFAULT_IDLE_TIMEOUT_S = 60.0
-# Unary size check: characters per second of audio, on the low side (voices speak about 14-16 at
-# rate 1.0), so a text refused up front would almost surely not have fit in one message.
+# Unary size check: spoken characters (see `spoken_chars`) per second of audio, on the low side
+# (voices speak about 14-16 at rate 1.0), so a text refused up front would almost surely not have
+# fit in one message.
 UNARY_CHARS_PER_SECOND = 10.0
+_SILENT_CATEGORIES = frozenset({"Mn", "Me", "Cf"})
+_DIGIT_CHARS = 3  # a digit is read as a word ("7" -> "seven", "2023" -> "twenty twenty-three")
 _SPEAKER_INDEX = re.compile(r"[0-9]{1,9}")
 T = TypeVar("T")
 
@@ -118,6 +123,24 @@ def unary_text(text: str, field: str = "text") -> str:
     return text
 
 
+def spoken_chars(text: str, stop_after: int | None = None) -> int:
+    """What a text costs in audio, in characters of plain prose: combining marks and format
+    characters (zero-width joiners, direction marks) add none, a whitespace run is one pause,
+    a digit counts as the word it is read as. Counting stops past ``stop_after``."""
+    count = 0
+    space = False
+    for ch in text:
+        if ch.isspace():
+            count += not space
+            space = True
+        elif unicodedata.category(ch) not in _SILENT_CATEGORIES:
+            count += _DIGIT_CHARS if ch.isdecimal() else 1
+            space = False
+        if stop_after is not None and count > stop_after:
+            break
+    return count
+
+
 def check_unary_size(
     text: str,
     *,
@@ -129,21 +152,23 @@ def check_unary_size(
     streaming_rpc: str,
 ) -> None:
     """Refuse (OUT_OF_RANGE) a text whose audio would not fit in one response message, before any
-    synthesis: the audio is estimated at `UNARY_CHARS_PER_SECOND` (scaled by the speaking rate)
-    and `extra_bytes` covers the rest of the response (headers, echoed text, word timings)."""
+    synthesis: the audio is estimated from its `spoken_chars` at `UNARY_CHARS_PER_SECOND` (scaled
+    by the speaking rate), not its length, which marks that make no sound would inflate; and
+    `extra_bytes` covers the rest of the response (headers, echoed text, word timings)."""
     if not MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE:
         return  # the engine refuses the rate itself (INVALID_ARGUMENT)
-    seconds = len(text) / (UNARY_CHARS_PER_SECOND * max(speaking_rate, 1e-3))
-    estimate = int(seconds * sample_rate) * encoding.bytes_per_sample + extra_bytes
-    if estimate <= max_message_bytes:
+    chars_per_second = UNARY_CHARS_PER_SECOND * max(speaking_rate, 1e-3)
+    fits = int((max_message_bytes - extra_bytes) / (sample_rate * encoding.bytes_per_sample) * chars_per_second)
+    spoken = spoken_chars(text, stop_after=max(fits, 0))
+    if spoken <= fits:
         return
-    fits = int((max_message_bytes - extra_bytes) / (sample_rate * encoding.bytes_per_sample) * UNARY_CHARS_PER_SECOND
-               * max(speaking_rate, 1e-3))
+    seconds = spoken_chars(text) / chars_per_second
+    estimate = int(seconds * sample_rate) * encoding.bytes_per_sample + extra_bytes
     raise OutOfRange(
         f"text of {len(text)} characters makes about {seconds:.0f} s of audio (~{estimate / 1e6:.1f} MB at "
         f"{sample_rate} Hz {encoding.name}), more than one response message may carry ({max_message_bytes} bytes); "
         f"send it through {streaming_rpc}, which streams the audio in chunks (or keep unary texts under about "
-        f"{max(fits, 0)} characters)"
+        f"{max(fits, 0)} characters of prose)"
     )
 
 

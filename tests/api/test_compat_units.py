@@ -10,9 +10,15 @@ from google.cloud.texttospeech_v1.types import cloud_tts
 from riva.client.proto.riva_audio_pb2 import AudioEncoding as RivaEncoding
 
 from service.api import google_tts, riva
-from service.api.compat import language_matches, seed_from_metadata, voice_for_language
+from service.api.compat import (
+    check_unary_size,
+    language_matches,
+    seed_from_metadata,
+    spoken_chars,
+    voice_for_language,
+)
 from service.audio.encoding import AudioEncoding
-from service.engine.api import InvalidArgument, NotFound, SpeakerInfo, VoiceDescription, WordTiming
+from service.engine.api import InvalidArgument, NotFound, OutOfRange, SpeakerInfo, VoiceDescription, WordTiming
 
 JOE = VoiceDescription("en_US-joe-medium", "en-US", 22050, [], loaded=True)
 TINY = VoiceDescription(
@@ -32,6 +38,26 @@ def test_seed_header_overrides_default_and_random_means_none() -> None:
     assert seed_from_metadata([("X-Cadenza-Seed", "random")], 0) is None
     with pytest.raises(InvalidArgument, match="x-cadenza-seed"):
         seed_from_metadata([("x-cadenza-seed", "-1")], 0)
+
+
+def test_spoken_chars_count_what_costs_audio() -> None:
+    assert spoken_chars("Hello world") == 11
+    assert spoken_chars("a" + "\u0301" * 1000) == 1  # combining marks (Mn)
+    assert spoken_chars("a\u20dd\u200b\u200d\u2066b") == 2  # enclosing mark (Me), format characters (Cf)
+    assert spoken_chars("a \t\n\u00a0  b") == 3  # a whitespace run is one pause
+    assert spoken_chars("in 2023") == 3 + 4 * 3  # digits are read as words
+    assert spoken_chars("x" * 1000, stop_after=10) == 11
+
+
+def test_unary_size_estimate_ignores_silent_marks() -> None:
+    def check(text: str) -> None:
+        check_unary_size(text, sample_rate=22050, encoding=AudioEncoding.LINEAR16, speaking_rate=1.0,
+                         max_message_bytes=4 << 20, extra_bytes=1024, streaming_rpc="SynthesizeOnline")
+
+    check("a" + "\u0301" * 1000)
+    check("word " * 150)
+    with pytest.raises(OutOfRange, match=r"about 100 s of audio.*SynthesizeOnline"):
+        check("abcd " * 200)
 
 
 def test_language_matching() -> None:
