@@ -27,10 +27,10 @@ from service.api.native import add_native
 from service.api.ports import DEFAULT_HOST, DEFAULT_PORT, PortInUseError, check_port_free
 from service.api.processes import ApiServers
 from service.api.riva import add_riva
-from service.engine.api import ENGINE_DIED, Engine
+from service.engine.api import Engine, Unavailable
 from service.engine.config import EngineConfig, Limits
 from service.engine.engine import TtsEngine
-from service.engine.proc import ApiSlot
+from service.engine.proc import ApiSlot, core_failed
 from service.telemetry import Telemetry, TelemetryConfig
 
 __all__ = ["CadenzaServer", "PortInUseError", "ServerConfig", "serve"]
@@ -156,6 +156,23 @@ def _add_reflection(server: grpc.aio.Server, services: Sequence[str]) -> None:
     )
 
 
+class _Health(health.aio.HealthServicer):
+    """Health that answers NOT_SERVING from the moment the engine is dead: whoever finds the
+    core dead marks it so before failing any session, while setting the status (`set`) takes
+    the event loop a turn or more, and a balancer must not send new streams meanwhile."""
+
+    def __init__(self, dead: Callable[[], bool]) -> None:
+        super().__init__()
+        self._dead = dead
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+                    ) -> health_pb2.HealthCheckResponse:
+        reply: health_pb2.HealthCheckResponse = await super().Check(request, context)
+        if self._dead():
+            reply.status = health_pb2.HealthCheckResponse.NOT_SERVING
+        return reply
+
+
 class CadenzaServer:
     """Owns the engine and the gRPC server. `start()`, then `wait()`; `drain()` on SIGTERM."""
 
@@ -194,7 +211,7 @@ class CadenzaServer:
         options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
                    ("grpc.so_reuseport", int(config.api_servers > 1))]
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
-        self.health = health.aio.HealthServicer()
+        self.health = _Health(lambda: self.engine.dead)
         idle, stall = config.limits.idle_timeout_s, config.engine.batch.stall_timeout_s
         add_native(self.server, self.engine, idle, stall)
         add_riva(self.server, self.engine, idle_timeout_s=idle, write_stall_s=stall)  # same port, same engine
@@ -263,23 +280,25 @@ class CadenzaServer:
             log.info("cadenza serving on port %d", self.port)
 
     async def _watch_engine(self, every_s: float = 0.1) -> None:
-        """If the engine thread dies: NOT_SERVING, every open session ends with INTERNAL, stop."""
+        """If the engine dies: NOT_SERVING (health checks say so at once, see `_Health`), every
+        open session ends with UNAVAILABLE, stop."""
         while not self._stopped.is_set():
             if self.others is not None:
                 self.others.check()
             if self.engine.dead:
                 self.engine_failed = True
                 await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-                self.engine.fail_all(RuntimeError(ENGINE_DIED))
+                self.engine.fail_all(core_failed())
                 await self.stop()
                 return
             await asyncio.sleep(every_s)
 
     async def drain(self) -> None:
-        """No new sessions; open ones get `drain_grace_s` to finish; then stop."""
+        """No new sessions; open ones get `drain_grace_s` to finish; those still open then are cut
+        with a status that says why (not gRPC's generic cancellation); then stop."""
         which = f"API server process {self.slot.index + 1} of {self.slot.count} " if self.slot.index else ""
-        log.info("%sdraining: %d open session(s), grace %.0f s", which, self.engine.live_sessions,
-                 self.config.drain_grace_s)
+        opened = self.engine.live_sessions
+        log.info("%sdraining: %d open session(s), grace %.0f s", which, opened, self.config.drain_grace_s)
         self.engine.drain()
         if self.others is not None:
             self.others.drain()
@@ -288,6 +307,13 @@ class CadenzaServer:
         deadline = loop.time() + self.config.drain_grace_s
         while self.engine.live_sessions and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        cut = self.engine.sessions()
+        for session in cut:
+            session.interrupt(Unavailable(
+                f"the server is shutting down; reconnect to another replica ({session.setup.cursor.read_s:.1f} s "
+                "of audio was sent on this stream)"))
+        log.info("%sdrained: %d session(s) ended within the grace, %d cut at its end", which,
+                 max(opened - len(cut), 0), len(cut))
         await self.stop()
 
     async def stop(self) -> None:

@@ -12,6 +12,7 @@ server -> core: ("batch", [message, ...]), the messages of one event-loop turn, 
 core -> server: ("ready", {name: LoadedVoice}) or ("failed", exception) once at start; then
   ("out", [(id, sink method, args)], [(telemetry method, args)]), ("snapshot", CoreSnapshot),
   ("reply", call, LoadedVoice or error text), ("trip", voice), ("settled",), ("died", why), ("stopped",)
+  ("stopped" only once a server said stop: a core that crashed says "died", so it is not taken for a stop)
 
 The core counts what it delivered to each session and the server reports what each client
 took (coalesced per event-loop turn), so backpressure works as in one process.
@@ -39,12 +40,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from service.audio.encoding import float_to_int16
-from service.engine.api import ENGINE_DIED
+from service.engine.api import Unavailable
 from service.engine.config import EngineConfig
 from service.engine.host import (
     CoreSnapshot,
@@ -65,6 +67,21 @@ from service.voices import VoiceInfo, list_voices
 log = logging.getLogger(__name__)
 
 SNAPSHOT_S = 0.05  # how often the core sends its figures (admission control reads them)
+
+
+@dataclass(frozen=True)
+class CoreWaits:
+    """How long the server waits for the core's process to answer before it gives up with an
+    error naming what it waited for. Generous: a first load may export or build a voice's engines."""
+
+    start_s: float = 1800.0  # the core loads and prepares the preloaded voices, then says ready
+    load_s: float = 600.0  # one more voice
+    settle_s: float = 60.0  # a full collection of its heap (then the server goes on without it)
+
+
+def core_failed() -> Unavailable:
+    """What open sessions end with when the core dies: the server is going away, retry elsewhere."""
+    return Unavailable("the server's synthesis engine failed (see the server log); reconnect to another replica")
 
 
 @dataclass(frozen=True)
@@ -90,13 +107,9 @@ class ApiSlot:
 SOLE_SERVER = ApiSlot()  # one API server process: the usual case
 
 
-def _dumps(message: tuple[object, ...]) -> bytes:
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _send(conn: Connection, message: tuple[object, ...]) -> None:
+def _dumps(message: object) -> bytes:
     """One message, pickled (one writer per pipe end: a `_PipeWriter` thread on each side)."""
-    conn.send_bytes(_dumps(message))
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _recv(conn: Connection) -> Any:
@@ -108,12 +121,21 @@ class _PipeWriter:
     were put. A write blocks while the pipe is full (a burst's opens and texts are more than it
     holds, and the thread that reads the other end may be waiting for the GIL), and whoever
     puts (the server's event loop, the core's output stage) must never wait for that.
-    `prepare` turns a message into what is pickled, on the writer's thread."""
+    `prepare` turns a message into what is pickled, on the writer's thread.
+
+    No failure may end the thread unseen (its sessions would wait for ever): a message that
+    cannot be prepared or pickled goes to `unsendable`, which fails what it concerns and returns
+    the ready-to-pickle messages to send instead (the others' part of it); a failed write means
+    the pipe is unusable: `broken` is told, once, and the writer stops."""
 
     def __init__(self, conn: Connection, name: str,
-                 prepare: Callable[[Any], tuple[object, ...]] = lambda message: message) -> None:
+                 prepare: Callable[[Any], tuple[object, ...]] = lambda message: message,
+                 unsendable: Callable[[Any, Exception], list[tuple[object, ...]]] | None = None,
+                 broken: Callable[[Exception], None] | None = None) -> None:
         self._conn = conn
         self._prepare = prepare
+        self._unsendable = unsendable or _dropped
+        self._broken = broken or _pipe_gone
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.closed = False  # closed, or the other side is gone: what is put is dropped
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -133,17 +155,36 @@ class _PipeWriter:
     def _run(self) -> None:
         while (message := self._queue.get()) is not _CLOSE:
             try:
-                if isinstance(message, _Pickled):
-                    self._conn.send_bytes(message.data)
-                else:
-                    _send(self._conn, self._prepare(message))
-            except (OSError, EOFError):  # the other side is gone (its side reports why)
-                log.debug("pipe closed: messages dropped")
+                for data in self._encode(message):
+                    self._conn.send_bytes(data)
+            except Exception as exc:
                 self.closed = True
+                self._broken(exc)
                 return
+
+    def _encode(self, message: object) -> list[bytes]:
+        if isinstance(message, _Pickled):
+            return [message.data]
+        try:
+            return [_dumps(self._prepare(message))]
+        except Exception as exc:
+            return [_dumps(part) for part in self._unsendable(message, exc)]
 
 
 _CLOSE = object()
+
+
+def _dropped(message: Any, exc: Exception) -> list[tuple[object, ...]]:
+    kind = message[0] if isinstance(message, tuple) else type(message).__name__
+    log.error("could not send a %r message through the engine's pipe; dropped", kind, exc_info=exc)
+    return []
+
+
+def _pipe_gone(exc: Exception) -> None:
+    if isinstance(exc, OSError):  # the other side is gone (its side reports why)
+        log.debug("pipe closed: messages dropped")
+    else:
+        log.error("the engine's pipe failed; nothing more is sent through it", exc_info=exc)
 
 
 @dataclass(frozen=True)
@@ -160,15 +201,17 @@ class ProcessHost:
     """Starts the core's process and relays sessions to and from it (see the module doc)."""
 
     def __init__(self, config: EngineConfig, device: str, backend_name: str, telemetry: Telemetry,
-                 on_trip: Callable[[str], None], slot: ApiSlot = SOLE_SERVER) -> None:
+                 on_trip: Callable[[str], None], slot: ApiSlot = SOLE_SERVER, waits: CoreWaits = CoreWaits()) -> None:
         self.config = config
         self.slot = slot
+        self.waits = waits
         self.server_conns: list[Connection] = []  # the first server: the other servers' pipe ends
         self.device = device
         self.backend_name = backend_name
         self.telemetry = telemetry
         self.on_trip = on_trip
         self.dead = threading.Event()  # the core's process died or its thread did
+        self._death = threading.Lock()  # the relay and the writer may both find the core gone
         self._snapshot = CoreSnapshot()
         self._sinks: dict[int, tuple[Sink, asyncio.AbstractEventLoop]] = {}
         self._calls: dict[int, Future[LoadedVoice]] = {}
@@ -197,6 +240,11 @@ class ProcessHost:
             conn = self._start_core(frontend, preload)
         self._conn = conn
         try:
+            if not conn.poll(self.waits.start_s):
+                self._give_up()
+                raise TimeoutError(
+                    f"the engine process did not say ready within {self.waits.start_s:g} s (CoreWaits.start_s) "
+                    f"while loading {', '.join(v.name for v in preload)}")
             reply = _recv(conn)
         except EOFError:
             if self._proc is not None:
@@ -210,8 +258,18 @@ class ProcessHost:
             raise reply[1]
         self._receiver = threading.Thread(target=self._receive, name="cadenza-engine-relay", daemon=True)
         self._receiver.start()
-        self._writer = _PipeWriter(conn, "cadenza-engine-sender")
+        self._writer = _PipeWriter(conn, "cadenza-engine-sender", unsendable=self._unsendable,
+                                   broken=lambda exc: self._die(f"could not write to the engine process: {exc!r}"))
         return dict(reply[1])
+
+    def _give_up(self) -> None:
+        """Stop a core process that never said ready."""
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.join(5)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
 
     def _start_core(self, frontend: FrontendPoolConfig, preload: list[VoiceInfo]) -> Connection:
         """Spawn the core with one pipe per API server; this server's end is returned, the
@@ -274,7 +332,12 @@ class ProcessHost:
         self._post("load", call, info.name)
         if self.dead.is_set():
             raise RuntimeError("the engine process is not running")
-        return future.result()
+        try:
+            return future.result(self.waits.load_s)
+        except FutureTimeout:
+            self._calls.pop(call, None)
+            raise Unavailable(f"voice {info.name} did not load: the engine process did not answer within "
+                              f"{self.waits.load_s:g} s (CoreWaits.load_s); retry shortly") from None
 
     def submit_open(self, request: SessionRequest, voice: VoiceInfo, sink: Sink,
                     loop: asyncio.AbstractEventLoop, cursor: ReadCursor) -> None:
@@ -307,9 +370,6 @@ class ProcessHost:
     def reset_rate(self) -> None:
         self._post("reset_rate")
 
-    # How long `settle` waits for the core to say it settled (a full collection of its heap).
-    SETTLE_TIMEOUT_S = 60.0
-
     def settle(self) -> None:
         """Settle both heaps; returns once the core has settled too, so the server says SERVING
         only then: sessions arriving right away would otherwise wait for the core's collection."""
@@ -319,7 +379,7 @@ class ProcessHost:
         self._settled.clear()
         self._post("settle")
         settle_heap()
-        deadline = time.monotonic() + self.SETTLE_TIMEOUT_S
+        deadline = time.monotonic() + self.waits.settle_s
         while not self._settled.wait(0.1):
             if self.dead.is_set() or time.monotonic() > deadline:
                 log.warning("the engine process did not say it settled its heap; going on")
@@ -379,20 +439,60 @@ class ProcessHost:
                 why = message[1]
                 break
             elif kind == "stopped":
+                if self._stopping:
+                    return
+                why = "the engine process stopped unasked"
+                break
+        self._die(why)
+
+    def _die(self, why: str) -> None:
+        """The core is gone or cannot be reached. `dead` is set first (health reads it), then
+        whatever waits on the core fails; once, whoever finds it first."""
+        with self._death:
+            if self.dead.is_set():
                 return
+            self.dead.set()
         if not self._stopping:
             log.critical("the engine core died: %s", why)
-        self.dead.set()
-        for future in self._calls.values():
+        for future in list(self._calls.values()):
             future.set_exception(RuntimeError(why))
+        self._calls.clear()
         # Nothing more comes for the open sessions: end them here, not only from the server's
         # watcher (which starts once the server is up: a core dying in the warm-up would
         # otherwise leave the warm-up session, and the server's start, waiting for ever).
         ended: dict[Loop, list[Delivery]] = {}
         for sink, loop in list(self._sinks.values()):
-            ended.setdefault(loop, []).append((sink, "on_error", (RuntimeError(ENGINE_DIED),)))
+            ended.setdefault(loop, []).append((sink, "on_error", (core_failed(),)))
         self._sinks.clear()
         hand_over(ended)
+
+    def _unsendable(self, message: tuple[str, list[tuple[Any, ...]]], exc: Exception) -> list[tuple[object, ...]]:
+        """A batch the writer cannot pickle: fail each session (or voice load) whose message
+        cannot be, tell the core to drop those sessions, send the rest."""
+        kept: list[tuple[Any, ...]] = []
+        ended: dict[Loop, list[Delivery]] = {}
+        for item in message[1]:
+            try:
+                _dumps(item)
+            except Exception as error:
+                kind = item[0]
+                what = f"{type(error).__name__}: {error}"
+                log.error("could not send a %r message to the engine process: %s", kind, what, exc_info=error)
+                if kind == "load" and (future := self._calls.pop(item[1], None)) is not None:
+                    future.set_exception(RuntimeError(f"the voice load could not be sent to the engine process "
+                                                      f"({what})"))
+                elif kind in ("open", "text", "end", "cancel"):
+                    session_id = item[1].session_id if kind == "open" else item[1]
+                    kept.append(("cancel", session_id))
+                    entry = self._sinks.pop(session_id, None)
+                    if entry is not None:
+                        failed = RuntimeError(f"the session's {kind} message could not be sent to the engine "
+                                              f"process ({what})")
+                        ended.setdefault(entry[1], []).append((entry[0], "on_error", (failed,)))
+            else:
+                kept.append(item)
+        hand_over(ended)
+        return [("batch", kept)] if kept else []
 
     def _deliver(self, items: Sequence[tuple[int, str, tuple[object, ...]]]) -> None:
         """Hand one flush of the core's results to the sessions' event loops, one wake-up each."""
@@ -436,16 +536,21 @@ class _Flush:
         (made by the guard on the device), else (cache replays, the CPU's staged decoder)
         converted here; the others as float32 alone."""
         pcm16 = set(self.pcm16)
-        for i, (session_id, method, args) in enumerate(self.out):
-            if method != "on_chunk":
-                continue
-            chunk: ChunkResult = args[0]
-            if i in pcm16:
-                samples = chunk.pcm16 if chunk.pcm16 is not None else float_to_int16(chunk.samples)
-                self.out[i] = (session_id, method, (dataclasses.replace(chunk, samples=samples, pcm16=None),))
-            elif chunk.pcm16 is not None:
-                self.out[i] = (session_id, method, (dataclasses.replace(chunk, pcm16=None),))
-        return ("out", self.out, self.telemetry)
+        return ("out", [_wired(item, i in pcm16) for i, item in enumerate(self.out)], self.telemetry)
+
+
+def _wired(item: tuple[int, str, tuple[Any, ...]], pcm16: bool) -> tuple[int, str, tuple[Any, ...]]:
+    """One delivery as it crosses the pipe (see `_Flush.wire`)."""
+    session_id, method, args = item
+    if method != "on_chunk":
+        return item
+    chunk: ChunkResult = args[0]
+    if pcm16:
+        samples = chunk.pcm16 if chunk.pcm16 is not None else float_to_int16(chunk.samples)
+        return session_id, method, (dataclasses.replace(chunk, samples=samples, pcm16=None),)
+    if chunk.pcm16 is not None:
+        return session_id, method, (dataclasses.replace(chunk, pcm16=None),)
+    return item
 
 
 class _Outbox:
@@ -457,10 +562,44 @@ class _Outbox:
         self.conn = conn
         # A flush's int16 chunks are converted on the writer's thread, off the engine thread.
         self._writer = _PipeWriter(conn, "cadenza-engine-outbox",
-                                   lambda m: m.wire() if isinstance(m, _Flush) else m)
+                                   lambda m: m.wire() if isinstance(m, _Flush) else m, unsendable=self._unsendable)
         self._telemetry: list[tuple[str, tuple[object, ...]]] = []
         self._tlock = threading.Lock()
         self.cursors: dict[int, ReadCursor] = {}
+        self.lost: Callable[[int], None] = lambda session_id: None  # the core drops a session (`_unsendable`)
+
+    def _unsendable(self, message: object, exc: Exception) -> list[tuple[object, ...]]:
+        """A flush the writer cannot convert or pickle: each session with a delivery that cannot
+        be gets an error instead (and the core drops it); the others' deliveries go."""
+        if not isinstance(message, _Flush):
+            return _dropped(message, exc)
+        pcm16 = set(message.pcm16)
+        out: list[tuple[int, str, tuple[Any, ...]]] = []
+        failed: set[int] = set()
+        for i, item in enumerate(message.out):
+            session_id = item[0]
+            if session_id in failed:
+                continue
+            try:
+                wired = _wired(item, i in pcm16)
+                _dumps(wired)
+            except Exception as error:
+                what = f"{type(error).__name__}: {error}"
+                log.error("could not send session %d's %s to the API server: %s", session_id, item[1], what,
+                          exc_info=error)
+                failed.add(session_id)
+                self.cursors.pop(session_id, None)
+                self.lost(session_id)
+                wired = (session_id, "on_error", (RuntimeError(
+                    f"this session's output could not be sent to the API server ({what})"),))
+            out.append(wired)
+        telemetry = message.telemetry
+        try:
+            _dumps(telemetry)
+        except Exception as error:
+            log.error("could not send the core's telemetry to the API server; dropped", exc_info=error)
+            telemetry = []
+        return [("out", out, telemetry)]
 
     def send(self, *message: object) -> None:
         self._writer.put(message)
@@ -590,6 +729,8 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
         core = build_core(config, _ForwardedTelemetry(first), on_trip=lambda voice: to_all("trip", voice))
         core.frontend_config = frontend
         core.start()
+        for outbox in outboxes:
+            outbox.lost = core.submit_cancel
     except Exception as exc:  # raised again by the server (a bad option reads as it does without a process)
         log.debug("the engine process could not start", exc_info=True)
         first.send("failed", _portable(exc))
@@ -666,6 +807,7 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
     selector = selectors.DefaultSelector()
     for each in conns:
         selector.register(each, selectors.EVENT_READ)
+    crash: Exception | None = None
     try:
         while first.conn in reading:
             for one in [key.fileobj for key, _ in selector.select()]:
@@ -683,14 +825,22 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
                     selector.unregister(conn)
                     if outbox is not first:
                         let_go(outbox)
+    except Exception as exc:
+        crash = exc
+        log.critical("the engine core crashed", exc_info=True)
     finally:
         selector.close()
         stop.set()
+        if crash is not None:  # said before the core's stop fails the sessions as if stopped on purpose
+            to_all("died", f"the engine core crashed: {crash!r}")
         core.stop()
         first.send_telemetry()
         for outbox in reading.values():  # servers still attached (the first stopped before them)
             if outbox is not first:
                 outbox.send("died", "the engine core stopped")
                 outbox.close()
-        first.send("stopped")
+        if crash is None:
+            first.send("stopped")
         first.close()
+    if crash is not None:
+        sys.exit(1)

@@ -17,7 +17,7 @@ import pytest
 from service.api.client import connect, stream
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.audio.encoding import AudioEncoding
-from service.engine.api import AudioOut, ClientStalled, InvalidArgument, SessionConfig, SessionSummary
+from service.engine.api import AudioOut, ClientStalled, InvalidArgument, SessionConfig, SessionSummary, Unavailable
 from service.engine.config import BatchConfig
 from service.engine.proc import ProcessHost
 from tests.engine.conftest import EngineHarness, drive, tiny_engine_config
@@ -134,7 +134,7 @@ def test_a_core_process_that_dies_in_the_warm_up_fails_the_start() -> None:
             await asyncio.sleep(0.005)
         assert host._proc is not None and not start.done()
         host._proc.kill()
-        with pytest.raises(RuntimeError, match="the engine thread died"):
+        with pytest.raises(Unavailable, match="engine failed"):
             await asyncio.wait_for(start, 30)
 
     try:
@@ -356,3 +356,155 @@ def test_the_server_is_ready_only_once_the_core_has_settled(tmp_path) -> None:  
     full = [e for e in events if e["k"] == "gc" and e["generation"] == 2 and e["s"] < ready]
     assert full  # the settle's collection
     assert all(e["t"] <= ready for e in full)
+
+
+# --- failures of the pipe and of the core (issue 33 item 8, issue 39 item 4) ---------------------
+
+
+def test_a_session_message_that_cannot_be_pickled_fails_that_session_only(proc_harness: EngineHarness) -> None:
+    """A message the server's writer cannot pickle fails the session it belongs to, with an error
+    that says so; the others in the same pipe message, and the writer, carry on."""
+    import threading
+
+    engine, host = proc_harness.engine, proc_harness.engine.host
+    assert isinstance(host, ProcessHost)
+
+    async def events(session) -> list[object]:  # type: ignore[no-untyped-def]
+        return [e async for e in session.events()]
+
+    async def run() -> None:
+        bad = await engine.open_session(SessionConfig(seed=30, encoding=FLOAT))
+        good = await engine.open_session(SessionConfig(seed=31, encoding=FLOAT))
+        host.submit_text(bad.id, threading.Lock())  # type: ignore[arg-type]  # pickle refuses a lock
+        good.push_text(TEXT)  # in the same loop turn: the same pipe message
+        good.end_input()
+        with pytest.raises(RuntimeError, match="could not be sent to the engine process"):
+            await asyncio.wait_for(events(bad), 30)
+        assert isinstance((await asyncio.wait_for(events(good), 30))[-1], SessionSummary)
+
+    proc_harness.run(run())
+    assert not host.dead.is_set()
+    audio, _, summary = proc_harness.run(_collect(proc_harness, SessionConfig(seed=32, encoding=FLOAT), TEXT))
+    assert len(audio) > 0 and summary.utterances == 2
+
+
+def test_a_delivery_the_core_cannot_send_fails_its_session_only() -> None:
+    """The core's outbox: a chunk its writer cannot convert (`_Flush.wire`) or pickle fails that
+    session (an error for the server, and the core is told to drop it); the other sessions'
+    deliveries of the same flush arrive, and the writer carries on."""
+    import multiprocessing
+    import threading
+
+    from service.engine.output import run_all
+    from service.engine.proc import _Outbox, _recv, _RemoteSink
+    from service.engine.state import ChunkResult, ReadCursor
+
+    here, there = multiprocessing.Pipe()
+    outbox = _Outbox(there)
+    lost: list[int] = []
+    outbox.lost = lost.append
+    try:
+        good, unconvertible, unpicklable = (_RemoteSink(1, ReadCursor(), 22050),
+                                            _RemoteSink(2, ReadCursor(), 22050, pcm16=True),
+                                            _RemoteSink(3, ReadCursor(), 22050))
+        outbox.cursors.update({s.session_id: s.cursor for s in (good, unconvertible, unpicklable)})
+        chunk = ChunkResult(np.zeros(100, np.float32), 0, [], "fp32", False, False)
+        strings = ChunkResult(np.array(["x"] * 100), 0, [], "fp32", False, False)  # float_to_int16 refuses these
+        locked = ChunkResult(np.zeros(100, np.float32), 0, [("word", 0, threading.Lock())], "fp32", False, False)  # type: ignore[list-item]
+        outbox.call_soon_threadsafe(run_all, [(good, "on_chunk", (chunk,)), (unconvertible, "on_chunk", (strings,)),
+                                              (unpicklable, "on_chunk", (locked,)), (unpicklable, "on_done", ()),
+                                              (good, "on_chunk", (chunk,))])
+        assert here.poll(10), "nothing came: the writer died"
+        kind, out, _ = _recv(here)
+        assert kind == "out"
+        assert [(sid, method) for sid, method, _ in out] == [(1, "on_chunk"), (2, "on_error"), (3, "on_error"),
+                                                             (1, "on_chunk")]
+        for _, _, (error,) in out[1:3]:
+            assert isinstance(error, RuntimeError) and "could not be sent to the API server" in str(error)
+        assert np.array_equal(out[0][2][0].samples, chunk.samples)
+        assert lost == [2, 3] and set(outbox.cursors) == {1}
+        outbox.send("settled")
+        assert here.poll(10) and _recv(here) == ("settled",)
+    finally:
+        outbox.close()
+
+
+def test_a_pipe_the_server_cannot_write_to_fails_every_session_and_marks_the_core_dead() -> None:
+    """When the server's end of the pipe is unusable (here closed while the core is stopped, so
+    only the writer can notice), every open session ends with an error and the core counts as
+    dead; nothing waits for ever."""
+    import os
+    import signal
+
+
+    h = EngineHarness(tiny_engine_config(core="process"))
+    host = h.engine.host
+    assert isinstance(host, ProcessHost) and host._proc is not None and host._proc.pid is not None
+    pid = host._proc.pid
+
+    async def events(session) -> list[object]:  # type: ignore[no-untyped-def]
+        return [e async for e in session.events()]
+
+    async def run() -> None:
+        sessions = [await h.engine.open_session(SessionConfig(seed=40 + i, encoding=FLOAT)) for i in range(2)]
+        os.kill(pid, signal.SIGSTOP)  # the relay hears nothing more
+        await asyncio.sleep(0.5)  # and has read what was on its way: it waits for the next message
+        assert host._conn is not None
+        host._conn.close()
+        sessions[0].push_text(TEXT)  # the next write fails
+        for session in sessions:
+            with pytest.raises(Unavailable, match="reconnect"):
+                await asyncio.wait_for(events(session), 10)
+
+    try:
+        h.run(run())
+        assert host.dead.is_set()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        h.close()
+
+
+def test_a_voice_load_the_core_never_answers_fails_with_a_timeout_naming_it(proc_harness: EngineHarness,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ProcessHost.load` waits a bounded time (`CoreWaits.load_s`) for the core's reply, then
+    fails with an error that names the voice and the wait."""
+    import os
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service.engine.proc import CoreWaits
+    from service.voices import list_voices
+    from tests.engine.conftest import DATA
+
+    host = proc_harness.engine.host
+    assert isinstance(host, ProcessHost) and host._proc is not None and host._proc.pid is not None
+    monkeypatch.setattr(host, "waits", CoreWaits(load_s=1.0))
+    info = next(v for v in list_voices(DATA) if v.name == "tiny-multi")
+    pool = ThreadPoolExecutor(1)
+    os.kill(host._proc.pid, signal.SIGSTOP)  # the core answers nothing
+    try:
+        loading = pool.submit(host.load, info)
+        with pytest.raises(Unavailable, match=r"voice tiny-multi .*within 1 s"):
+            loading.result(timeout=15)
+    finally:
+        os.kill(host._proc.pid, signal.SIGCONT)
+        pool.shutdown()
+    assert not host.dead.is_set()
+    assert host.load(info).name == "tiny-multi"  # the core answers again
+
+
+def test_a_core_that_never_says_ready_fails_the_start_with_a_timeout() -> None:
+    """The start waits a bounded time (`CoreWaits.start_s`) for the core's "ready", then stops
+    the core's process and fails with an error naming what it waited for."""
+    from service.engine.proc import CoreWaits
+    from service.telemetry import Telemetry
+    from service.text.frontend_pool import FrontendPoolConfig
+    from service.voices import list_voices
+    from tests.engine.conftest import DATA
+
+    config = tiny_engine_config(core="process")
+    host = ProcessHost(config, "cpu", "torch", Telemetry(), lambda voice: None, waits=CoreWaits(start_s=0.2))
+    preload = [v for v in list_voices(DATA) if v.name == "tiny-multi"]
+    with pytest.raises(TimeoutError, match=r"ready.*within 0.2 s.*tiny-multi"):
+        host.start(FrontendPoolConfig(), preload)
+    assert host._proc is not None and not host._proc.is_alive()
