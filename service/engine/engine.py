@@ -496,12 +496,15 @@ class TtsEngine:
             session.end_input()
             pieces: list[bytes] = []
             words: list[WordTiming] = []
-            async for event in session.events():
+            summary: SessionSummary | None = None
+            async for event in session.events():  # to its end: the session reports itself once taken
                 if isinstance(event, AudioOut):
                     pieces.append(event.audio)
                     words.extend(event.words)
                 else:
-                    return b"".join(pieces), words, event
+                    summary = event
         finally:
             session.cancel()
-        raise FailedPrecondition("the session ended without a summary")
+        if summary is None:
+            raise FailedPrecondition("the session ended without a summary")
+        return b"".join(pieces), words, summary

@@ -192,9 +192,10 @@ class EngineSession:
         self._engine_loop.submit_end(self.id)
 
     def cancel(self, error: BaseException | None = None) -> None:
-        if self._state == "closed":
-            return
         ended_by = error if isinstance(error, Exception) else None  # not CancelledError: the client left
+        if self._state == "closed":  # finished: the client left before taking all of it, or took it
+            self._report(ended_by, cancelled=ended_by is None)
+            return
         self._close(error=ended_by, cancelled=ended_by is None)
         self._engine_loop.submit_cancel(self.id)
         self._queue.put(_END)
@@ -222,6 +223,7 @@ class EngineSession:
                 self._writing = False
                 self._last_out = time.monotonic()
             if isinstance(item, SessionSummary):
+                self._report(None, cancelled=False)
                 return
             self._taken(item)
 
@@ -229,15 +231,23 @@ class EngineSession:
     # session still counts as needing the engine (its next sentence is likely on its way).
     DEMAND_LINGER_S = 2.0
 
+    # A session this far ahead of its playback clock reads faster than real time (a batch
+    # client), or its client stopped reading and its transport is still taking audio: it is
+    # served when nothing is urgent, and is no real-time stream for admission to count.
+    DEMAND_AHEAD_S = 10.0
+
     def demanding(self, now: float) -> bool:
         """Needs the engine now or soon (what admission counts): it has had no audio yet, holds
-        text not yet released, sent text lately, or its audio is still playing (on the playback
-        clock from its first audio). A session waiting for its next text asks nothing."""
+        text not yet released, is speaking (on the playback clock from its first audio, less than
+        `DEMAND_AHEAD_S` ahead of it), or sent text lately. A session waiting for its next text
+        asks nothing."""
         if self._state == "closed":
             return False
         if self._first_audio_at is None or self._segmenter.pending:
             return True
         playing_until = self._first_audio_at + self.setup.cursor.delivered_s
+        if playing_until - now >= self.DEMAND_AHEAD_S:
+            return False
         return now < max(playing_until, self._last_text_at) + self.DEMAND_LINGER_S
 
     def quiet_s(self, now: float) -> float:
@@ -285,12 +295,21 @@ class EngineSession:
             if wait is not None:
                 self._idle = self._aloop.call_later(wait, self._poll)
 
-    def _close(self, error: BaseException | None = None, cancelled: bool = False) -> None:
+    def _close(self, error: BaseException | None = None, cancelled: bool = False, report: bool = True) -> None:
+        """`report`: end its telemetry now (a session that finished reports once its client has
+        taken the summary, or left without it: see `events` and `cancel`)."""
         self._state = "closed"
         self._disarm_idle()
         self._on_close(self)
+        if report:
+            self._report(error, cancelled)
+
+    def _report(self, error: BaseException | None, cancelled: bool) -> None:
+        """The session's figures and its one end line (once; the telemetry ignores a second)."""
         if self._trace is not None and self._telemetry is not None:
-            self._telemetry.session_ended(self._trace, error, cancelled, self._chars, self._fallbacks)
+            cursor = self.setup.cursor
+            self._telemetry.session_ended(self._trace, error, cancelled, self._chars, self._fallbacks,
+                                          max(0.0, cursor.delivered_s - cursor.read_s))
 
     def _emit_audio(self, data: bytes, count: int, utterance: int, precision: str, fallback: bool,
                     words: list[WordTiming]) -> None:
@@ -368,7 +387,7 @@ class EngineSession:
             precision=self.setup.precision,
             precision_reason=self.setup.precision_reason,
         ))
-        self._close()
+        self._close(report=False)
 
     def on_error(self, exc: BaseException) -> None:
         if self._state == "closed":

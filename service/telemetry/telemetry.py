@@ -267,8 +267,10 @@ class Telemetry:
         record.span.add_event("first_audio", {"cadenza.ttfa_s": ttfa_s})
 
     def session_ended(self, record: SessionTrace, error: BaseException | None, cancelled: bool,
-                      characters: int, fallbacks: int) -> None:
-        """End the span, record the per-session figures and log the one session-end line."""
+                      characters: int, fallbacks: int, unread_s: float = 0.0) -> None:
+        """End the span, record the per-session figures and log the one session-end line.
+        `unread_s`: of the audio made for the session, what its client's transport never took
+        (logged apart from what was sent)."""
         if record.ended:
             return
         record.ended = True
@@ -291,8 +293,9 @@ class Telemetry:
             self.underrun_time.record(record.underrun_s, labels)
         if record.underruns:
             self.underruns.add(record.underruns, labels)
+        sent = max(0.0, record.audio_s - unread_s)  # taken by the client's transport
         span = record.span
-        span.set_attributes({"cadenza.audio_s": record.audio_s, "cadenza.characters": characters,
+        span.set_attributes({"cadenza.audio_s": sent, "cadenza.unread_s": unread_s, "cadenza.characters": characters,
                              "cadenza.fallbacks": fallbacks, "cadenza.outcome": outcome,
                              "cadenza.status": status})
         if error is not None:
@@ -300,13 +303,14 @@ class Telemetry:
         span.end()
         ids = _ids(span)
         log.info(
-            "session end: request_id=%s voice=%s precision=%s ttfa_ms=%s audio_s=%.2f characters=%d fallbacks=%d "
-            "underruns=%d outcome=%s status=%s",
+            "session end: request_id=%s voice=%s precision=%s ttfa_ms=%s audio_s=%.2f unread_s=%.2f characters=%d "
+            "fallbacks=%d underruns=%d outcome=%s status=%s",
             info.request_id or "-", info.voice, info.precision,
-            f"{record.ttfa_s * 1000:.1f}" if record.ttfa_s is not None else "-", record.audio_s, characters,
+            f"{record.ttfa_s * 1000:.1f}" if record.ttfa_s is not None else "-", sent, unread_s, characters,
             fallbacks, record.underruns, outcome, status,
             extra={"request_id": info.request_id, "voice": info.voice, "precision": info.precision,
-                   "ttfa_s": record.ttfa_s, "audio_s": round(record.audio_s, 3), "outcome": outcome,
+                   "ttfa_s": record.ttfa_s, "audio_s": round(sent, 3), "unread_s": round(unread_s, 3),
+                   "outcome": outcome,
                    "status": status, **ids},
         )
 

@@ -386,7 +386,12 @@ def test_capacity_is_measured_from_the_decoder() -> None:
         assert capacity is not None and capacity > 0
         busy = stats["step_seconds"] + stats["acoustic_seconds"]
         assert stats["acoustic_seconds"] > 0
-        assert capacity == pytest.approx(0.8 * stats["step_audio_seconds"] / busy)
+        # the slowest of the measured warm-up runs, the last of which the stats hold
+        assert capacity <= 0.8 * stats["step_audio_seconds"] / busy * (1 + 1e-9)
+        executor = h.engine.host.core.executor
+        runs = executor._rate_samples[1:]
+        assert len(runs) == h.engine.CAPACITY_RUNS - 1
+        assert capacity == pytest.approx(0.8 * min([*runs, stats["step_audio_seconds"] / busy]))
     finally:
         h.close()
 

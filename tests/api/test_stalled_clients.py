@@ -1,0 +1,107 @@
+"""Clients that stop reading: each is ended with DEADLINE_EXCEEDED once its transport has taken
+nothing for `--stall-timeout`, after the messages it already holds; meanwhile a healthy session
+gets its first audio as usual, and many of them do not lock healthy clients out."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from service.api.gen.cadenza.v1 import tts_pb2 as pb
+from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
+from tests.api.compat_server import DATA
+from tests.serve_process import start_serve
+
+STALL_S = 8.0
+TEXT = "A client that never reads keeps this sentence waiting in its window. " * 200
+HELLO = "Hello there, a healthy session."
+
+
+def _requests(text: str, **config: object) -> Iterator[pb.StreamingSynthesizeRequest]:
+    yield pb.StreamingSynthesizeRequest(config=pb.SessionConfig(**config))
+    yield pb.StreamingSynthesizeRequest(text=text)
+    yield pb.StreamingSynthesizeRequest(end_input=True)
+
+
+def _ttfa(port: int) -> float:
+    """A healthy session's time to first audio (seconds); it reads everything."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    start, first = time.monotonic(), None
+    for response in pb_grpc.TextToSpeechStub(channel).StreamingSynthesize(_requests(HELLO, seed=1), timeout=60):
+        if first is None and response.WhichOneof("response") == "audio":
+            first = time.monotonic() - start
+    channel.close()
+    assert first is not None
+    return first
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[int, list[tuple[float, str]]]]:
+    proc, port = start_serve("--voices", str(DATA), "--voice", "tiny-multi", "--threads", "1",
+                             "--stall-timeout", str(STALL_S))
+    lines: list[tuple[float, str]] = []
+    assert proc.stdout is not None
+    out = proc.stdout
+
+    def read() -> None:
+        for line in out:
+            lines.append((time.monotonic(), line))
+
+    threading.Thread(target=read, daemon=True).start()
+    yield port, lines
+    proc.terminate()
+    proc.wait(30)
+
+
+def _never_read(port: int, n: int) -> list[tuple[grpc.Channel, object]]:
+    """n streams on their own connections that send a long text and never read (FLOAT32 at 48 kHz:
+    the transport's window fills with a few seconds of audio)."""
+    calls = []
+    for _ in range(n):
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        call = pb_grpc.TextToSpeechStub(channel).StreamingSynthesize(
+            _requests(TEXT, encoding=pb.FLOAT32, sample_rate_hz=48000), timeout=300)
+        calls.append((channel, call))
+    return calls
+
+
+def test_stalled_clients_end_promptly_and_a_healthy_session_is_served(server: tuple[int, list[tuple[float, str]]]
+                                                                      ) -> None:
+    port, lines = server
+    baseline = _ttfa(port)
+    opened = time.monotonic()
+    calls = _never_read(port, 16)
+    time.sleep(5.0)  # their transports' windows are full: they are held back, not yet ended
+    beside = _ttfa(port)
+    assert beside < max(3 * baseline, baseline + 0.5), (baseline, beside)
+    deadline = opened + 120
+    while time.monotonic() < deadline and sum("failed: DEADLINE_EXCEEDED" in line for _, line in lines) < 16:
+        time.sleep(0.2)
+    ended = [t for t, line in lines if "failed: DEADLINE_EXCEEDED" in line]
+    assert len(ended) == 16, "".join(line for _, line in lines[-20:])
+    for channel, call in calls:  # what each client finds once it reads: its audio, then the status
+        audio_s = 0.0
+        with pytest.raises(grpc.RpcError) as info:
+            for response in call:  # type: ignore[attr-defined]
+                if response.WhichOneof("response") == "audio":
+                    audio_s += response.audio.duration_seconds
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+        assert "took no audio for 8 s" in (info.value.details() or "")  # type: ignore[attr-defined]
+        assert 0 < audio_s < 150  # what its transport's window held (the client's HTTP/2 window), not the text
+        channel.close()
+    print(f"baseline TTFA {baseline * 1e3:.0f} ms, beside 16 stalled {beside * 1e3:.0f} ms; "
+          f"stalled ended {ended[0] - opened:.1f}-{ended[-1] - opened:.1f} s after opening")
+
+
+def test_many_stalled_clients_do_not_lock_healthy_ones_out(server: tuple[int, list[tuple[float, str]]]) -> None:
+    port, _ = server
+    calls = _never_read(port, 64)
+    time.sleep(2.0)
+    for _ in range(3):
+        _ttfa(port)  # admitted (RESOURCE_EXHAUSTED would raise) and served
+    for channel, _ in calls:
+        channel.close()
