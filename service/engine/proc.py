@@ -57,6 +57,7 @@ from service.engine.host import (
     settle_heap,
     snapshot,
 )
+from service.engine.memory import CORE_PROCESS_NAME, IdleTrim, name_process
 from service.engine.output import Delivery, hand_over
 from service.engine.state import ChunkResult, Loop, ReadCursor, SessionRequest, Sink, WorkSpec
 from service.telemetry import Telemetry
@@ -709,6 +710,7 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
     pipe per API server; the first one's "stop" or its going away stops the core)."""
     # Ctrl-C reaches the whole process group: the server drains its sessions, then stops the core.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_process(CORE_PROCESS_NAME)
     if log_config is not None:
         from service.telemetry.logs import setup_logging
 
@@ -739,6 +741,7 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
         return
     to_all("ready", loaded)
     stop = threading.Event()
+    idle = IdleTrim()  # memory the sessions freed goes back to the system once none is left
 
     def tick() -> None:
         while not stop.wait(SNAPSHOT_S):
@@ -749,6 +752,7 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
                                           open_sessions=tuple(len(o.cursors) for o in outboxes))
             to_all("snapshot", figures)
             first.send_telemetry()
+            idle.update(busy=figures.active_work > 0 or any(figures.open_sessions))
 
     threading.Thread(target=tick, name="cadenza-engine-ticker", daemon=True).start()
 

@@ -14,6 +14,12 @@ b) fair     one session sends a 5 000-character text at once; 0.5 s later a shor
 c) storm    many sessions opened and cancelled quickly, alongside 2 healthy sessions whose audio is verified
             complete (summary present; samples equal summary audio_seconds x rate within one chunk; contiguous).
 d) soak     M concurrent sessions speak several sentences again and again for T seconds, each verified.
+e) memory   after a warm-up, N sessions of C characters each at once, read in full; the engine core's RSS
+            once they have all ended must come back within a bound of its RSS after the warm-up (memory that
+            is only held, not used, is given back).
+
+After each scenario an `rss:` line gives every process of the server: the API server(s), the engine core
+and its frontend workers (found as the server's descendants in /proc).
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import importlib
 import math
 import os
 import random
@@ -42,6 +47,7 @@ import grpc
 
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
+from service.engine.memory import CORE_PROCESS_NAME
 from service.tools.bench_load import SENTENCES, wait_until_serving, worst_underrun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,12 +73,19 @@ class SoakConfig:
     storm_s: float = 30.0
     soak_sessions: int = 12
     soak_s: float = 120.0
-    scenarios: tuple[str, ...] = ("stalled", "fair", "storm", "soak")
+    memory_sessions: int = 20
+    memory_chars: int = 20_000
+    # Once the sessions have ended, the core must give back at least this share of what they added to its RSS
+    # above the post-warm-up level, or keep no more than memory_kept_mb above it...
+    memory_kept_share: float = 0.5
+    memory_kept_mb: float = 32.0
+    memory_settle_s: float = 5.0  # ... measured this long after the last one ended (the core trims when idle)
+    scenarios: tuple[str, ...] = ("stalled", "fair", "storm", "soak", "memory")
 
     @classmethod
     def short(cls) -> SoakConfig:
         return cls(stall_window_s=6.0, fair_long_window_s=6.0, storm_sessions=10, storm_s=8.0, soak_sessions=4,
-                   soak_s=20.0)
+                   soak_s=20.0, memory_sessions=6, memory_chars=3_000)
 
 
 @dataclass
@@ -123,14 +136,7 @@ def long_text(chars: int, seed: int = 0) -> str:
 
 
 def rss_bytes(pid: int) -> int:
-    """Resident set size of a process (psutil if installed, else /proc/<pid>/status VmRSS); 0 once it is gone."""
-    try:
-        psutil = importlib.import_module("psutil")
-        return int(psutil.Process(pid).memory_info().rss)
-    except ImportError:
-        pass
-    except Exception:
-        return 0
+    """Resident set size of a process (/proc/<pid>/status VmRSS); 0 once it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -138,6 +144,43 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         return 0
     return 0
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def server_processes(root: int) -> dict[str, list[int]]:
+    """The server's processes by kind: "api" (the server and its other API server processes), "core" (the
+    engine core) and "frontend" (the core's frontend workers); multiprocessing's resource trackers are left out.
+    Descendants are found by their parent pid in /proc/<pid>/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _read(f"/proc/{entry.name}/stat")
+            fields = stat[stat.rfind(")") + 2:].split()
+            if len(fields) > 1:
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    kinds: dict[str, list[int]] = {"api": [], "core": [], "frontend": []}
+
+    def visit(pid: int, under_core: bool) -> None:
+        if "resource_tracker" in _read(f"/proc/{pid}/cmdline"):
+            return
+        is_core = _read(f"/proc/{pid}/comm").strip() == CORE_PROCESS_NAME
+        kinds["core" if is_core else "frontend" if under_core else "api"].append(pid)
+        for child in sorted(children.get(pid, [])):
+            visit(child, under_core or is_core)
+
+    visit(root, False)
+    return kinds
+
+
+def rss_by_kind(processes: dict[str, list[int]]) -> dict[str, int]:
+    """Summed RSS of each kind of `server_processes`."""
+    return {kind: sum(rss_bytes(pid) for pid in pids) for kind, pids in processes.items()}
 
 
 class LocalServer:
@@ -176,6 +219,17 @@ class LocalServer:
     def rss(self) -> int:
         return rss_bytes(self.proc.pid)
 
+    def processes(self) -> dict[str, list[int]]:
+        return server_processes(self.proc.pid)
+
+    def rss_line(self) -> str:
+        """Every process's RSS in MB, by kind: `rss: api=412 core=655 frontend=88+87`."""
+        parts = []
+        for kind, pids in self.processes().items():
+            sizes = [rss_bytes(pid) / MB for pid in pids]
+            parts.append(f"{kind}=" + ("+".join(f"{v:.0f}" for v in sizes) or "-"))
+        return "rss: " + " ".join(parts)
+
     def stop(self, timeout_s: float = 40.0) -> int | None:
         """SIGTERM, wait; SIGKILL when it does not end. The exit code (None if it had to be killed)."""
         if self.proc.poll() is None:
@@ -190,20 +244,28 @@ class LocalServer:
 
 
 class RssSampler:
-    """Polls the server's RSS every `period_s` while running; `peak` since start()."""
+    """Polls the server's RSS every `period_s` while running; `peak` since start(), `peaks` by kind of process."""
 
     def __init__(self, server: LocalServer, period_s: float = 0.05) -> None:
         self.server, self.period_s = server, period_s
         self.peak = 0
+        self.peaks: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, self.server.rss())
+        for kind, rss in rss_by_kind(self._processes).items():
+            self.peaks[kind] = max(self.peaks.get(kind, 0), rss)
 
     async def _run(self) -> None:
         while True:
-            self.peak = max(self.peak, self.server.rss())
+            self._sample()
             await asyncio.sleep(self.period_s)
 
     def start(self) -> None:
-        self.peak = self.server.rss()
+        self._processes = self.server.processes()  # found once: a /proc scan per sample would be most of the cost
+        self.peak, self.peaks = 0, {}
+        self._sample()
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> int:
@@ -211,7 +273,8 @@ class RssSampler:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        return max(self.peak, self.server.rss())
+        self._sample()
+        return self.peak
 
 
 MB = 1 << 20
@@ -324,6 +387,7 @@ async def speak(stub: pb_grpc.TextToSpeechStub, text: str, request_id: str, real
 async def scenario_stalled(stub: pb_grpc.TextToSpeechStub, server: LocalServer, cfg: SoakConfig) -> Result:
     res = Result("stalled")
     before = server.rss()
+    core_before = rss_by_kind(server.processes())["core"]
     sampler = RssSampler(server)
     sampler.start()
     calls = []
@@ -349,6 +413,7 @@ async def scenario_stalled(stub: pb_grpc.TextToSpeechStub, server: LocalServer, 
         "sessions": cfg.stall_sessions, "chars": cfg.stall_chars, "window_s": cfg.stall_window_s,
         "rss_before_mb": before / MB, "rss_peak_mb": peak / MB, "peak_delta_mb": (peak - before) / MB,
         "after_cancel_mb": after2 / MB, "growth_after_cancel_mb": (after2 - after1) / MB,
+        "core_peak_delta_mb": (sampler.peaks.get("core", 0) - core_before) / MB,
     }
     bad = [c for c in codes if c not in ("CANCELLED", "OK")]
     if bad:
@@ -479,7 +544,45 @@ async def scenario_soak(stub: pb_grpc.TextToSpeechStub, server: LocalServer, cfg
     return res
 
 
-SCENARIOS = {"stalled": scenario_stalled, "fair": scenario_fair, "storm": scenario_storm, "soak": scenario_soak}
+async def scenario_memory(stub: pb_grpc.TextToSpeechStub, server: LocalServer, cfg: SoakConfig) -> Result:
+    res = Result("memory")
+    # The warm-up, as many sessions at once as the load but short: what that many need for good (buffers sized
+    # once, pools, caches) is in the base, and what the load's length adds on top must be given back.
+    await asyncio.gather(*(speak(stub, long_text(min(1000, cfg.memory_chars), seed=k), f"warm-{k}")
+                           for k in range(cfg.memory_sessions)))
+    await asyncio.sleep(cfg.memory_settle_s)
+    warm = rss_by_kind(server.processes())
+    sampler = RssSampler(server, period_s=0.2)
+    sampler.start()
+    tally = _tally()
+    t0 = time.perf_counter()
+    for heard in await asyncio.gather(*(speak(stub, long_text(cfg.memory_chars, seed=500 + k), f"memory-{k}")
+                                        for k in range(cfg.memory_sessions))):
+        _check(heard, tally)
+    wall = time.perf_counter() - t0
+    await sampler.stop()
+    await asyncio.sleep(cfg.memory_settle_s)
+    after = rss_by_kind(server.processes())
+    res.figures = {"sessions": cfg.memory_sessions, "chars": cfg.memory_chars, "wall_s": wall,
+                   "audio_s": tally["audio_ms"] / 1000, "errors": tally["errors"]}
+    for kind in ("core", "api", "frontend"):
+        res.figures |= {f"{kind}_warm_mb": warm[kind] / MB, f"{kind}_peak_mb": sampler.peaks.get(kind, 0) / MB,
+                        f"{kind}_after_mb": after[kind] / MB}
+    kept = (after["core"] - warm["core"]) / MB
+    added = (sampler.peaks.get("core", 0) - warm["core"]) / MB
+    bound = max(cfg.memory_kept_mb, (1 - cfg.memory_kept_share) * added)
+    res.figures |= {"core_added_mb": added, "core_kept_mb": kept}
+    if tally["errors"] or tally["incomplete"]:
+        res.failures.append(f"{tally['errors']} errors, {tally['incomplete']} incomplete {_extra(tally)}")
+    if not warm["core"]:
+        res.failures.append(f"no engine core process ({CORE_PROCESS_NAME}) among the server's")
+    elif kept > bound:
+        res.failures.append(f"the core kept {kept:.0f} of the {added:.0f} MB the load added (bound {bound:.0f})")
+    return res
+
+
+SCENARIOS = {"stalled": scenario_stalled, "fair": scenario_fair, "storm": scenario_storm, "soak": scenario_soak,
+             "memory": scenario_memory}
 
 
 # ---- the run --------------------------------------------------------------------------------------------------
@@ -493,10 +596,12 @@ async def _drive(address: str, server: LocalServer, cfg: SoakConfig, out: IO[str
         info = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
         desc = f"{info.backend} on {info.device}, voice {info.default_voice}"
         print(f"soak: server {address} (pid {server.pid}): {desc}", file=out, flush=True)
+        print(server.rss_line(), file=out, flush=True)
         results: dict[str, Result] = {}
         for name in cfg.scenarios:
             results[name] = await SCENARIOS[name](stub, server, cfg)
             print(results[name].line(), file=out, flush=True)
+            print(server.rss_line(), file=out, flush=True)
         return results, desc
     finally:
         await channel.close()

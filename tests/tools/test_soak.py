@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from service.tools.soak import TINY_VOICE, Heard, SoakConfig, long_text, run_soak
+from service.tools.soak import TINY_VOICE, Heard, SoakConfig, long_text, run_soak, server_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 STALL_RSS_BOUND_MB = 300.0  # three stalled readers of 20 000 characters each; unbounded queues grew GBs
@@ -37,9 +38,20 @@ def test_unknown_scenario_is_refused() -> None:
         run_soak(SoakConfig(scenarios=("nope",)))
 
 
+def test_server_processes_finds_this_tree() -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        kinds = server_processes(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert kinds == {"api": [child.pid], "core": [], "frontend": []}
+
+
 def test_short_soak_against_a_real_server(tmp_path: Path) -> None:
     out = io.StringIO()
-    report = run_soak(SoakConfig.short(), ["--device", "cpu", "--admission-wait", "0", "--voice", str(TINY_VOICE)],
+    cfg = dataclasses.replace(SoakConfig.short(), scenarios=("stalled", "fair", "storm", "soak"))  # memory: below
+    report = run_soak(cfg, ["--device", "cpu", "--admission-wait", "0", "--voice", str(TINY_VOICE)],
                       log_path=tmp_path / "server.log", out=out)
     text = out.getvalue()
     print(text)
@@ -61,6 +73,23 @@ def test_short_soak_against_a_real_server(tmp_path: Path) -> None:
     assert report.exit_code == 0, text  # SIGTERM: the server drains and exits cleanly
     assert report.log_errors == 0, text  # cancelled streams log nothing at ERROR (no log flood)
     assert report.passed
+
+
+def test_the_core_gives_memory_back_after_a_load(tmp_path: Path) -> None:
+    """Issue 33, item 7: after 8 sessions of 5 000 characters the engine core's process comes back near its
+    post-warm-up RSS (it gives back most of what the load added) instead of staying at its peak."""
+    cfg = SoakConfig(scenarios=("memory",), memory_sessions=8, memory_chars=5000, memory_kept_mb=8.0,
+                     memory_settle_s=3.0)
+    out = io.StringIO()
+    report = run_soak(cfg, ["--device", "cpu", "--admission-wait", "0", "--voice", str(TINY_VOICE)],
+                      log_path=tmp_path / "server.log", out=out)
+    text = out.getvalue()
+    print(text)
+    figures = report.results["memory"].figures
+    assert figures["core_warm_mb"] > 0 and figures["frontend_warm_mb"] > 0 and figures["api_warm_mb"] > 0, text
+    assert figures["errors"] == 0 and figures["audio_s"] > 0, text
+    assert "rss: api=" in text and " core=" in text, text
+    assert report.passed, text  # the memory check: kept <= max(8 MB, half of what the load added)
 
 
 def test_the_script_runs_the_module() -> None:
