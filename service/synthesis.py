@@ -321,7 +321,7 @@ class Synthesizer:
         self.shadow = shadow
         # Staged decoding (each flow coupling's and generator stage's output kept between
         # chunks) where the backend offers it: FP32 only (no FP16 guard/fallback there).
-        self.staged = hasattr(backend, "decode_stage") if staged is None else staged
+        self.staged = backend.capabilities.staged_decoder if staged is None else staged
         self.backend = backend
         self.schedule = schedule or ChunkSchedule()
         self.hop = voice.hop_length
@@ -356,8 +356,10 @@ class Synthesizer:
         is waited for. Each job draws its noise from its own generator in the same order as a
         batch of one, so batching never changes which noise a sentence gets."""
         order = sorted(range(len(jobs)), key=lambda k: len(jobs[k].sentence.phoneme_ids))
-        split = getattr(self.backend, "acoustic_split", None)
-        sizes = split([len(jobs[k].sentence.phoneme_ids) for k in order]) if split is not None else [len(jobs)]
+        sizes = [len(jobs)]
+        if self.backend.capabilities.acoustic_split:
+            sizes = self.backend.acoustic_split(  # type: ignore[attr-defined]
+                [len(jobs[k].sentence.phoneme_ids) for k in order])
         if len(sizes) == 1:
             return self.acoustic_launch(jobs).result()
         flights, start = [], 0
@@ -393,7 +395,7 @@ class Synthesizer:
         sid_arr = None if sids[0] is None else np.asarray(sids, dtype=np.int64)
         scales = np.asarray([self._noise_scale(j.params) for j in jobs], dtype=np.float32)
         with stage("acoustic.encode"):
-            if getattr(self.backend, "priors_on_device", False):
+            if self.backend.capabilities.priors_on_device:
                 wait = self.backend.encode_prior_async(  # type: ignore[attr-defined]
                     ids, lengths, dp_noise, sid_arr, scales).result
             else:
@@ -406,7 +408,7 @@ class Synthesizer:
     def _encode(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None,
                 scales: np.ndarray) -> EncodeOut | DevicePriorOut:
         """The backend's acoustic stage; on a GPU the prior stays there (see `DevicePriorOut`)."""
-        if getattr(self.backend, "priors_on_device", False):
+        if self.backend.capabilities.priors_on_device:
             return self.backend.encode_prior(ids, lengths, dp_noise, sid, scales)  # type: ignore[attr-defined]
         return self.backend.encode(ids, lengths, dp_noise, sid)
 
@@ -472,7 +474,7 @@ class Synthesizer:
                 assert out is not None
                 audio = dec.trim_audio(voc_w, out.audio[0], self.hop)
                 if shadow is not None and current != "fp32":
-                    shadow.offer(self.backend, utt.z_p, (voc_w.keep_lo, voc_w.keep_hi),
+                    shadow.offer(self.backend, self.voice.info.name, utt.z_p, (voc_w.keep_lo, voc_w.keep_hi),
                                  (self.flow_halo, self.voc_halo), self.hop, sid, audio)
             dec.index += 1
             yield audio, current, fallback
@@ -578,8 +580,8 @@ class ShadowSampler(Protocol):
     """Receives a sample of FP16 chunks to re-run in FP32 off the hot path."""
 
     def offer(
-        self, backend: Backend, z_p: np.ndarray, span: tuple[int, int], halos: tuple[int, int], hop: int,
-        sid: np.ndarray | None, audio: np.ndarray,
+        self, backend: Backend, voice: str, z_p: np.ndarray, span: tuple[int, int], halos: tuple[int, int],
+        hop: int, sid: np.ndarray | None, audio: np.ndarray,
     ) -> None: ...
 
 

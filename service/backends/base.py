@@ -53,12 +53,27 @@ def guard_host(audio: np.ndarray, precision: str) -> VocodeOut:
     return VocodeOut(audio=clean, nonfinite=nonfinite, peak=peak, precision=precision)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend offers beyond `Backend`'s stages, declared by the backend itself: the engine
+    reads these flags and never probes a backend for methods."""
+
+    slot_decoder: bool = False  # streaming_decoder(): batched fixed-shape steps over device slots
+    staged_decoder: bool = False  # decoder_stages()/decode_stage(): each utterance decoded stage by stage
+    asynchronous: bool = False  # a decoder step is queued on the device; the engine thread goes on meanwhile
+    priors_on_device: bool = False  # encode_prior(_async)(): the acoustic stage's prior stays on the device
+    acoustic_split: bool = False  # acoustic_split(): an acoustic batch cut by length into several calls
+    encoder_graphs: bool = False  # capture_encoder(): the acoustic stage captured before serving
+
+
 class Backend(Protocol):
     """Runs the three stages of a VITS voice. One instance is owned by one thread
     (the engine loop); implementations need not be thread safe."""
 
     name: str
     device: str
+    capabilities: Capabilities
+    fp32_pins: tuple[str, ...]  # modules kept in FP32 when running FP16 (empty: no FP16)
 
     def encode(
         self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.base import EncodeOut, VocodeOut, guard_host
+from service.backends.base import Capabilities, EncodeOut, VocodeOut, guard_host
 from service.backends.stage_export import cached_stage_exports, decoder_stage_names, default_cache_dir
 from service.models.vits.receptive_field import decoder_stage_table
 from service.voices import Voice
@@ -58,6 +58,8 @@ def cpu_count() -> int:
 
 class OrtBackend:
     name = "onnxruntime"
+    capabilities = Capabilities(staged_decoder=True)
+    fp32_pins: tuple[str, ...] = ()  # FP32 only
 
     def __init__(
         self, voice: Voice, device: str = "cpu", threads: int | None = None,

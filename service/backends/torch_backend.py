@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.guard import guard
-from service.backends.base import DevicePriorOut, EncodeOut, HostAudio, VocodeOut
+from service.backends.base import Capabilities, DevicePriorOut, EncodeOut, HostAudio, VocodeOut
 from service.backends.stage_export import cache_home
 from service.models.cuda_graphs import GraphCapturer
 from service.models.vits.model import VitsModel
@@ -74,17 +74,18 @@ class TorchBackend:
         self.device = device
         self._device = torch.device(device)
         self.voice = voice
-        self.pins = tuple(pins)
+        self.pins = self.fp32_pins = tuple(pins)
         self.models: dict[str, VitsModel] = {"fp32": voice.model.to(self._device).eval()}
         self._streams = StreamPool(self._device, stream_pool_size) if self._device.type == "cuda" else None
         self._encoder_graphs = None
         # The acoustic stage runs on a stream of its own, so it neither waits behind the decoder
         # steps queued on the engine's stream nor holds them up: the device runs both at once.
         self._acoustic_stream = torch.cuda.Stream(device=self._device) if self._device.type == "cuda" else None
-        # Decoder steps are queued on the device and waited for later (see Executor.overlaps).
-        self.asynchronous = self._device.type == "cuda"
-        # The acoustic stage's prior stays on the GPU for the decoder (see encode_prior).
-        self.priors_on_device = self._device.type == "cuda"
+        cuda = self._device.type == "cuda"
+        # On CUDA, decoder steps are queued on the device and waited for later (see
+        # Executor.overlaps), and the acoustic stage's prior stays there (see encode_prior).
+        self.capabilities = Capabilities(slot_decoder=True, staged_decoder=True, asynchronous=cuda,
+                                         priors_on_device=cuda, acoustic_split=cuda, encoder_graphs=cuda)
         if self._device.type == "cuda":
             model = self.models["fp32"]
             gemm_convs(model.enc_p)

@@ -93,7 +93,7 @@ class Executor:
     def uses_slots(self, runtime: Synthesizer) -> bool:
         if self.config.decoder == "staged":
             return False
-        has = hasattr(runtime.backend, "streaming_decoder")
+        has = runtime.backend.capabilities.slot_decoder
         if self.config.decoder == "slots" and not has:
             raise ValueError(f"the {runtime.backend.name} backend has no slot decoder; use --decoder staged")
         return has
@@ -248,7 +248,7 @@ class Executor:
     def overlaps(self, runtime: Synthesizer) -> bool:
         """A decoder step runs on the device while the engine thread goes on (CUDA), so other
         work can be done between its launch and its result."""
-        return self.uses_slots(runtime) and bool(getattr(runtime.backend, "asynchronous", False))
+        return self.uses_slots(runtime) and runtime.backend.capabilities.asynchronous
 
     def decode(self, rows: list[tuple[SessionState, UtteranceState]], now: float,
                others_urgent: Callable[[SessionState], bool],
@@ -457,7 +457,7 @@ class Executor:
                     self.stats.nonfinite_fp32 += 1  # zeroed by the guard: no FP32 to fall back to
                 samples, pcm = audio[i, lo - start : hi - start], pcm16[i, lo - start : hi - start]
                 if self.shadow is not None and precision != "fp32" and hi > lo:
-                    self.shadow.offer(runtime.backend, u.utt.z_p, (lo // hop, hi // hop),  # type: ignore[union-attr]
+                    self.shadow.offer(runtime.backend, runtime.voice.info.name, u.utt.z_p, (lo // hop, hi // hop),  # type: ignore[union-attr]
                                       (runtime.flow_halo, runtime.voc_halo), hop, u.utt.sid_batch,  # type: ignore[union-attr]
                                       samples)
             self.stats.audio_seconds += (hi - lo) / runtime.sample_rate

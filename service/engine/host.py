@@ -139,15 +139,14 @@ class Runtimes:
         """Load a voice and capture its encoder graphs where the backend has them (before the
         core's thread runs: graph captures need the GPU alone)."""
         runtime = self.get(info)
-        capture = getattr(runtime.backend, "capture_encoder", None)
-        if capture is not None:
-            capture(self.config.batch.acoustic_max_batch)
+        if runtime.backend.capabilities.encoder_graphs:
+            runtime.backend.capture_encoder(self.config.batch.acoustic_max_batch)  # type: ignore[attr-defined]
         return self.describe(info)
 
     def describe(self, info: VoiceInfo) -> LoadedVoice:
         backend = self.get(info).backend
         return LoadedVoice(info.name, tuple(backend.supported_precisions()), Hardware.detect(self.device),
-                           self.backend_name, tuple(getattr(backend, "fp32_pins", ()) or ()))
+                           self.backend_name, backend.fp32_pins)
 
 
 class _Heap:

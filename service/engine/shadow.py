@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Job:
     backend: Backend
+    voice: str  # the voice's name (the PSNR metric's label)
     z_p: np.ndarray  # [C, W'] prior sample with flow context
     keep: tuple[int, int]  # latent frames of the vocoder window inside z_p's latent
     trim: tuple[int, int]  # samples of the chunk inside the vocoder output
@@ -56,8 +57,8 @@ class ShadowVerifier:
             raise ValueError("shadow fraction must be within 0..1 (--shadow-fraction)")
 
     def offer(
-        self, backend: Backend, z_p: np.ndarray, span: tuple[int, int], halos: tuple[int, int], hop: int,
-        sid: np.ndarray | None, audio: np.ndarray,
+        self, backend: Backend, voice: str, z_p: np.ndarray, span: tuple[int, int], halos: tuple[int, int],
+        hop: int, sid: np.ndarray | None, audio: np.ndarray,
     ) -> None:
         """`audio` is latent frames `span` of the utterance whose prior sample is `z_p`, made in
         FP16; the FP32 reference is decoded with the full `halos` (flow, vocoder) of context."""
@@ -76,7 +77,7 @@ class ShadowVerifier:
         v_lo, v_hi = max(0, span[0] - voc_halo), min(t, span[1] + voc_halo)
         a, b = max(0, v_lo - flow_halo), min(t, v_hi + flow_halo)
         job = _Job(
-            backend, z_p[:, a:b].copy(), (v_lo - a, v_hi - a),
+            backend, voice, z_p[:, a:b].copy(), (v_lo - a, v_hi - a),
             ((span[0] - v_lo) * hop, (span[1] - v_lo) * hop), sid, audio.copy(),
         )
         with self._lock:
@@ -108,8 +109,7 @@ class ShadowVerifier:
             with self._lock:
                 self.verified += 1
             if self.on_psnr is not None:
-                voice = getattr(getattr(job.backend, "voice", None), "info", None)
-                self.on_psnr(value, getattr(voice, "name", ""))
+                self.on_psnr(value, job.voice)
         except Exception:  # a shadow failure must never reach a caller
             log.exception("shadow verification failed")
 

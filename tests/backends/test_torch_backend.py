@@ -3,6 +3,7 @@ the same code runs on CUDA, see tests marked gpu)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -268,6 +269,8 @@ def test_an_acoustic_batch_split_by_the_backend_keeps_every_utterance_in_order(
         return [1, 2, len(lengths) - 3]
 
     monkeypatch.setattr(builtin_torch.backend, "acoustic_split", split, raising=False)
+    monkeypatch.setattr(builtin_torch.backend, "capabilities",
+                        dataclasses.replace(builtin_torch.backend.capabilities, acoustic_split=True))
     parts = builtin_torch.acoustic_batch(jobs())
     assert seen == [sorted(len(s.phoneme_ids) for s in sentences)]  # asked with ascending lengths
     for s, a, b in zip(sentences, whole, parts, strict=True):

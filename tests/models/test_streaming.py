@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -203,11 +204,12 @@ def test_priors_left_on_the_device_decode_as_host_priors(tiny_voice_path: Path) 
     syn = open_synthesizer(str(tiny_voice_path), backend="torch")
     text, params = "Hello there, this is a streaming test. Short one.", SynthesisParams(seed=7, speaker=1)
     host = syn.prepare(text, params)
-    syn.backend.priors_on_device = True  # type: ignore[attr-defined]
+    declared = syn.backend.capabilities
+    syn.backend.capabilities = dataclasses.replace(declared, priors_on_device=True)
     try:
         device = syn.prepare(text, params)
     finally:
-        syn.backend.priors_on_device = False  # type: ignore[attr-defined]
+        syn.backend.capabilities = declared
     assert all(u.prior.device_values is None for u in host)
     assert all(u.prior.device_values is not None for u in device)
     for a, b in zip(host, device, strict=True):
@@ -233,10 +235,11 @@ def test_priors_of_one_acoustic_call_share_one_device_tensor(tiny_voice_path: Pa
     params = SynthesisParams(speaker=0)  # unseeded: no sentence is encoded again alone (ceil ambiguity)
     sentences = syn._sentences("One sentence here. And a second, longer one. A third.", params)
     jobs = [AcousticJob(s, 0, params, np.random.default_rng(i)) for i, s in enumerate(sentences)]
-    syn.backend.priors_on_device = True  # type: ignore[attr-defined]
+    declared = syn.backend.capabilities
+    syn.backend.capabilities = dataclasses.replace(declared, priors_on_device=True)
     try:
         utts = syn.acoustic_batch(jobs)
     finally:
-        syn.backend.priors_on_device = False  # type: ignore[attr-defined]
+        syn.backend.capabilities = declared
     assert len(utts) == 3
     assert len({u.prior.device_values.untyped_storage().data_ptr() for u in utts}) == 1
