@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
+from grpc._cython import cygrpc  # ExecuteBatchError: a write to a call that is over
 
 from service.engine.api import (
     ClientStalled,
@@ -260,8 +261,14 @@ async def _write(context: grpc.aio.ServicerContext, response: Any, stall_s: floa
         task.uncancel()
         raise ClientStalled(f"the client took no audio for {stall_s:g} s; the stream is closed (read the "
                             "audio as it arrives)") from None
+    except cygrpc.ExecuteBatchError:  # the transport refused the message: the call is over
+        raise _ClientGone from None  # the client cancelled or left: nothing to send, nothing wrong
     finally:
         timer.cancel()
+
+
+class _ClientGone(Exception):
+    """A response could not be written because the call is over (the client cancelled)."""
 
 
 # A bidirectional stream that ends with an error while its client is still writing: the client's
@@ -309,6 +316,10 @@ def boundary(
                         await _write(context, response, write_stall_s)
                     except ClientStalled as exc:  # thrown into the handler: its session ends with it
                         await responses.athrow(exc)
+                    except _ClientGone:  # the handler ends as when the client leaves while it waits
+                        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                            await responses.athrow(asyncio.CancelledError())
+                        return
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
