@@ -1,13 +1,12 @@
 """The engine core's process gives back the memory its sessions freed.
 
 The core's threads (engine, frontend results, pipe writers) allocate and free audio, latents and
-pickled messages by the megabyte. glibc keeps what is freed in the arena of the thread that
-freed it, and a heap or arena whose top is still in use cannot shrink: after a load the process
-stays at its peak although nothing holds that memory. `malloc_trim(0)` releases the free pages
-of every arena; it walks all of them, so it runs once the core has gone idle, not per step. On
-CUDA, torch's pinned host buffers are cached by size for reuse and never freed either: the idle
-core empties that cache too (pinning again costs the next burst little; keeping every size ever
-used costs memory for good). Elsewhere than glibc (musl, macOS) the trim is a no-op.
+pickled messages by the megabyte, each thread from its own malloc arena. glibc gives an arena's
+free memory back to the system only from the top of its heap, so memory freed below a chunk still
+in use stays resident: after a load the process stays near its peak although nothing holds that
+memory. `malloc_trim(0)` releases the free pages anywhere in every arena; it walks all of them,
+so it runs once the core has gone idle, not per step.
+Elsewhere than glibc (musl, macOS) it is a no-op.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import sys
 import time
 from collections.abc import Callable
 
@@ -48,23 +46,12 @@ def malloc_trim() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
-def release_free_memory() -> bool:
-    """Give back the memory this process holds but does not use: torch's cached pinned host
-    blocks (when CUDA is in use here), then the free pages of every malloc arena."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-        if empty is not None:
-            empty()
-    return malloc_trim()
-
-
 class IdleTrim:
     """Calls `trim` once each time the core has been idle (no session) for `after_s` since it
     was last busy: once the last session's audio has left, not between the sessions of a
     steady load. Its start (loading and warming up the voices) counts as busy."""
 
-    def __init__(self, after_s: float = 1.0, trim: Callable[[], bool] = release_free_memory,
+    def __init__(self, after_s: float = 1.0, trim: Callable[[], bool] = malloc_trim,
                  now: float | None = None) -> None:
         self.after_s = after_s
         self._trim = trim
@@ -81,6 +68,6 @@ class IdleTrim:
         self._busy_at = None
         start = time.monotonic()
         released = self._trim()
-        log.debug("idle: memory given back (%s) in %.1f ms", "some" if released else "none free",
+        log.debug("idle: malloc_trim %s in %.1f ms", "gave memory back" if released else "found none free",
                   1e3 * (time.monotonic() - start))
         return True

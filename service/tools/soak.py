@@ -75,17 +75,19 @@ class SoakConfig:
     soak_s: float = 120.0
     memory_sessions: int = 20
     memory_chars: int = 20_000
+    memory_warm_chars: int = 3_000  # per session in the warm-up (as many at once as the load)
     # Once the sessions have ended, the core must give back at least this share of what they added to its RSS
-    # above the post-warm-up level, or keep no more than memory_kept_mb above it...
+    # above the post-warm-up level, or keep no more than memory_kept_mb above it (the first long texts size
+    # some of its buffers for good: a repeat of the load adds nothing more)...
     memory_kept_share: float = 0.5
-    memory_kept_mb: float = 32.0
+    memory_kept_mb: float = 64.0
     memory_settle_s: float = 5.0  # ... measured this long after the last one ended (the core trims when idle)
     scenarios: tuple[str, ...] = ("stalled", "fair", "storm", "soak", "memory")
 
     @classmethod
     def short(cls) -> SoakConfig:
         return cls(stall_window_s=6.0, fair_long_window_s=6.0, storm_sessions=10, storm_s=8.0, soak_sessions=4,
-                   soak_s=20.0, memory_sessions=6, memory_chars=3_000)
+                   soak_s=20.0, memory_sessions=6, memory_chars=3_000, memory_warm_chars=1_000)
 
 
 @dataclass
@@ -546,9 +548,9 @@ async def scenario_soak(stub: pb_grpc.TextToSpeechStub, server: LocalServer, cfg
 
 async def scenario_memory(stub: pb_grpc.TextToSpeechStub, server: LocalServer, cfg: SoakConfig) -> Result:
     res = Result("memory")
-    # The warm-up, as many sessions at once as the load but short: what that many need for good (buffers sized
-    # once, pools, caches) is in the base, and what the load's length adds on top must be given back.
-    await asyncio.gather(*(speak(stub, long_text(min(1000, cfg.memory_chars), seed=k), f"warm-{k}")
+    # The warm-up, as many sessions at once as the load but shorter: what that many need for good (buffers and
+    # batch shapes sized once, pools, caches) is in the base, and what the load's length adds must be given back.
+    await asyncio.gather(*(speak(stub, long_text(min(cfg.memory_warm_chars, cfg.memory_chars), seed=k), f"warm-{k}")
                            for k in range(cfg.memory_sessions)))
     await asyncio.sleep(cfg.memory_settle_s)
     warm = rss_by_kind(server.processes())
@@ -651,11 +653,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset to run")
     p.add_argument("--max-ahead", type=float, default=None, help="the server's --max-ahead (default: its own)")
     p.add_argument("--log", default=None, metavar="FILE", help="write the server's log here (default: discarded)")
+    p.add_argument("--memory-sessions", type=int, default=None, help="sessions at once in the memory scenario")
+    p.add_argument("--memory-chars", type=int, default=None, help="characters per session in the memory scenario")
     p.add_argument("server_args", nargs="*", help="more `cadenza serve` options, after --")
     args = p.parse_args(argv)
     cfg = SoakConfig.short() if args.short else SoakConfig()
     names = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
     cfg = dataclasses.replace(cfg, scenarios=names)
+    if args.memory_sessions is not None:
+        cfg = dataclasses.replace(cfg, memory_sessions=args.memory_sessions)
+    if args.memory_chars is not None:
+        cfg = dataclasses.replace(cfg, memory_chars=args.memory_chars)
     voice = str(TINY_VOICE) if args.tiny else args.voice
     server_args = ["--device", args.device, "--admission-wait", "0"]
     if voice:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from service.engine.memory import CORE_PROCESS_NAME, IdleTrim, malloc_trim, name_process, release_free_memory
+from service.engine.memory import CORE_PROCESS_NAME, IdleTrim, malloc_trim, name_process
 
 
 def test_trims_once_per_idle_period() -> None:
@@ -21,11 +21,10 @@ def test_trims_once_per_idle_period() -> None:
     assert idle.update(busy=False, now=10.0) and len(calls) == 2
 
 
-def test_trim_and_release_run_here() -> None:
+def test_malloc_trim_runs_here() -> None:
     blocks = [bytearray(64 << 10) for _ in range(200)]  # freed pages for malloc to give back
     del blocks[::2]
     assert isinstance(malloc_trim(), bool)
-    assert isinstance(release_free_memory(), bool)
 
 
 def test_name_process_names_the_calling_thread() -> None:
