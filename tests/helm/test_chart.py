@@ -356,6 +356,7 @@ def test_values_defaults_are_the_servers_own() -> None:
     assert (server["stepFrames"], server["maxStepRows"], server["stepFillRows"], server["slots"], server["decoder"]) \
         == (batch.step_frames, batch.max_step_rows, batch.step_fill_rows, batch.slots, batch.decoder)
     assert (server["maxAheadSeconds"], server["admissionWaitSeconds"]) == (batch.max_ahead_s, limits.admission_wait_s)
+    assert server["stallTimeoutSeconds"] == batch.stall_timeout_s
     assert server["compileAcoustic"] is batch.compile_acoustic
     assert (server["maxSessions"], server["maxTextChars"], server["maxMessageBytes"], server["idleTimeoutSeconds"]) \
         == (limits.max_sessions, limits.max_text_chars, limits.max_message_bytes, limits.idle_timeout_s)
