@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from service.backends.base import Backend, DevicePriorOut, EncodeOut
+from service.backends.base import Backend, DevicePriorOut, EncodeOut, guard_host
 from service.staged_decoder import StagedDecoder
 from service.telemetry.ranges import stage
 from service.text.frontend import PhonemizedSentence
@@ -493,7 +493,7 @@ class Synthesizer:
         decoder = self.staged_decoder(utt)
         bounds = self.schedule.boundaries(utt.frames, first_frames)
         for a, b in itertools.pairwise(bounds):
-            yield finite(decoder.audio(a * self.hop, b * self.hop)), "fp32", False
+            yield guard_host(decoder.audio(a * self.hop, b * self.hop)[None], "fp32").audio[0], "fp32", False
 
     def stream(self, text: str, params: SynthesisParams | None = None) -> Iterator[AudioChunk]:
         """Text -> audio chunks as soon as each is decoded."""
@@ -538,13 +538,6 @@ def utterance_rng(seed: int | None, phoneme_ids: list[int]) -> np.random.Generat
         return np.random.default_rng()
     digest = hashlib.blake2b(np.asarray(phoneme_ids, dtype=np.int64).tobytes(), digest_size=8).digest()
     return np.random.default_rng([seed, int.from_bytes(digest, "little")])
-
-
-def finite(audio: np.ndarray) -> np.ndarray:
-    """FP32 audio as sent: float32, non-finite samples zeroed (there is no FP32 to fall back to)."""
-    if not np.isfinite(audio).all():
-        audio = np.nan_to_num(audio, nan=0.0, posinf=0.0, neginf=0.0)
-    return audio.astype(np.float32, copy=False)
 
 
 def fp32_latent(backend: Backend, dec: UtteranceDecoder, lo: int, hi: int, sid: np.ndarray | None) -> np.ndarray:

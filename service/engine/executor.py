@@ -18,10 +18,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from service.backends.base import guard_host
 from service.engine.config import BatchConfig
 from service.engine.state import EngineStats, SessionState, UtteranceState, UtteranceStatus
 from service.models.family import StepRows, StreamingDecoder
-from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, finite, utterance_rng
+from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, utterance_rng
 from service.telemetry.ranges import stage
 from service.telemetry.timeline import Timeline
 
@@ -500,7 +501,9 @@ class Executor:
             u.bounds.insert(k + 1, b)  # the rest of the planned chunk comes next
         t0 = time.perf_counter()
         with self.timeline.timed("chunk", rows=1, frames=b - a):
-            samples = finite(u.staged.audio(a * hop, b * hop))
+            guarded = guard_host(u.staged.audio(a * hop, b * hop)[None], "fp32")
+        samples = guarded.audio[0]
+        self.stats.nonfinite_fp32 += int(guarded.nonfinite[0] > 0)  # zeroed: no FP32 to fall back to
         self.stats.step_seconds += time.perf_counter() - t0
         self.stats.steps += 1
         self.stats.rows += 1

@@ -613,3 +613,24 @@ def test_a_voice_loaded_after_warm_up_is_left_out_of_the_scans_too() -> None:
     gc.unfreeze()
     before, after, reported = asyncio.run(load_late())
     assert reported >= after > before > 0
+
+
+def test_staged_chunks_go_through_the_one_host_guard(staged_harness: EngineHarness,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staged (CPU, FP32) path guards its chunks like every other path: a non-finite sample
+    never leaves (it is zeroed: there is no FP32 to fall back to) and it is counted."""
+    from service.staged_decoder import StagedDecoder
+
+    real = StagedDecoder.audio
+
+    def poisoned(self: StagedDecoder, start: int, end: int) -> np.ndarray:
+        audio = real(self, start, end).copy()
+        audio[: min(3, len(audio))] = np.nan
+        return audio
+
+    monkeypatch.setattr(StagedDecoder, "audio", poisoned)
+    before = staged_harness.engine.host.core.stats.nonfinite_fp32
+    data, _, summary = staged_harness.run(staged_harness.engine.synthesize_all(_cfg(0), TEXT))
+    samples = _samples(data)
+    assert summary.audio_seconds > 0 and np.isfinite(samples).all()
+    assert staged_harness.engine.host.core.stats.nonfinite_fp32 > before
