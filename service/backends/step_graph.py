@@ -26,7 +26,7 @@ from torch import nn
 
 from service.backends.stage_export import export_dir_name, writable_cache_dir
 from service.models.vits.model import VitsModel
-from service.models.vits.streaming import StageShape, VitsStreamingDecoder, stage_shapes
+from service.models.vits.streaming import StageShape, VitsStreamingDecoder, run_stages, stage_shapes
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class DecoderStep(nn.Module):
     """One decoder step over explicit state. Inputs: z [B, C, F] (the step's prior frames),
     fed [B] and lengths [B] (latent frames already fed, and the utterance's length), sid [B]
     (multi-speaker voices only), state<s> [B, C_s, H_s]. Outputs: audio [B, F x hop] and
-    next_state<s>. Keep in step with `VitsStreamingDecoder._run` (tests compare them)."""
+    next_state<s>. The arithmetic is `run_stages`, the slot decoder's own."""
 
     def __init__(self, model: VitsModel) -> None:
         super().__init__()
@@ -62,21 +62,8 @@ class DecoderStep(nn.Module):
         model = self.model
         sid, states = (rest[0], rest[1:]) if self.multi_speaker else (None, rest)
         g = model.speaker_embedding(sid) if sid is not None else None
-        frames = z.shape[2]
-        x_new = z
-        new_states = []
-        for s, shape in enumerate(self.shapes):
-            x = torch.cat([states[s], x_new], dim=2)
-            new_states.append(x[:, :, x.shape[2] - shape.history :])
-            start_in = (fed - self.lag_before[s]) * shape.rate - shape.history
-            out_len = x.shape[2] * shape.factor
-            positions = (start_in * shape.factor).unsqueeze(1) + torch.arange(out_len, device=x.device)
-            valid = (positions >= 0) & (positions < (lengths * shape.rate * shape.factor).unsqueeze(1))
-            mask = valid.unsqueeze(1).to(x.dtype)
-            y = model.decoder_stage(s, x, g if model.uses_speaker(s) else None, mask)
-            keep = shape.context * shape.factor
-            x_new = y[:, :, keep : keep + frames * shape.rate * shape.factor]
-        return (x_new.squeeze(1), *new_states)
+        audio, new_states = run_stages(model, self.shapes, self.lag_before, z, fed, lengths, g, states)
+        return (audio, *new_states)
 
 
 def export_step(model: VitsModel, path: Path, opset: int = 17) -> Path:

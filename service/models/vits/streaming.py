@@ -253,25 +253,15 @@ class VitsStreamingDecoder:
     def _run(
         self, slots: torch.Tensor, z: torch.Tensor, fed: torch.Tensor, lengths: torch.Tensor, sids: torch.Tensor
     ) -> torch.Tensor:
-        """The step as plain tensor ops (what a CUDA graph captures)."""
+        """The step as plain tensor ops (what a CUDA graph captures): the rows' state gathered
+        from their slots, `run_stages`, the new state scattered back."""
         model = self.model
         g = model.speaker_embedding(sids) if self.multi_speaker else None
-        frames = z.shape[2]
-        x_new = z
-        for s, shape in enumerate(self.shapes):
-            hist = self.history[s]
-            x = torch.cat([hist.index_select(0, slots), x_new], dim=2)
-            hist.index_copy_(0, slots, x[:, :, x.shape[2] - shape.history :])
-            # Absolute position (at this stage's output rate) of the window's first output.
-            start_in = (fed - self._lag_before[s]) * shape.rate - shape.history
-            out_len = x.shape[2] * shape.factor
-            positions = (start_in * shape.factor).unsqueeze(1) + torch.arange(out_len, device=x.device)
-            valid = (positions >= 0) & (positions < (lengths * shape.rate * shape.factor).unsqueeze(1))
-            mask = valid.unsqueeze(1).to(x.dtype)
-            y = model.decoder_stage(s, x, g if model.uses_speaker(s) else None, mask)
-            keep = shape.context * shape.factor
-            x_new = y[:, :, keep : keep + frames * shape.rate * shape.factor]
-        return x_new.squeeze(1)
+        states = [hist.index_select(0, slots) for hist in self.history]
+        audio, new_states = run_stages(model, self.shapes, self._lag_before, z, fed, lengths, g, states)
+        for hist, state in zip(self.history, new_states, strict=True):
+            hist.index_copy_(0, slots, state)
+        return audio
 
     # --- CUDA graphs ---------------------------------------------------------------------------
 
@@ -327,3 +317,29 @@ class _CapturedStep:
     graph: torch.cuda.CUDAGraph
     ints: torch.Tensor  # [5 + frames, bucket]: see _int_rows
     out: torch.Tensor
+
+
+def run_stages(
+    model: VitsModel, shapes: Sequence[StageShape], lag_before: Sequence[int], z: torch.Tensor, fed: torch.Tensor,
+    lengths: torch.Tensor, g: torch.Tensor | None, states: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One decoder step over explicit state, the one copy of its arithmetic (the slot decoder
+    and the exported step graph both run it): prior frames z [B, C, F] through every stage, each
+    stage's input joined to its history `states[s]`, masked outside the utterance. Returns the
+    audio [B, F x hop] and each stage's next history."""
+    frames = z.shape[2]
+    x_new = z
+    new_states = []
+    for s, shape in enumerate(shapes):
+        x = torch.cat([states[s], x_new], dim=2)
+        new_states.append(x[:, :, x.shape[2] - shape.history :])
+        # Absolute position (at this stage's output rate) of the window's first output.
+        start_in = (fed - lag_before[s]) * shape.rate - shape.history
+        out_len = x.shape[2] * shape.factor
+        positions = (start_in * shape.factor).unsqueeze(1) + torch.arange(out_len, device=x.device)
+        valid = (positions >= 0) & (positions < (lengths * shape.rate * shape.factor).unsqueeze(1))
+        mask = valid.unsqueeze(1).to(x.dtype)
+        y = model.decoder_stage(s, x, g if model.uses_speaker(s) else None, mask)
+        keep = shape.context * shape.factor
+        x_new = y[:, :, keep : keep + frames * shape.rate * shape.factor]
+    return x_new.squeeze(1), new_states
