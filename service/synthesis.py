@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.backends.base import Backend, DevicePriorOut, EncodeOut, guard_host
-from service.staged_decoder import StagedDecoder
+from service.models.vits.staged import StagedDecoder
 from service.telemetry.ranges import stage
 from service.text.frontend import PhonemizedSentence
 from service.voices import Voice

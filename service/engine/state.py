@@ -17,7 +17,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from service.engine.cache import CachedUtterance
-    from service.staged_decoder import StagedDecoder
+    from service.models.vits.staged import StagedDecoder
     from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, Utterance
     from service.text.frontend import PhonemizedSentence
 

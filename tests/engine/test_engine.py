@@ -619,7 +619,7 @@ def test_staged_chunks_go_through_the_one_host_guard(staged_harness: EngineHarne
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The staged (CPU, FP32) path guards its chunks like every other path: a non-finite sample
     never leaves (it is zeroed: there is no FP32 to fall back to) and it is counted."""
-    from service.staged_decoder import StagedDecoder
+    from service.models.vits.staged import StagedDecoder
 
     real = StagedDecoder.audio
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from service.backends.torch_backend import TorchBackend
-from service.staged_decoder import StagedDecoder
+from service.models.vits.staged import StagedDecoder
 from service.voices import Voice, VoiceInfo, builtin_voice_info
 
 
