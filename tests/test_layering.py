@@ -14,7 +14,7 @@ LAYERS = {
     "tools": 6,
     "api": 5,
     "engine": 4,
-    "synthesis": 3, "staged_decoder": 3, "backends": 3,
+    "synthesis": 3, "backends": 3,
     "models": 1, "text": 1, "voices": 1, "audio": 1, "telemetry": 1,
     "kernels": 0,
 }
@@ -60,4 +60,18 @@ def test_imports_flow_one_way() -> None:
             elif LAYERS[target] > LAYERS[source]:
                 wrong.append(f"{path.relative_to(ROOT)} ({source}) imports {name} ({target})")
     assert not unknown, f"modules in no layer: {sorted(map(str, unknown))}; add them to LAYERS"
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_engine_and_the_api_see_models_only_through_the_family_contract() -> None:
+    """service/engine and service/api import nothing of a model family's own (service.models.vits):
+    what they need of a model is in service.models.family."""
+    wrong = []
+    for package in ("engine", "api"):
+        for path in ROOT.joinpath("service", package).rglob("*.py"):
+            if "gen" in path.relative_to(ROOT).parts:
+                continue
+            for name in _imports(path):
+                if name.startswith("service.models.") and name != "service.models.family":
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not wrong, "\n".join(wrong)

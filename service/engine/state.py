@@ -17,7 +17,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from service.engine.cache import CachedUtterance
-    from service.models.vits.staged import StagedDecoder
+    from service.models.family import UtteranceDecoder
     from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, Utterance
     from service.text.frontend import PhonemizedSentence
 
@@ -132,7 +132,7 @@ class UtteranceState:
     slot: int | None = None
     fed: int = 0
     # Staged decoding (CPU): the utterance's staged decoder and its chunk boundaries.
-    staged: StagedDecoder | None = None
+    staged: UtteranceDecoder | None = None
     bounds: list[int] = field(default_factory=list)
     samples_done: int = 0  # audio samples delivered
 

@@ -87,3 +87,12 @@ class StreamingDecoder(Protocol):
         [B, frames x hop] covering positions (fed - lag) x hop onwards, on the device
         (a torch tensor for the torch backend); positions outside the utterance are 0."""
         ...
+
+
+class UtteranceDecoder(Protocol):
+    """One utterance decoded alone, chunk by chunk, in order (the staged decoding of a CPU
+    backend: each stage's output kept between chunks)."""
+
+    def audio(self, start: int, end: int) -> np.ndarray:
+        """Audio samples [start, end), float32; `start` is where the previous chunk ended."""
+        ...
