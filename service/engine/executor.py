@@ -177,7 +177,6 @@ class Executor:
         fast run overstates what the engine carries; and measured while serving, the figure would
         follow whatever else the host is doing, and admission with it."""
         if self.staged_rate is None and not self._slots:
-            self.sample_rate()
             self.staged_rate = self._warm_rate() or None
 
     def _warm_rate(self) -> float:
