@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -30,3 +31,26 @@ def start_serve(*args: str, stderr: int | IO[str] = subprocess.STDOUT,
     server.kill()
     server.wait()
     raise AssertionError("cadenza serve printed no port:\n" + "".join(lines))
+
+
+def stop_process(process: subprocess.Popen[str], timeout: float = 30) -> None:
+    """SIGTERM (the server drains and exits), then SIGKILL if it is still there after `timeout`."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def json_lines(text: str) -> list[dict[str, object]]:
+    """Every line of a `--log-format json` log as a record (the test fails at a line that is not one)."""
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            raise AssertionError(f"not a JSON line: {line!r}\n{text}") from None
+        assert isinstance(records[-1], dict), line
+    return records

@@ -3,7 +3,6 @@ clock whenever the client reads, however much larger one chunk is than `--max-ah
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import grpc
 
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
-from tests.serve_process import start_serve
+from tests.serve_process import start_serve, stop_process
 
 CORPUS = Path(__file__).resolve().parents[2] / "service" / "data" / "corpus_cpu.txt"
 
@@ -36,8 +35,4 @@ def test_long_text_fast_reader_completes() -> None:
         assert abs(summary.audio_seconds - audio_s) < 1e-3 and audio_s > 600
         print(f"{len(text)} characters, {audio_s:.0f} s of audio in {time.monotonic() - start:.0f} s")
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process(server)

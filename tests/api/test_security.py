@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import json
 import logging
 import signal
 import threading
@@ -32,7 +31,7 @@ from service.api.server import CadenzaServer, ServerConfig, is_loopback
 from service.cli import build_parser, main
 from service.engine.config import BatchConfig, EngineConfig, Limits
 from tests.api.native_server import ServerThread
-from tests.serve_process import start_serve
+from tests.serve_process import json_lines, start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
@@ -320,12 +319,7 @@ def test_json_log_is_json_on_every_stderr_line_with_tls(pki: Pki, keys_file: Pat
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=30)
     text = log.read_text()
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            raise AssertionError(f"not JSON: {line!r}\n{text}") from None
+    records = json_lines(text)
     assert any("Handshake failed" in r["message"] and r["logger"] == "stderr" for r in records), text
     (refused,) = [r for r in records if r.get("status") == "UNAUTHENTICATED"]
     assert refused["message"] == "cadenza.v1.TextToSpeech/StreamingSynthesize failed: UNAUTHENTICATED: unknown API key"

@@ -14,7 +14,7 @@ import pytest
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
 from tests.api.compat_server import DATA
-from tests.serve_process import start_serve
+from tests.serve_process import start_serve, stop_process
 
 STALL_S = 8.0
 TEXT = "A client that never reads keeps this sentence waiting in its window. " * 200
@@ -53,8 +53,7 @@ def server() -> Iterator[tuple[int, list[tuple[float, str]]]]:
 
     threading.Thread(target=read, daemon=True).start()
     yield port, lines
-    proc.terminate()
-    proc.wait(30)
+    stop_process(proc)
 
 
 def _never_read(port: int, n: int) -> list[tuple[grpc.Channel, object]]:

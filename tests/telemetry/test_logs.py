@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.api.client import connect, stream
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.telemetry.logs import JsonFormatter, TextFormatter, one_line
-from tests.serve_process import start_serve
+from tests.serve_process import json_lines, start_serve, stop_process
 from tests.telemetry.conftest import DATA, TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,14 +30,6 @@ FORGED = "2026-01-01 00:00:00,000 CRITICAL service.api.server: FORGED LINE"
 SERVE = ("--voices", str(DATA), "--voice", "tiny-multi", "--backend", "torch", "--device", "cpu", "--threads", "1")
 
 
-def _stop(server: subprocess.Popen[str]) -> None:
-    if server.poll() is None:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 @contextmanager
@@ -52,18 +44,7 @@ def serving(log: Path, *args: str) -> Iterator[int]:
         try:
             yield port
         finally:
-            _stop(server)
-
-
-def _json_lines(text: str) -> list[dict[str, object]]:
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            raise AssertionError(f"not a JSON line: {line!r}\n{text}") from None
-        assert isinstance(records[-1], dict), line
-    return records
+            stop_process(server)
 
 
 # --- formatters ---------------------------------------------------------------------------------------
@@ -128,7 +109,7 @@ def test_json_stderr_relay_makes_every_line_json_and_outlives_a_crash() -> None:
     done = subprocess.run([sys.executable, "-c", _CRASHING], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == -signal.SIGKILL
-    records = _json_lines(done.stderr)
+    records = json_lines(done.stderr)
     by_message = {str(r["message"]): r for r in records}
     assert by_message["a record"]["logger"] == "service.test"
     (warning,) = [r for r in records if r["logger"] == "py.warnings"]
@@ -159,7 +140,7 @@ def test_client_fields_cannot_forge_a_log_line(tmp_path: Path, log_format: str) 
     assert "FORGED LINE" in text  # the fields were logged, escaped
     assert not any(line.startswith(FORGED) for line in text.splitlines()), text
     if log_format == "json":
-        records = _json_lines(text)
+        records = json_lines(text)
         (end,) = [r for r in records if str(r.get("request_id", "")).startswith("req")]
         assert end["request_id"] == f"req\\n{FORGED}"
     else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -18,7 +17,7 @@ import pytest
 
 from service.api.client import connect, stream
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
-from tests.serve_process import start_serve
+from tests.serve_process import start_serve, stop_process
 from tests.telemetry.conftest import DATA, TIMEOUT_S, HeldStream
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,14 +33,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture
@@ -58,7 +49,7 @@ def serve(tmp_path: Path) -> Iterator[tuple[int, int]]:
     try:
         yield port, metrics_port
     finally:
-        _stop(server)
+        stop_process(server)
         log.close()
 
 
@@ -90,7 +81,7 @@ def prometheus(tmp_path: Path, serve: tuple[int, int]) -> Iterator[str]:
             time.sleep(0.2)
         yield url
     finally:
-        _stop(process)
+        stop_process(process)
         log.close()
 
 
