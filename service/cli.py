@@ -240,7 +240,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
         core="thread",  # ... nor a process for the core (no event loop to share a GIL with)
     )
     session = SessionConfig(
-        speaker=args.speaker, seed=args.seed, noise_scale=args.noise_scale, noise_w=args.noise_w,
+        speaker=args.speaker, seed=args.seed, options=dict(args.option) or None,
         speaking_rate=info.length_scale / args.length_scale if args.length_scale else 1.0,
         encoding=AudioEncoding.FLOAT32, word_timings=True,
     )
@@ -277,13 +277,25 @@ def _cmd_say(args: argparse.Namespace) -> int:
     return 0
 
 
+def _option(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    try:
+        if not sep or not name:
+            raise ValueError
+        return name.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=VALUE with a number, e.g. noise_scale=0.3") from None
+
+
 def _cmd_voices_list(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from service.voices import list_voices
 
     for v in list_voices(Path(args.voices_dir) if args.voices_dir else None):
-        print(f"{v.name}\t{v.language}\t{v.sample_rate} Hz\t{v.num_speakers} speaker(s)\t{v.onnx_path}")
+        options = " ".join(f"{o.name}={o.default:g}" for o in v.options)
+        print(f"{v.name}\t{v.family}\t{v.language}\t{v.sample_rate} Hz\t{v.num_speakers} speaker(s)\t"
+              f"options: {options or 'none'}\t{v.model_path}")
     return 0
 
 
@@ -299,7 +311,7 @@ def _cmd_bench_cpu(args: argparse.Namespace) -> int:
     from service.tools.bench_cpu import run_cpu_bench
 
     return run_cpu_bench(Path(args.corpus) if args.corpus else None, args.threads, args.repeats, args.backend,
-                         args.settle_ms / 1000, args.whole, args.stat)
+                         args.settle_ms / 1000, args.stat)
 
 
 def _serve_precheck(args: argparse.Namespace) -> None:
@@ -631,10 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="noise seed: the same seed gives the same audio (default: random)")
     say.add_argument("--length-scale", type=float, default=None,
                      help="> 1 speaks slower, < 1 faster (default: the voice's own)")
-    say.add_argument("--noise-scale", type=float, default=None,
-                     help="noise of the voice's sound, 0..2 (default: the voice's own)")
-    say.add_argument("--noise-w", type=float, default=None,
-                     help="noise of the phoneme durations, 0..2 (default: the voice's own)")
+    say.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", type=_option,
+                     help="an option of the voice's model family, e.g. noise_scale=0.3 for a Piper voice "
+                          "(`cadenza voices list` shows each voice's); repeat for several")
     say.add_argument("--stream", action="store_true", help="print the time to first audio")
     say.add_argument("--words", action="store_true", help="print word timings")
     _add_voice_args(say, device="cpu", backend=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "backend"))
@@ -694,8 +705,6 @@ def build_parser() -> argparse.ArgumentParser:
     bcpu.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per text and engine")
     bcpu.add_argument("--settle-ms", type=float, default=100.0,
                       help="idle pause before every timed run, so no run inherits another's spinning threads")
-    bcpu.add_argument("--whole", action="store_true",
-                      help="also time Cadenza without streaming (whole utterances): the cost of streaming")
     bcpu.add_argument("--stat", choices=("median", "min"), default="median",
                       help="summarise each text's repeats by their median or their fastest run")
     bcpu.add_argument("--backend", choices=BACKENDS, default="onnxruntime", help="Cadenza's backend")
@@ -714,10 +723,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="inference backend; auto: onnxruntime on CPU, torch on CUDA")
     bstr.add_argument("--streams", default="1,4", help="comma-separated session counts")
     bstr.add_argument("--precisions", default="fp32", help="comma-separated: auto, fp16, fp32")
-    bstr.add_argument("--growth", type=float, default=ConfigDefault("service.synthesis:ChunkSchedule", "growth"),
+    bstr.add_argument("--growth", type=float, default=ConfigDefault("service.models.family:ChunkSchedule", "growth"),
                       help="chunk growth factor")
     bstr.add_argument("--first-frames", type=_positive_int,
-                      default=ConfigDefault("service.synthesis:ChunkSchedule", "first_frames"),
+                      default=ConfigDefault("service.models.family:ChunkSchedule", "first_frames"),
                       help="first chunk in latent frames")
     _add_profile_arg(bstr)
     _add_batch_args(bstr)

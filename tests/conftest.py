@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from service.synthesis import Synthesizer
+    from service.models.family import VoiceRuntime
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,7 +40,11 @@ def onnx_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def builtin_ort(onnx_cache_dir: str) -> Synthesizer:
-    from service.synthesis import open_synthesizer
+def builtin_ort(onnx_cache_dir: str) -> VoiceRuntime:
+    """The built-in voice on ONNX Runtime (the CPU default), loaded once."""
+    from pathlib import Path
 
-    return open_synthesizer(None, backend="onnxruntime", cache_dir=onnx_cache_dir)
+    from service.models.registry import open_voice
+    from service.voices import builtin_voice_info
+
+    return open_voice(builtin_voice_info(), "onnxruntime", "cpu", cache_dir=Path(onnx_cache_dir))

@@ -65,8 +65,7 @@ def session_config(msg: pb.SessionConfig) -> SessionConfig:
         encoding=_ENCODINGS[msg.encoding],
         sample_rate=msg.sample_rate_hz or None,
         speaking_rate=rate,
-        noise_scale=msg.noise_scale if msg.HasField("noise_scale") else None,
-        noise_w=msg.noise_w if msg.HasField("noise_w") else None,
+        options=dict(msg.options) or None,
         seed=msg.seed if msg.HasField("seed") else None,
         precision=_PRECISIONS[msg.precision],
         first_chunk_frames=msg.first_chunk_frames or None,
@@ -187,7 +186,9 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
     ) -> pb.ListVoicesResponse:
         return pb.ListVoicesResponse(voices=[
             pb.Voice(name=v.name, language=v.language, sample_rate_hz=v.sample_rate, loaded=v.loaded,
-                     speakers=[pb.Speaker(id=s.id, name=s.name) for s in v.speakers])
+                     speakers=[pb.Speaker(id=s.id, name=s.name) for s in v.speakers], family=v.family,
+                     options=[pb.VoiceOption(name=o.name, default_value=o.default, min_value=o.low,
+                                             max_value=o.high, description=o.help) for o in v.options])
             for v in self.engine.voices()
         ])
 

@@ -4,17 +4,17 @@ The default on CPU (faster than eager PyTorch there)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from service.backends.base import Capabilities, EncodeOut, VocodeOut, guard_host
+from service.backends.base import Capabilities, EncodeOut, VocodeOut
 from service.backends.stage_export import cached_stage_exports, decoder_stage_names, default_cache_dir
+from service.models.family import guard_host
 from service.models.vits.receptive_field import decoder_stage_table
-from service.voices import Voice
+from service.models.vits.voice import Voice
 
 # Staged-decoder calls are cut in time into pieces of at least this many input frames
 # (flow) or samples (generator), at most one per CPU lane, each run by a one-thread
@@ -74,7 +74,7 @@ class OrtBackend:
             )
         self.device = device
         self.voice = voice
-        paths = cached_stage_exports(voice.model, voice.info.onnx_path, cache_dir or default_cache_dir())
+        paths = cached_stage_exports(voice.model, voice.info.model_path, cache_dir or default_cache_dir())
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
@@ -166,10 +166,8 @@ class OrtBackend:
                                     "sid": self._sid(sid, z_p.shape[0])})
         return z
 
-    def vocode(
-        self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32",
-        sessions: Sequence[int] | None = None,
-    ) -> VocodeOut:
+    def vocode(self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> VocodeOut:
         (audio,) = self._run("audio", {"z": np.ascontiguousarray(z, dtype=np.float32),
                                        "sid": self._sid(sid, z.shape[0])})
-        return guard_host(audio, "fp32")
+        guarded = guard_host(audio)
+        return VocodeOut(guarded.audio, guarded.nonfinite, "fp32")

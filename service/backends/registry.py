@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from service.backends.base import Backend
-    from service.voices import Voice
+    from service.models.vits.voice import Voice
 
 _BACKENDS: dict[str, str] = {
     "torch": "service.backends.torch_backend:TorchBackend",

@@ -26,31 +26,11 @@ from service.models.vits.model import VitsModel
 from service.models.vits.precision import VITS_FP32_PINS, to_mixed_precision
 from service.models.vits.receptive_field import decoder_stage_table
 from service.models.vits.streaming import VitsStreamingDecoder, stage_shapes
-from service.voices import Voice
+from service.models.vits.voice import Voice
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-
-
-class StreamPool:
-    """A bounded set of CUDA streams handed out by session key (round-robin on
-    first sight), so sessions keep their stream and the pool never grows."""
-
-    def __init__(self, device: torch.device, size: int) -> None:
-        self.streams = [torch.cuda.Stream(device=device) for _ in range(max(1, size))]
-        self._by_key: dict[int, torch.cuda.Stream] = {}
-        self._next = 0
-
-    def for_session(self, key: int) -> torch.cuda.Stream:
-        stream = self._by_key.get(key)
-        if stream is None:
-            stream = self.streams[self._next % len(self.streams)]
-            self._next += 1
-            if len(self._by_key) > 4 * len(self.streams):
-                self._by_key.clear()  # forget departed sessions; streams are reused anyway
-            self._by_key[key] = stream
-        return stream
 
 
 class TorchBackend:
@@ -62,7 +42,6 @@ class TorchBackend:
         device: str = "cpu",
         threads: int | None = None,
         pins: Sequence[str] = VITS_FP32_PINS,
-        stream_pool_size: int = 8,
         compile_acoustic: bool = False,
     ) -> None:
         """`compile_acoustic`: on CUDA, run the acoustic stage's graphs through `torch.compile`
@@ -76,7 +55,6 @@ class TorchBackend:
         self.voice = voice
         self.pins = self.fp32_pins = tuple(pins)
         self.models: dict[str, VitsModel] = {"fp32": voice.model.to(self._device).eval()}
-        self._streams = StreamPool(self._device, stream_pool_size) if self._device.type == "cuda" else None
         self._encoder_graphs = None
         # The acoustic stage runs on a stream of its own, so it neither waits behind the decoder
         # steps queued on the engine's stream nor holds them up: the device runs both at once.
@@ -241,59 +219,10 @@ class TorchBackend:
         return y.float().cpu().numpy()
 
     @torch.inference_mode()
-    def vocode(
-        self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32",
-        sessions: Sequence[int] | None = None,
-    ) -> VocodeOut:
-        """Vocode a batch; `sessions` (one key per row) picks each row's CUDA stream."""
+    def vocode(self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> VocodeOut:
+        """Vocode a batch whole (the reference decode), guarded on the host."""
         model = self.model_for(precision)
-        audio = model.vocode(self._input(z, precision), self._sid(sid))
-        if self._streams is None:
-            return _to_host(audio, precision)
-        return self._guard_on_session_streams(audio, precision, sessions)
-
-    def _guard_on_session_streams(
-        self, audio: torch.Tensor, precision: str, sessions: Sequence[int] | None
-    ) -> VocodeOut:
-        """Guard + device-to-host copy of each row on its session's stream. Rows
-        that share a stream are handled together (one kernel launch per stream,
-        not per row), after an event marks the batch done on the engine stream."""
-        assert self._streams is not None
-        done = torch.cuda.Event()
-        done.record()  # the batch, on the engine's (current) stream
-        keys = list(sessions) if sessions is not None else list(range(audio.shape[0]))
-        groups: dict[torch.cuda.Stream, list[int]] = {}
-        for row, key in enumerate(keys):
-            groups.setdefault(self._streams.for_session(key), []).append(row)
-        pending = []
-        for stream, rows in groups.items():
-            stream.wait_event(done)
-            with torch.cuda.stream(stream):
-                audio.record_stream(stream)
-                index = torch.tensor(rows, device=audio.device)
-                part = audio.index_select(0, index)
-                result = guard(part)
-                host = torch.empty(part.shape, dtype=torch.float32, pin_memory=True)
-                host.copy_(part.float(), non_blocking=True)
-                counts = torch.empty(len(rows), dtype=torch.int32, pin_memory=True)
-                counts.copy_(result.nonfinite, non_blocking=True)
-                peaks = torch.empty(len(rows), dtype=torch.float32, pin_memory=True)
-                peaks.copy_(result.peak, non_blocking=True)
-                finished = torch.cuda.Event()
-                finished.record(stream)
-            pending.append((rows, host, counts, peaks, finished))
-        out_audio = np.empty((audio.shape[0], audio.shape[1]), dtype=np.float32)
-        nonfinite = np.zeros(audio.shape[0], dtype=np.int64)
-        peak = np.zeros(audio.shape[0], dtype=np.float32)
-        for rows, host, counts, peaks, finished in pending:
-            finished.synchronize()
-            out_audio[rows] = host.numpy()
-            nonfinite[rows] = counts.numpy()
-            peak[rows] = peaks.numpy()
-        bad = nonfinite > 0
-        if bad.any():
-            out_audio[bad] = np.nan_to_num(out_audio[bad], nan=0.0, posinf=0.0, neginf=0.0)
-        return VocodeOut(audio=out_audio, nonfinite=nonfinite, peak=peak, precision=precision)
+        return _to_host(model.vocode(self._input(z, precision), self._sid(sid)), precision)
 
 
 def _keep_compiled_kernels() -> None:
@@ -588,7 +517,5 @@ def _to_host(audio: torch.Tensor, precision: str) -> VocodeOut:
     """CPU path: the torch reference guard, non-finite samples zeroed."""
     result = guard(audio)
     clean = torch.nan_to_num(audio.float(), nan=0.0, posinf=0.0, neginf=0.0)
-    return VocodeOut(
-        audio=clean.cpu().numpy(), nonfinite=result.nonfinite.cpu().numpy().astype(np.int64),
-        peak=result.peak.cpu().numpy(), precision=precision,
-    )
+    return VocodeOut(audio=clean.cpu().numpy(), nonfinite=result.nonfinite.cpu().numpy().astype(np.int64),
+                     precision=precision)

@@ -27,7 +27,7 @@ from service.backends.stage_export import default_cache_dir
 from service.backends.step_graph import GraphStepDecoder, cached_step_export, is_pinned
 from service.backends.torch_backend import TorchBackend
 from service.models.vits.precision import VITS_FP32_PINS
-from service.voices import Voice
+from service.models.vits.voice import Voice
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class TensorRTBackend(TorchBackend):
             )
         self.trt = _import_trt()
         # Exported before the torch backend moves the model to the GPU.
-        self._step_onnx = cached_step_export(voice.model, voice.info.onnx_path, cache_dir or default_cache_dir())
+        self._step_onnx = cached_step_export(voice.model, voice.info.model_path, cache_dir or default_cache_dir())
         super().__init__(voice, device, threads, pins, **options)
         self.fp32_pins = self.pins
         self._logger = self.trt.Logger(self.trt.Logger.WARNING)
@@ -257,13 +257,12 @@ class TensorRTBackend(TorchBackend):
     def flow(self, z_p: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> np.ndarray:
         return super().flow(z_p, sid, self._reference(precision))
 
-    def vocode(self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32",
-               sessions: Sequence[int] | None = None) -> Any:
-        return super().vocode(z, sid, self._reference(precision), sessions)
+    def vocode(self, z: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> Any:
+        return super().vocode(z, sid, self._reference(precision))
 
     def _reference(self, precision: str) -> str:
-        """Windowed decodes are the torch FP32 reference: FP16 runs only in the engines."""
+        """Whole-utterance decodes are the torch FP32 reference: FP16 runs only in the engines."""
         if precision != "fp32":
             raise ValueError(f"the tensorrt backend decodes {precision} in its streaming decoder's engines only; "
-                             "windowed decodes run the FP32 reference (use --backend torch for the windowed path)")
+                             "its reference decode is FP32")
         return precision

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.audio.encoding import AudioEncoding
-from service.synthesis import WordTiming
+from service.models.family import WordTiming
 
 __all__ = [
     "MAX_ECHO_CHARS",
@@ -79,8 +79,7 @@ class SessionConfig:
     encoding: AudioEncoding = AudioEncoding.LINEAR16
     sample_rate: int | None = None  # output rate, 8000..48000; None = the voice's rate
     speaking_rate: float = 1.0  # length_scale = voice default / rate; 0.25..4.0
-    noise_scale: float | None = None
-    noise_w: float | None = None
+    options: Mapping[str, float] | None = None  # the voice's model-family options by name (VoiceDescription.options)
     seed: int | None = None  # given: reproducible audio (and cacheable); None: random
     precision: Precision = Precision.AUTO
     first_chunk_frames: int | None = None  # latent frames in an utterance's first chunk
@@ -191,6 +190,19 @@ class VoiceDescription:
     sample_rate: int
     speakers: list[SpeakerInfo]
     loaded: bool  # weights in memory now (first session on an unloaded voice pays the load)
+    family: str = ""  # its model family ("vits")
+    options: list[VoiceOption] = field(default_factory=list)  # what SessionConfig.options may set
+
+
+@dataclass(frozen=True)
+class VoiceOption:
+    """A model-family option a session may set, with its range and the voice's default."""
+
+    name: str
+    default: float
+    low: float
+    high: float
+    help: str
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.engine.precision import PrecisionPolicyConfig
-from service.synthesis import ChunkSchedule
+from service.models.family import ChunkSchedule
 from service.text.frontend_pool import FrontendPoolConfig
 from service.text.segment import SegmenterConfig
 
@@ -110,6 +110,9 @@ class EngineConfig:
     # Read-only prebuilt exports (the image's) are looked up first; an unwritable dir falls back to
     # a temporary one with a warning.
     cache_dir: Path | None = None
+    # Module patterns kept in FP32 when running FP16; None = the family's declared pins (the
+    # precision tools try others through the served path).
+    fp32_pins: tuple[str, ...] | None = None
     # Record the core's busy periods with torch.profiler into this directory (a Chrome trace and a
     # summary per period, see telemetry/ranges.py); None = off.
     profile_dir: Path | None = None

@@ -28,6 +28,7 @@ from service.engine.config import BatchConfig
 from service.engine.executor import Chunk, Executor
 from service.engine.output import OutputStage
 from service.engine.scheduler import AcousticCost, Scheduler
+from service.engine.shadow import ShadowVerifier
 from service.engine.state import (
     EngineStats,
     SessionState,
@@ -35,7 +36,6 @@ from service.engine.state import (
     UtteranceState,
     WorkSpec,
 )
-from service.synthesis import ShadowSampler
 from service.telemetry import Telemetry
 from service.telemetry.ranges import BusyProfiler, stage
 from service.telemetry.timeline import Timeline
@@ -57,14 +57,15 @@ class EngineCore:
 
     def __init__(
         self, batch: BatchConfig, cache: ResultCache, on_trip: Callable[[str], None] | None = None,
-        shadow: ShadowSampler | None = None, frontend: FrontendPoolConfig | None = None,
+        shadow: ShadowVerifier | None = None, frontend: FrontendPoolConfig | None = None,
         telemetry: Telemetry | None = None, profile_dir: Path | None = None, timeline: Timeline | None = None,
     ) -> None:
         self.batch = batch
         self.profiler = BusyProfiler(profile_dir) if profile_dir is not None else None
         self.telemetry = telemetry or Telemetry()
         self.shadow = shadow
-        self._shadow_run = getattr(shadow, "run_pending", None)  # FP32 reruns, on this thread between steps
+        # FP32 reruns, on this thread between steps
+        self._shadow_run = shadow.run_pending if shadow is not None else None
         self.frontend_config = frontend or FrontendPoolConfig()
         self.stats = EngineStats()
         self.scheduler = Scheduler(batch)
@@ -125,7 +126,7 @@ class EngineCore:
             spec = self._specs.get(session_id)
         if spec is None:
             return
-        future = self._frontend.submit(spec.runtime.voice.info.config_path, text, spec.custom_dictionary,
+        future = self._frontend.submit(spec.runtime.info.frontend_key, text, spec.custom_dictionary,
                                        priority=seq, words=spec.word_timings)
         sent = time.monotonic()
         future.add_done_callback(lambda f: self._phonemized(session_id, seq, text, sent, f))

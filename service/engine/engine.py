@@ -31,6 +31,7 @@ from service.engine.api import (
     SpeakerInfo,
     Unavailable,
     VoiceDescription,
+    VoiceOption,
     WordTiming,
     check_text,
     echo,
@@ -41,10 +42,10 @@ from service.engine.precision import Hardware, PrecisionDecision, PrecisionPolic
 from service.engine.proc import SOLE_SERVER, ApiSlot, ProcessHost
 from service.engine.session import EngineSession, SessionSetup
 from service.engine.state import SessionRequest
-from service.synthesis import ChunkSchedule, SynthesisParams
+from service.models.family import ChunkSchedule, SynthesisParams, VoiceInfo, VoiceNotFoundError
 from service.telemetry import Telemetry
 from service.telemetry.timeline import LOOP_LAG_PERIOD_S, LOOP_LAG_RECORDED_S, Timeline
-from service.voices import Voice, VoiceInfo, VoiceNotFoundError, list_voices
+from service.voices import list_voices
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ class TtsEngine:
         self.slot = slot
         # With the core in its own process, "auto" is resolved there and reported with the voices
         # it loads (`start`), so this process never imports torch for it.
-        self.device, self.backend_name = ((config.device, config.backend) if config.core == "process"
-                                          else resolve_device(config.device, config.backend))
+        self.device = config.device if config.core == "process" else resolve_device(config.device)
+        self.backend_name = config.backend
         self.telemetry = telemetry or Telemetry()
         self.timeline = Timeline(config.timeline_dir, "api")
         self.core_mode = config.core
@@ -151,7 +152,7 @@ class TtsEngine:
             )
         preload = self._preloaded()
         frontend = dataclasses.replace(self.config.frontend, preload=(
-            *self.config.frontend.preload, *(str(v.config_path) for v in preload)))
+            *self.config.frontend.preload, *(v.frontend_key for v in preload)))
         self._loaded = self.host.start(frontend, preload)
         for name in self._loaded:
             self.telemetry.voice_loaded(name)
@@ -263,7 +264,9 @@ class TtsEngine:
         for v in ordered:
             names = {i: n for n, i in v.speaker_id_map.items()}
             speakers = [SpeakerInfo(i, names.get(i, "")) for i in range(v.num_speakers)] if v.num_speakers > 1 else []
-            out.append(VoiceDescription(v.name, v.language, v.sample_rate, speakers, v.name in self._loaded))
+            options = [VoiceOption(o.name, o.default, o.low, o.high, o.help) for o in v.options]
+            out.append(VoiceDescription(v.name, v.language, v.sample_rate, speakers, v.name in self._loaded,
+                                        v.family, options))
         return out
 
     def server_info(self) -> ServerInfo:
@@ -417,7 +420,7 @@ class TtsEngine:
                 raise NotFound(f"config.speaker: voice {info.name} has no speaker {echo(speaker)}; speakers are "
                                f"named ({known}) or numbered 0..{max(info.num_speakers - 1, 0)} in ASCII digits")
         try:
-            return Voice(info).speaker_index(speaker)
+            return info.speaker_index(speaker)
         except VoiceNotFoundError as exc:
             raise NotFound(str(exc)) from exc
 
@@ -432,9 +435,10 @@ class TtsEngine:
         if not (math.isfinite(rate) and MIN_SPEAKING_RATE <= rate <= MAX_SPEAKING_RATE):
             raise InvalidArgument("config.speaking_rate",
                                   f"{rate} is outside {MIN_SPEAKING_RATE}..{MAX_SPEAKING_RATE} (1.0 = normal)")
-        for name, value in (("noise_scale", c.noise_scale), ("noise_w", c.noise_w)):
-            if value is not None and not (math.isfinite(value) and 0.0 <= value <= 2.0):
-                raise InvalidArgument(f"config.{name}", f"{value} is outside 0..2 (unset = the voice's default)")
+        try:
+            options = info.resolve_options(c.options or {})
+        except ValueError as exc:
+            raise InvalidArgument("config.options", str(exc)) from exc
         if c.seed is not None and not 0 <= c.seed < 2**64:
             raise InvalidArgument("config.seed", f"{c.seed} is outside 0..2^64-1")
         base = self.config.schedule
@@ -448,7 +452,7 @@ class TtsEngine:
         self._check_dictionary(c.custom_dictionary or {})
         schedule = dataclasses.replace(base, first_frames=first, max_frames=largest)
         params = SynthesisParams(
-            length_scale=info.length_scale / rate, noise_scale=c.noise_scale, noise_w=c.noise_w, seed=c.seed,
+            length_scale=info.length_scale / rate, options=options, seed=c.seed,
         )
         return params, schedule
 

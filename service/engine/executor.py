@@ -18,11 +18,19 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from service.backends.base import guard_host
+from service.engine.cache import CachedUtterance
 from service.engine.config import BatchConfig
+from service.engine.shadow import ShadowVerifier
 from service.engine.state import EngineStats, SessionState, UtteranceState, UtteranceStatus
-from service.models.family import StepRows, StreamingDecoder
-from service.synthesis import AcousticJob, ShadowSampler, Synthesizer, utterance_rng
+from service.models.family import (
+    AcousticJob,
+    PendingAudio,
+    StepRows,
+    StreamingDecoder,
+    VoiceRuntime,
+    guard_host,
+    utterance_rng,
+)
 from service.telemetry.ranges import stage
 from service.telemetry.timeline import Timeline
 
@@ -53,7 +61,7 @@ class _InFlight:
     precision: str
     frames: int
     fed: list[int]  # each row's frames fed before this step
-    pending: Any  # backend handle: .result() -> HostAudio
+    pending: PendingAudio
     t0: float
 
 
@@ -74,7 +82,7 @@ class _Slots:
 
 class Executor:
     def __init__(
-        self, config: BatchConfig, stats: EngineStats, shadow: ShadowSampler | None = None,
+        self, config: BatchConfig, stats: EngineStats, shadow: ShadowVerifier | None = None,
         on_trip: Callable[[str], None] | None = None, timeline: Timeline | None = None,
     ) -> None:
         self.config = config
@@ -91,33 +99,32 @@ class Executor:
 
     # --- mode ------------------------------------------------------------------------------------
 
-    def uses_slots(self, runtime: Synthesizer) -> bool:
+    def uses_slots(self, runtime: VoiceRuntime) -> bool:
         if self.config.decoder == "staged":
             return False
-        has = runtime.backend.capabilities.slot_decoder
+        has = runtime.capabilities.slot_decoder
         if self.config.decoder == "slots" and not has:
-            raise ValueError(f"the {runtime.backend.name} backend has no slot decoder; use --decoder staged")
+            raise ValueError(f"the {runtime.backend_name} backend has no slot decoder; use --decoder staged")
         return has
 
-    def fill_rows(self, runtime: Synthesizer) -> int:
+    def fill_rows(self, runtime: VoiceRuntime) -> int:
         """Rows a step that runs anyway is filled up to (`BatchConfig.step_fill_rows`): where a
         step runs on a device whose small batches cost about the same (CUDA), not where each
         row costs its own time (a CPU)."""
         return self.config.step_fill_rows if self.overlaps(runtime) else 0
 
-    def max_rows(self, runtime: Synthesizer | None) -> int:
+    def max_rows(self, runtime: VoiceRuntime | None) -> int:
         """Sessions one step may advance: many with slots, one with the staged decoder."""
         return self.config.max_step_rows if runtime is None or self.uses_slots(runtime) else 1
 
-    def slots(self, runtime: Synthesizer, precision: str) -> _Slots:
+    def slots(self, runtime: VoiceRuntime, precision: str) -> _Slots:
         key = (id(runtime), precision)
         pool = self._slots.get(key)
         if pool is None:
             first = runtime.schedule.first_frames
-            backend = runtime.backend
-            decoder = backend.streaming_decoder(  # type: ignore[attr-defined]
+            decoder = runtime.streaming_decoder(
                 precision, self.config.slots, max_rows=self.config.max_step_rows, graphs=self.config.cuda_graphs,
-                graph_frames=(self.config.step_frames, first + self._lag(backend)),
+                graph_frames=(self.config.step_frames, first + runtime.streaming_lag()),
             )
             decoder.capture_all()
             if decoder.step_seconds:  # what a step costs by rows (step_fill_rows rests on it)
@@ -185,10 +192,6 @@ class Executor:
         runs = [*self._rate_samples[1:], *([now] if now else [])] or self._rate_samples
         return min(runs, default=0.0)
 
-    @staticmethod
-    def _lag(backend: object) -> int:
-        return int(backend.streaming_lag())  # type: ignore[attr-defined]
-
     def free_slots(self, session: SessionState, u: UtteranceState) -> int:
         """Slots free for `u`'s voice and precision (all of them before the first use)."""
         pool = self._slots.get((id(session.spec.runtime), u.precision))
@@ -207,7 +210,7 @@ class Executor:
     def acoustic(
         self, jobs: list[tuple[SessionState, UtteranceState]], cache_key: Callable[[SessionState, UtteranceState],
                                                                                    Hashable | None],
-        cache_get: Callable[[Hashable], object | None],
+        cache_get: Callable[[Hashable], CachedUtterance | None],
     ) -> list[tuple[SessionState, BaseException]]:
         """Run the acoustic stage for `jobs` (one voice); cached sentences skip it. Returns
         the sessions that failed, with why."""
@@ -217,8 +220,8 @@ class Executor:
             u.cache_key = cache_key(s, u)
             entry = cache_get(u.cache_key) if u.cache_key is not None else None
             if entry is not None:
-                u.cached = entry  # type: ignore[assignment]
-                u.word_spans = list(u.cached.word_spans)  # type: ignore[union-attr]
+                u.cached = entry
+                u.word_spans = list(entry.word_spans)
                 u.status = UtteranceStatus.CACHED
                 continue
             spec = s.spec
@@ -246,15 +249,15 @@ class Executor:
                 if not self.uses_slots(s.spec.runtime):
                     first = s.spec.schedule.first_chunk(u.index)
                     u.bounds = s.spec.schedule.boundaries(utt.frames, first)
-                    u.staged = s.spec.runtime.staged_decoder(utt)
+                    u.staged = s.spec.runtime.utterance_decoder(utt)
         return failed
 
     # --- decoder steps ---------------------------------------------------------------------------
 
-    def overlaps(self, runtime: Synthesizer) -> bool:
+    def overlaps(self, runtime: VoiceRuntime) -> bool:
         """A decoder step runs on the device while the engine thread goes on (CUDA), so other
         work can be done between its launch and its result."""
-        return self.uses_slots(runtime) and runtime.backend.capabilities.asynchronous
+        return self.uses_slots(runtime) and runtime.capabilities.asynchronous
 
     def decode(self, rows: list[tuple[SessionState, UtteranceState]], now: float,
                others_urgent: Callable[[SessionState], bool],
@@ -395,8 +398,8 @@ class Executor:
     def _rebuild(self, s: SessionState, u: UtteranceState) -> None:
         """Bring a slot's decoder state back to `u.fed` frames (a failed step may have updated
         some of its stages)."""
-        assert u.slot is not None
-        if not self.slots(s.spec.runtime, u.precision).decoder.start(u.slot, u.utt.prior):  # type: ignore[union-attr]
+        assert u.slot is not None and u.utt is not None
+        if not self.slots(s.spec.runtime, u.precision).decoder.start(u.slot, u.utt.prior):
             raise RuntimeError(f"no {u.precision} decoder prior memory free to decode this utterance again")
         self._replay(s, u)
 
@@ -419,10 +422,12 @@ class Executor:
         utts = [u for _, u in rows]
         fed = [u.fed for u in utts]
         sids = None if rows[0][0].spec.sid is None else [s.spec.sid or 0 for s, _ in rows]
-        step = StepRows([u.slot for u in utts], fed, frames, sids)  # type: ignore[misc]
+        slots = [u.slot for u in utts if u.slot is not None]
+        assert len(slots) == len(utts), "every row of a step holds a slot"
+        step = StepRows(slots, fed, frames, sids)
         t0 = time.perf_counter()
         with stage("step.launch"), self.timeline.timed("launch", rows=len(rows), first=first, frames=frames):
-            pending = runtime.backend.guard_async(dec.step(step))  # type: ignore[attr-defined]
+            pending = runtime.guard_async(dec.step(step))
         for u in utts:
             u.fed += frames
         return _InFlight(rows, precision, frames, fed, pending, t0)
@@ -461,16 +466,15 @@ class Executor:
             else:
                 if nonfinite[i]:
                     self.stats.nonfinite_fp32 += 1  # zeroed by the guard: no FP32 to fall back to
-                samples, pcm = audio[i, lo - start : hi - start], pcm16[i, lo - start : hi - start]
-                if self.shadow is not None and precision != "fp32" and hi > lo:
-                    self.shadow.offer(runtime.backend, runtime.voice.info.name, u.utt.z_p, (lo // hop, hi // hop),  # type: ignore[union-attr]
-                                      (runtime.flow_halo, runtime.voc_halo), hop, u.utt.sid_batch,  # type: ignore[union-attr]
-                                      samples)
+                samples = audio[i, lo - start : hi - start]
+                pcm = None if pcm16 is None else pcm16[i, lo - start : hi - start]
+                if self.shadow is not None and precision != "fp32" and hi > lo and u.utt is not None:
+                    self.shadow.offer(runtime, u.utt, (lo, hi), samples)
             self.stats.audio_seconds += (hi - lo) / runtime.sample_rate
             out.append(Chunk(s, u, samples, u.precision if not fallback else "fp32", fallback, pcm))
         return out
 
-    def _redo_fp32(self, s: SessionState, u: UtteranceState, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    def _redo_fp32(self, s: SessionState, u: UtteranceState, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Guard tripped: decode this utterance again in FP32 up to where the FP16 step got
         (same prior sample), keep this chunk's span (audio and PCM), and continue the utterance
         in FP32."""
@@ -480,13 +484,13 @@ class Executor:
         if not self._start(s, u):  # the session fails with this; the others go on
             raise RuntimeError("no FP32 decoder slot or prior memory free for a guard redo")
         pool = self.slots(runtime, "fp32")
-        audio, _, pcm16 = runtime.backend.guarded_host(self._replay(s, u))  # type: ignore[attr-defined]
+        audio, _, pcm16 = runtime.guard_async(self._replay(s, u)).result()
         start = -pool.decoder.lag * pool.decoder.hop
         self.stats.fallbacks += 1
         log.warning("guard tripped (session %d): chunk recomputed in fp32", s.spec.session_id)
         if self.on_trip is not None:
             self.on_trip(s.spec.voice_name)
-        return audio[0, lo - start : hi - start], pcm16[0, lo - start : hi - start]
+        return audio[0, lo - start : hi - start], None if pcm16 is None else pcm16[0, lo - start : hi - start]
 
     def _staged_chunk(self, s: SessionState, u: UtteranceState, others_urgent: bool) -> Chunk:
         """The next chunk of one utterance from its staged decoder (FP32, CPU)."""
@@ -500,7 +504,7 @@ class Executor:
             u.bounds.insert(k + 1, b)  # the rest of the planned chunk comes next
         t0 = time.perf_counter()
         with self.timeline.timed("chunk", rows=1, frames=b - a):
-            guarded = guard_host(u.staged.audio(a * hop, b * hop)[None], "fp32")
+            guarded = guard_host(u.staged.audio(a * hop, b * hop)[None])
         samples = guarded.audio[0]
         self.stats.nonfinite_fp32 += int(guarded.nonfinite[0] > 0)  # zeroed: no FP32 to fall back to
         self.stats.step_seconds += time.perf_counter() - t0

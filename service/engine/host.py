@@ -16,18 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from service.backends.registry import create_backend
 from service.engine.cache import ResultCache
 from service.engine.config import EngineConfig
 from service.engine.core import EngineCore
 from service.engine.precision import Hardware
 from service.engine.shadow import ShadowVerifier
 from service.engine.state import EngineStats, ReadCursor, SessionRequest, Sink, WorkSpec
-from service.synthesis import Synthesizer, default_backend
+from service.models.family import VoiceInfo, VoiceRuntime
+from service.models.registry import open_voice
 from service.telemetry import Telemetry
 from service.telemetry.timeline import Timeline
 from service.text.frontend_pool import FrontendPoolConfig
-from service.voices import Voice, VoiceInfo
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +96,14 @@ class Host(Protocol):
     def stop(self) -> None: ...
 
 
-def resolve_device(device: str, backend: str) -> tuple[str, str]:
-    """(device, backend) with "auto" decided: CUDA when torch sees a GPU, else the CPU; the
-    default backend for that device (imports torch only for an "auto" device)."""
+def resolve_device(device: str) -> str:
+    """The device with "auto" decided: CUDA when torch sees a GPU, else the CPU (imports torch
+    only for an "auto" device). An "auto" backend is each voice's family's choice for it."""
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return device, default_backend(device) if backend == "auto" else backend
+    return device
 
 
 class Runtimes:
@@ -114,23 +113,22 @@ class Runtimes:
         self.config = config
         self.device = device
         self.backend_name = backend_name
-        self.loaded: dict[str, Synthesizer] = {}
+        self.loaded: dict[str, VoiceRuntime] = {}
         self._lock = threading.Lock()
 
-    def get(self, info: VoiceInfo) -> Synthesizer:
+    def get(self, info: VoiceInfo) -> VoiceRuntime:
         with self._lock:
             runtime = self.loaded.get(info.name)
             if runtime is None:
-                voice = Voice(info)
                 options: dict[str, object] = {"threads": self.config.threads} if self.config.threads else {}
-                if self.backend_name == "torch":
-                    options["compile_acoustic"] = self.config.batch.compile_acoustic
-                elif self.config.cache_dir is not None:  # the exporting backends
+                options["compile_acoustic"] = self.config.batch.compile_acoustic
+                if self.config.cache_dir is not None:
                     options["cache_dir"] = self.config.cache_dir
-                backend = create_backend(self.backend_name, voice, self.device, **options)
-                runtime = Synthesizer(voice, backend, self.config.schedule)
+                if self.config.fp32_pins is not None:
+                    options["pins"] = self.config.fp32_pins
+                runtime = open_voice(info, self.backend_name, self.device, self.config.schedule, **options)
                 self.loaded[info.name] = runtime
-                log.info("loaded voice %s on %s/%s", info.name, self.backend_name, self.device)
+                log.info("loaded voice %s (%s) on %s/%s", info.name, info.family, runtime.backend_name, self.device)
                 if _Heap.frozen:  # loaded after the warm server settled: keep its weights out of the scans too
                     settle_heap()
             return runtime
@@ -138,15 +136,13 @@ class Runtimes:
     def prepare(self, info: VoiceInfo) -> LoadedVoice:
         """Load a voice and capture its encoder graphs where the backend has them (before the
         core's thread runs: graph captures need the GPU alone)."""
-        runtime = self.get(info)
-        if runtime.backend.capabilities.encoder_graphs:
-            runtime.backend.capture_encoder(self.config.batch.acoustic_max_batch)  # type: ignore[attr-defined]
+        self.get(info).prepare(self.config.batch.acoustic_max_batch)
         return self.describe(info)
 
     def describe(self, info: VoiceInfo) -> LoadedVoice:
-        backend = self.get(info).backend
-        return LoadedVoice(info.name, tuple(backend.supported_precisions()), Hardware.detect(self.device),
-                           self.backend_name, backend.fp32_pins)
+        runtime = self.get(info)
+        return LoadedVoice(info.name, runtime.precisions(), Hardware.detect(self.device), runtime.backend_name,
+                           runtime.fp32_pins)
 
 
 class _Heap:
@@ -205,7 +201,7 @@ _GPU_MEMORY = _GpuMemory()
 def snapshot(core: EngineCore, device: str) -> CoreSnapshot:
     """The core's figures now (read from another thread: plain numbers, no lock needed)."""
     cache, executor = core.output.cache, core.executor
-    shadow = core.shadow if isinstance(core.shadow, ShadowVerifier) else None
+    shadow = core.shadow
     capacity = {p: c for p in ("", "fp16", "fp32") if (c := executor.capacity_streams(p or None))}
     gpu = _GPU_MEMORY.read(device) if device.startswith("cuda") else {}
     return CoreSnapshot(

@@ -34,7 +34,7 @@ class OutputStage:
         if p.seed is None or self.cache.max_bytes <= 0:
             return None
         return (spec.voice_name, u.sentence.text, tuple(u.sentence.phoneme_ids), spec.sid, p.length_scale,
-                p.noise_scale, p.noise_w, p.seed, spec.precision, spec.schedule, spec.word_timings)
+                p.options, p.seed, spec.precision, spec.schedule, spec.word_timings)
 
     def chunk(self, s: SessionState, u: UtteranceState, samples: np.ndarray, precision: str, fallback: bool,
               now: float, pcm16: np.ndarray | None = None) -> None:

@@ -60,10 +60,11 @@ from service.engine.host import (
 from service.engine.memory import CORE_PROCESS_NAME, IdleTrim, name_process
 from service.engine.output import Delivery, hand_over
 from service.engine.state import ChunkResult, Loop, ReadCursor, SessionRequest, Sink, WorkSpec
+from service.models.family import VoiceInfo
 from service.telemetry import Telemetry
 from service.telemetry.config import LogConfig
 from service.text.frontend_pool import FrontendPoolConfig
-from service.voices import VoiceInfo, list_voices
+from service.voices import list_voices
 
 log = logging.getLogger(__name__)
 
@@ -724,7 +725,7 @@ def serve_core(conns: Sequence[Connection], config: EngineConfig, device: str, b
             outbox.send_pickled(pickled)
 
     try:
-        device, backend_name = resolve_device(device, backend_name)  # "auto": here, where torch is loaded anyway
+        device = resolve_device(device)  # "auto": here, where torch is loaded anyway
         voices: Mapping[str, VoiceInfo] = {v.name: v for v in list_voices(config.voices_dir)}
         runtimes = Runtimes(config, device, backend_name)
         loaded = {name: runtimes.prepare(voices[name]) for name in preload}

@@ -2,10 +2,11 @@
 between the two feeds a histogram (and the exported metric), so the quality of FP16 serving
 is measured in production, not only in a lab.
 
-A backend is owned by one thread (see `service.backends.base.Backend`), so the FP32 reruns
-run on the thread that owns it: `offer` only queues a copy of the inputs, and the engine
-thread calls `run_pending` between its steps (one job at a time, so a step is never held up
-by more than one chunk's FP32 rerun)."""
+The FP32 reference is the family's reference decode (`VoiceRuntime.reference`: the whole
+utterance at once, no chunks), so a chunk is checked against what it must equal, not against a
+second chunked decoder. A voice is driven by one thread, so the reruns run on the engine thread:
+`offer` only queues the job, and the engine thread calls `run_pending` between its steps (one
+job at a time, so a step is never held up by more than one utterance's FP32 rerun)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.audio.quality import psnr_db
-from service.backends.base import Backend
+from service.models.family import DecoderInput, VoiceRuntime
 from service.telemetry.histogram import Histogram
 from service.telemetry.telemetry import PSNR_BUCKETS_DB
 
@@ -27,12 +28,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Job:
-    backend: Backend
-    voice: str  # the voice's name (the PSNR metric's label)
-    z_p: np.ndarray  # [C, W'] prior sample with flow context
-    keep: tuple[int, int]  # latent frames of the vocoder window inside z_p's latent
-    trim: tuple[int, int]  # samples of the chunk inside the vocoder output
-    sid: np.ndarray | None
+    runtime: VoiceRuntime
+    utterance: DecoderInput
+    span: tuple[int, int]  # samples of the chunk in the utterance
     fp16_audio: np.ndarray
 
 
@@ -56,12 +54,8 @@ class ShadowVerifier:
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError("shadow fraction must be within 0..1 (--shadow-fraction)")
 
-    def offer(
-        self, backend: Backend, voice: str, z_p: np.ndarray, span: tuple[int, int], halos: tuple[int, int],
-        hop: int, sid: np.ndarray | None, audio: np.ndarray,
-    ) -> None:
-        """`audio` is latent frames `span` of the utterance whose prior sample is `z_p`, made in
-        FP16; the FP32 reference is decoded with the full `halos` (flow, vocoder) of context."""
+    def offer(self, runtime: VoiceRuntime, utterance: DecoderInput, span: tuple[int, int], audio: np.ndarray) -> None:
+        """`audio` is samples `span` of `utterance`, made in FP16."""
         if self.fraction <= 0.0:
             return
         with self._lock:
@@ -72,14 +66,7 @@ class ShadowVerifier:
             if len(self._queue) >= self.max_queue:
                 self.dropped += 1
                 return
-        flow_halo, voc_halo = halos
-        t = z_p.shape[1]
-        v_lo, v_hi = max(0, span[0] - voc_halo), min(t, span[1] + voc_halo)
-        a, b = max(0, v_lo - flow_halo), min(t, v_hi + flow_halo)
-        job = _Job(
-            backend, voice, z_p[:, a:b].copy(), (v_lo - a, v_hi - a),
-            ((span[0] - v_lo) * hop, (span[1] - v_lo) * hop), sid, audio.copy(),
-        )
+        job = _Job(runtime, utterance, span, audio.copy())
         with self._lock:
             self._queue.append(job)
 
@@ -102,20 +89,18 @@ class ShadowVerifier:
 
     def _verify(self, job: _Job) -> None:
         try:
-            z = job.backend.flow(job.z_p[None], job.sid, "fp32")[0][:, job.keep[0] : job.keep[1]]
-            ref = job.backend.vocode(z[None], job.sid, "fp32").audio[0][job.trim[0] : job.trim[1]]
+            ref = job.runtime.reference(job.utterance, "fp32")[job.span[0] : job.span[1]]
             value = psnr_db(ref, job.fp16_audio)
             self.psnr.observe(value)
             with self._lock:
                 self.verified += 1
             if self.on_psnr is not None:
-                self.on_psnr(value, job.voice)
+                self.on_psnr(value, job.runtime.info.name)
         except Exception:  # a shadow failure must never reach a caller
             log.exception("shadow verification failed")
 
     def drain(self) -> None:
-        """Verify everything queued, on the calling thread (which must own the backends:
-        tests and one-thread callers such as `Synthesizer`)."""
+        """Verify everything queued, on the calling thread (which must own the voices: tests)."""
         while self.run_pending(limit=self.max_queue):
             pass
 

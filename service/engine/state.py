@@ -17,8 +17,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from service.engine.cache import CachedUtterance
-    from service.models.family import UtteranceDecoder
-    from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer, Utterance
+    from service.models.family import ChunkSchedule, DecoderInput, SynthesisParams, UtteranceDecoder, VoiceRuntime
     from service.text.frontend import PhonemizedSentence
 
 
@@ -71,7 +70,7 @@ class SessionRequest:
     session_id: int
     voice_name: str
     sid: int | None
-    params: SynthesisParams  # length_scale, noise scales, seed resolved by the engine
+    params: SynthesisParams  # length_scale, family options, seed resolved by the engine
     schedule: ChunkSchedule
     precision: str  # "fp16" | "fp32"
     custom_dictionary: Mapping[str, str] | None
@@ -85,13 +84,13 @@ class WorkSpec(SessionRequest):
     """Everything the engine thread needs to synthesise for one session: the request plus
     what lives where the core runs (the loaded voice) and where its results go."""
 
-    runtime: Synthesizer
+    runtime: VoiceRuntime
     sink: Sink
     loop: Loop
     cursor: ReadCursor = field(default_factory=ReadCursor)
 
     @staticmethod
-    def of(request: SessionRequest, runtime: Synthesizer, sink: Sink, loop: Loop,
+    def of(request: SessionRequest, runtime: VoiceRuntime, sink: Sink, loop: Loop,
            cursor: ReadCursor) -> WorkSpec:
         return WorkSpec(runtime=runtime, sink=sink, loop=loop, cursor=cursor, **vars(request))
 
@@ -121,14 +120,14 @@ class UtteranceState:
     sentence: PhonemizedSentence
     status: UtteranceStatus = UtteranceStatus.ACOUSTIC
     precision: str = "fp32"  # starts at the session's; FP32 for the rest after a guard trip
-    utt: Utterance | None = None
+    utt: DecoderInput | None = None
     word_spans: list[tuple[str, int, int]] = field(default_factory=list)
     cached: CachedUtterance | None = None
     cache_key: Hashable | None = None
     chunks: list[np.ndarray] = field(default_factory=list)  # kept for the cache
     precisions: list[str] = field(default_factory=list)
     chunk_index: int = 0  # chunks delivered
-    # Slot decoding: the device slot and latent frames fed so far.
+    # Slot decoding: the device slot and decoder frames fed so far.
     slot: int | None = None
     fed: int = 0
     # Staged decoding (CPU): the utterance's staged decoder and its chunk boundaries.

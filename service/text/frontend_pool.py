@@ -3,8 +3,8 @@
 espeak-ng (through ``piper.espeakbridge``) is process-global and guarded by one lock, so in one
 process every text is phonemised after the previous one. ``FrontendPool`` runs the text
 frontend in ``workers`` spawned processes instead (``workers=0``: in this process, on one
-thread, as before). Each worker builds a voice's ``Frontend`` once, from the voice's Piper
-config, the first time it is asked for that voice (or at start, for ``preload`` voices).
+thread, as before). Each worker builds a voice's frontend once, through its model family
+(``VoiceInfo.frontend_key``), the first time it is asked for that voice (or at start, for ``preload`` voices).
 
 Design: a shared request queue and one parent thread per worker process, talking to it over
 its own pipe. In a burst a thread keeps a second request waiting in the pipe, so its worker
@@ -86,34 +86,40 @@ class FrontendPoolConfig:
             raise ValueError(f"workers must be >= 0, not {self.workers}")
 
 
-def resolve_config_path(key: VoiceKey, voices_dir: Path | None = None) -> str:
-    """The absolute path of a voice's Piper config, from a config path or a voice key."""
-    path = Path(key)
-    if path.suffix == ".json" and path.is_file():
-        return str(path.resolve())
+def resolve_frontend_key(key: VoiceKey, voices_dir: Path | None = None) -> str:
+    """A voice's frontend key (`VoiceInfo.frontend_key`, "<family>:<source>"), from such a key,
+    a voice name or a voice's file."""
+    name = os.fspath(key)
+    family, sep, _ = name.partition(":")
+    from service.models.registry import FAMILIES
+
+    if sep and family in FAMILIES:
+        return name
     from service.voices import find_voice
 
-    return str(find_voice(os.fspath(key), voices_dir).config_path.resolve())
+    return find_voice(name, voices_dir).frontend_key
 
 
 class _FrontendCache:
-    """Frontend per config path, built on first use (one per process)."""
+    """Frontend per voice frontend key, built on first use (one per process)."""
 
     def __init__(self) -> None:
         self._frontends: dict[str, Frontend] = {}
 
-    def get(self, config_path: str) -> Frontend:
-        frontend = self._frontends.get(config_path)
+    def get(self, key: str) -> Frontend:
+        frontend = self._frontends.get(key)
         if frontend is None:
-            frontend = Frontend.from_piper_config(config_path)
-            self._frontends[config_path] = frontend
+            from service.models.registry import open_frontend
+
+            frontend = open_frontend(key)
+            self._frontends[key] = frontend
         return frontend
 
-    def warm(self, config_paths: Sequence[str]) -> None:
+    def warm(self, frontend_keys: Sequence[str]) -> None:
         """Load these voices and run espeak once for each (initialise, load its dictionary)."""
-        for config_path in config_paths:
+        for frontend_key in frontend_keys:
             try:
-                self.get(config_path).sentences(_WARM_TEXT)
+                self.get(frontend_key).sentences(_WARM_TEXT)
             except Exception:
                 pass  # the first real request reports the problem, with its own message
 
@@ -143,9 +149,9 @@ def _worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str
             return  # parent gone
         if request is None:
             return
-        config_path, text, dictionary, words = request
+        frontend_key, text, dictionary, words = request
         try:
-            reply: tuple[str, Any] = ("ok", cache.get(config_path).sentences(text, dictionary, words=words))
+            reply: tuple[str, Any] = ("ok", cache.get(frontend_key).sentences(text, dictionary, words=words))
         except Exception as exc:
             reply = ("err", _portable(exc.with_traceback(None)))
         try:
@@ -157,7 +163,7 @@ def _worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str
 @dataclass
 class _Request:
     future: Future[list[PhonemizedSentence]]
-    config_path: str
+    frontend_key: str
     text: str
     dictionary: dict[str, str] | None
     words: bool = True  # align words (Frontend.sentences)
@@ -165,7 +171,7 @@ class _Request:
 
     @property
     def message(self) -> tuple[str, str, dict[str, str] | None, bool]:
-        return (self.config_path, self.text, self.dictionary, self.words)
+        return (self.frontend_key, self.text, self.dictionary, self.words)
 
     @property
     def small(self) -> bool:
@@ -340,7 +346,7 @@ class _Worker:
         self.ready.set()
         while (request := self._take(block=True)) is not None:
             try:
-                frontend = cache.get(request.config_path)
+                frontend = cache.get(request.frontend_key)
                 request.future.set_result(frontend.sentences(request.text, request.dictionary, words=request.words))
             except BaseException as exc:
                 request.future.set_exception(exc)
@@ -444,14 +450,14 @@ class FrontendPool:
         Requests with a lower ``priority`` are taken first (the engine puts a session's first
         text ahead of the later texts of sessions already speaking).
 
-        ``voice``: its Piper config path, or a voice name or ``.onnx`` path. The future holds
+        ``voice``: its frontend key (``VoiceInfo.frontend_key``), a voice name or a voice's file. The future holds
         the sentences, or the exception the frontend raised (same type and message). ``words``:
         as ``Frontend.sentences`` takes it."""
         if self._closing:
             raise RuntimeError("FrontendPool is closed")
         future: Future[list[PhonemizedSentence]] = Future()
         try:
-            config_path = self._resolve(voice)
+            frontend_key = self._resolve(voice)
         except Exception as exc:
             future.set_exception(exc)
             return future
@@ -459,7 +465,7 @@ class FrontendPool:
         with self._submit_lock:
             if self._closing:
                 raise RuntimeError("FrontendPool is closed")
-            self._queue.put((priority, next(self._order), _Request(future, config_path, text, dictionary, words)))
+            self._queue.put((priority, next(self._order), _Request(future, frontend_key, text, dictionary, words)))
         return future
 
     def close(self, cancel_pending: bool = True) -> None:
@@ -494,7 +500,7 @@ class FrontendPool:
         name = os.fspath(key)
         path = self._paths.get(name)
         if path is None:
-            path = resolve_config_path(key, self.config.voices_dir)
+            path = resolve_frontend_key(key, self.config.voices_dir)
             self._paths[name] = path  # a race only computes it twice
         return path
 

