@@ -470,7 +470,7 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
     from service.tools.bench_gpu import run_gpu_bench
 
     batches = [int(b) for b in args.batches.split(",")]
-    return run_gpu_bench(_resolved_device(args.device), batches, args.chunk_frames, args.iters,
+    return run_gpu_bench(_resolved_device(args.device), batches, args.chunk_frames,
                          Path(args.json) if args.json else None)
 
 
@@ -681,10 +681,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     precision = _subcommand(sub, "precision", "precision tools")
     psub = precision.add_subparsers(dest="precision_command", required=True, metavar="COMMAND")
-    sens = _subcommand(psub, "sensitivity", "PSNR cost of running each candidate module in FP16 alone",
-                       description="For each candidate FP32 pin: run that module alone in FP16 (all else FP32) "
-                                   "and print the waveform PSNR against all-FP32 (each utterance decoded whole). "
-                                   "FP16 on a CPU is slow: a sentence takes about a minute for all candidates.")
+    sens = _subcommand(psub, "sensitivity", "what each FP32 pin is worth on the served path",
+                       description="FP16 sessions on the served path (engine, slot decoder, guard) with the "
+                                   "family's FP32 pins, with each pin taken out and each other candidate added, "
+                                   "against FP32 sessions: waveform PSNR, guard redos. FP16 on a CPU is slow: use a "
+                                   "GPU (--device cuda) for more than a sentence or two.")
     _add_device_arg(sens, "cpu")
     sens.add_argument("--voice", default=None,
                       help=f"voice name or path to a Piper .onnx voice (default: the built-in {BUILTIN_VOICE})")
@@ -709,12 +710,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="summarise each text's repeats by their median or their fastest run")
     bcpu.add_argument("--backend", choices=BACKENDS, default="onnxruntime", help="Cadenza's backend")
     bcpu.set_defaults(func=_cmd_bench_cpu)
-    bgpu = _subcommand(bsub, "gpu", "FP16 vs FP32 on a CUDA GPU: throughput by batch, memory, TTFA")
+    bgpu = _subcommand(bsub, "gpu", "FP16 vs FP32 on a CUDA GPU: decoder step time by rows, memory, TTFA")
     _add_device_arg(bgpu, "cuda")
-    bgpu.add_argument("--batches", default="1,16,64,256", help="comma-separated batch sizes")
+    bgpu.add_argument("--batches", default="1,16,64,256", help="comma-separated rows per decoder step")
     bgpu.add_argument("--chunk-frames", type=_positive_int, default=64,
-                      help="latent frames per chunk (plus context)")
-    bgpu.add_argument("--iters", type=_positive_int, default=20, help="timed iterations per batch size")
+                      help="frames per decoder step")
     bgpu.add_argument("--json", default=None, metavar="FILE", help="also write the figures here (default: none)")
     bgpu.set_defaults(func=_cmd_bench_gpu)
     bstr = _subcommand(bsub, "streams", "N concurrent sessions through the engine: TTFA P50/P99, underruns")

@@ -284,6 +284,11 @@ class TtsEngine:
                           capacity_streams=self.capacity_streams(), open_sessions=self.open_sessions,
                           max_message_bytes=self.config.limits.max_message_bytes)
 
+    def pin_candidates(self) -> tuple[str, ...]:
+        """The default voice's modules `cadenza precision sensitivity` tries pinning."""
+        loaded = self._loaded.get(self._default.name) if self._default else None
+        return loaded.pin_candidates if loaded else ()
+
     def capacity_streams(self) -> float | None:
         """Real-time streams the engine estimates it carries at the precision AUTO picks."""
         if self.config.limits.capacity_streams is not None:

@@ -42,6 +42,7 @@ class LoadedVoice:
     hardware: Hardware
     backend: str
     fp32_pins: tuple[str, ...] = ()
+    pin_candidates: tuple[str, ...] = ()
 
 
 @dataclass
@@ -142,7 +143,7 @@ class Runtimes:
     def describe(self, info: VoiceInfo) -> LoadedVoice:
         runtime = self.get(info)
         return LoadedVoice(info.name, runtime.precisions(), Hardware.detect(self.device), runtime.backend_name,
-                           runtime.fp32_pins)
+                           runtime.fp32_pins, runtime.pin_candidates)
 
 
 class _Heap:

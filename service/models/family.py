@@ -331,6 +331,7 @@ class VoiceRuntime(Protocol):
     capabilities: Capabilities
     backend_name: str
     fp32_pins: tuple[str, ...]  # module patterns kept in FP32 when running FP16 (empty: no FP16)
+    pin_candidates: tuple[str, ...]  # what `cadenza precision sensitivity` tries pinning
 
     @property
     def sample_rate(self) -> int: ...

@@ -1,5 +1,9 @@
-"""`cadenza compare` (FP16 vs FP32 on a fixed corpus, with a JSON report and a
-plot) and `cadenza precision sensitivity` (what each FP32 pin is worth)."""
+"""`cadenza compare` (FP16 vs FP32 on a fixed corpus, with a JSON report and a plot) and
+`cadenza precision sensitivity` (what each FP32 pin is worth).
+
+Both measure the served path: each sentence is one session of the engine the server runs
+(segmenter, acoustic batch, slot decoder steps, guard and FP32 redo), on the torch backend;
+only the precision and the FP32 pins differ between runs."""
 
 from __future__ import annotations
 
@@ -7,76 +11,104 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from service.audio.encoding import AudioEncoding
 from service.audio.quality import psnr_db
-from service.backends.torch_backend import TorchBackend
-from service.models.vits.precision import VITS_FP32_PINS, VITS_PIN_CANDIDATES, fp16_only, pinned_modules
-from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer
+from service.engine.api import AudioOut, Precision, SessionConfig, SessionSummary
+from service.engine.config import BatchConfig, EngineConfig
+from service.engine.local import LocalEngine
+from service.text.frontend_pool import FrontendPoolConfig
 from service.tools.voice_check import check_sentences
-from service.voices import Voice, find_voice
 
 PLOT_HINT = "pip install matplotlib"
-
-# One window per utterance: the whole flow and vocoder in one call each, no chunk halos.
-_WHOLE = 1 << 30
-WHOLE_UTTERANCE = ChunkSchedule(first_frames=_WHOLE, max_frames=_WHOLE, later_first_frames=_WHOLE)
+SERVED = "served path: engine sessions, slot decoder steps, guard and FP32 redo"
 
 
-def _synthesizer(
-    voice: str | None, voices_dir: str | None, device: str, threads: int | None = None,
-    schedule: ChunkSchedule | None = None, staged: bool | None = None,
-) -> Synthesizer:
-    loaded = Voice(find_voice(voice, Path(voices_dir) if voices_dir else None))
-    return Synthesizer(loaded, TorchBackend(loaded, device=device, threads=threads), schedule, staged=staged)
+@dataclass
+class Spoken:
+    audio: np.ndarray
+    fallbacks: int
+    seconds: float
+
+
+class ServedVoice:
+    """One voice in an engine configured as a server would be (torch backend, slot decoder),
+    with the given FP32 pins (None: the family's)."""
+
+    def __init__(self, voice: str | None, voices_dir: str | None, device: str, threads: int | None = None,
+                 pins: Sequence[str] | None = None) -> None:
+        config = EngineConfig(
+            voice=voice, voices_dir=Path(voices_dir) if voices_dir else None, backend="torch", device=device,
+            threads=threads, core="thread", cache_bytes=0, frontend=FrontendPoolConfig(workers=0),
+            batch=BatchConfig(decoder="slots"), fp32_pins=None if pins is None else tuple(pins),
+        )
+        self.local = LocalEngine(config)
+        info = self.local.engine.server_info()
+        self.voice = info.default_voice
+        self.pins = tuple(info.fp32_pins)
+
+    def speak(self, text: str, precision: str, seed: int) -> Spoken:
+        session = SessionConfig(voice=self.voice, seed=seed, precision=Precision(precision),
+                                encoding=AudioEncoding.FLOAT32)
+        pieces, fallbacks, start = [], 0, time.perf_counter()
+        for event in self.local.stream(text, session):
+            if isinstance(event, AudioOut):
+                pieces.append(np.frombuffer(event.audio, dtype="<f4"))
+            elif isinstance(event, SessionSummary):
+                fallbacks = event.fallbacks
+        audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        return Spoken(audio, fallbacks, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.local.close()
 
 
 def run_compare(
     precision: str, voice: str | None, voices_dir: str | None, device: str, out_dir: Path | None,
     limit: int | None, seed: int = 1234,
 ) -> int:
-    """FP16 (as served: chunked, guarded) against FP32 (as served) on the check corpus.
-    Writes compare.json, and compare.png where matplotlib is installed, into `out_dir`
-    (default: a fresh temporary directory). Last line: min_psnr_db=."""
-    syn = _synthesizer(voice, voices_dir, device)
+    """FP16 against FP32, both as served, on the check corpus. Writes compare.json, and
+    compare.png where matplotlib is installed, into `out_dir` (default: a fresh temporary
+    directory). Last line: min_psnr_db=."""
     texts = check_sentences()[:limit] if limit else check_sentences()
-    backend = syn.backend
-    assert isinstance(backend, TorchBackend)
-    print(f"voice {syn.voice.info.name} on {device}: {precision} vs fp32, seed {seed}; FP32 pins: "
-          f"{', '.join(pinned_modules(backend.model_for(precision), backend.pins))}")
-    rows: list[dict[str, Any]] = []
-    worst: tuple[float, str, np.ndarray, np.ndarray] | None = None
-    for i, text in enumerate(texts):
-        ref, _ = syn.synthesize(text, SynthesisParams(seed=seed, precision="fp32"))
-        start = time.perf_counter()
-        chunks = list(syn.stream(text, SynthesisParams(seed=seed, precision=precision)))
-        elapsed = time.perf_counter() - start
-        test = np.concatenate([c.samples for c in chunks])
-        value = psnr_db(ref, test)
-        fallbacks = sum(c.fallback for c in chunks)
-        assert np.isfinite(test).all()
-        rows.append({"text": text, "psnr_db": value, "samples": len(test), "fallbacks": fallbacks,
-                     "max_abs_diff": float(np.abs(ref - test).max()), "seconds": elapsed})
-        if worst is None or value < worst[0]:
-            worst = (value, text, ref, test)
-        print(f"{i:2d} psnr_db={value:7.2f} fallbacks={fallbacks}  {text}")
+    served = ServedVoice(voice, voices_dir, device)
+    try:
+        print(f"voice {served.voice} on {device}: {precision} vs fp32, seed {seed} ({SERVED}); FP32 pins: "
+              f"{', '.join(served.pins) or 'none'}")
+        rows: list[dict[str, Any]] = []
+        worst: tuple[float, str, np.ndarray, np.ndarray] | None = None
+        for i, text in enumerate(texts):
+            ref = served.speak(text, "fp32", seed).audio
+            test = served.speak(text, precision, seed)
+            value = psnr_db(ref, test.audio)
+            assert np.isfinite(test.audio).all()
+            rows.append({"text": text, "psnr_db": value, "samples": len(test.audio), "fallbacks": test.fallbacks,
+                         "max_abs_diff": float(np.abs(ref - test.audio[: len(ref)]).max()) if len(ref) else 0.0,
+                         "seconds": test.seconds})
+            if worst is None or value < worst[0]:
+                worst = (value, text, ref, test.audio)
+            print(f"{i:2d} psnr_db={value:7.2f} fallbacks={test.fallbacks}  {text}")
+        rate = served.local.sample_rate
+    finally:
+        served.close()
     minimum = min(r["psnr_db"] for r in rows)
     if out_dir is None:
         out_dir = Path(tempfile.mkdtemp(prefix="cadenza-compare-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        "voice": syn.voice.info.name, "device": device, "precision": precision, "seed": seed,
-        "fp32_pins": list(backend.pins),
-        "weight_bytes": {p: backend.weight_bytes(p) for p in ("fp32", precision)},
-        "sentences": rows, "min_psnr_db": minimum,
+        "voice": served.voice, "device": device, "precision": precision, "seed": seed, "path": SERVED,
+        "fp32_pins": list(served.pins), "sentences": rows, "min_psnr_db": minimum,
         "median_psnr_db": statistics.median(r["psnr_db"] for r in rows),
     }
     (out_dir / "compare.json").write_text(json.dumps(report, indent=1), "utf-8")
     assert worst is not None
-    if _plot(out_dir / "compare.png", rows, worst, syn.sample_rate, precision):
+    if _plot(out_dir / "compare.png", rows, worst, rate, precision):
         print(f"wrote {out_dir / 'compare.json'} and {out_dir / 'compare.png'}")
     else:
         print(f"wrote {out_dir / 'compare.json'}; no plot: compare.png needs matplotlib ({PLOT_HINT})")
@@ -120,33 +152,46 @@ def run_sensitivity(
     voice: str | None, voices_dir: str | None, device: str, limit: int, seed: int = 1234,
     threads: int | None = None,
 ) -> int:
-    """Each candidate alone in FP16 (all else FP32): the PSNR it costs.
-
-    Reference and candidates decode each utterance whole through the model's own modules
-    (`flow_reverse`, `vocode`), where the candidate's FP16 casts take effect. Not the staged
-    decoder: it calls flow couplings and generator stages one by one, past the casts on an
-    enclosing module (a module in FP16 would get FP32 inputs)."""
-    syn = _synthesizer(voice, voices_dir, device, threads, schedule=WHOLE_UTTERANCE, staged=False)
-    backend = syn.backend
-    assert isinstance(backend, TorchBackend)
-    fp32_model = backend.models["fp32"]
+    """What each FP32 pin is worth on the served path: FP16 sessions with the family's pins, with
+    each pin taken out, and with each other candidate added, against FP32 sessions of the same
+    sentences and seed (waveform PSNR, guard redos, length changes)."""
     texts = check_sentences()[:limit]
     if not texts:
         raise ValueError(f"--limit {limit}: use at least one sentence")
-    refs = [syn.synthesize(t, SynthesisParams(seed=seed))[0] for t in texts]
-    print(f"candidate FP32 pins, each run alone in FP16 ({len(texts)} sentence(s), {syn.voice.info.name} on "
-          f"{device}); current pins: {', '.join(VITS_FP32_PINS)}", flush=True)
-    print(f"{'module':32s} {'min_db':>8s} {'median_db':>9s} {'len_changes':>11s}")
+    served = ServedVoice(voice, voices_dir, device, threads)
     try:
-        for candidate in VITS_PIN_CANDIDATES:
-            backend.models["fp32"] = fp16_only(fp32_model, candidate)
-            values, length_changes = [], 0
-            for text, ref in zip(texts, refs, strict=True):
-                test, _ = syn.synthesize(text, SynthesisParams(seed=seed))
-                values.append(psnr_db(ref, test))
-                length_changes += len(test) != len(ref)
-            print(f"{candidate:32s} {min(values):8.2f} {statistics.median(values):9.2f} {length_changes:11d}",
-                  flush=True)
+        pins, candidates = served.pins, served.local.engine.pin_candidates()
+        refs = [served.speak(t, "fp32", seed).audio for t in texts]
+        baseline = _score(served, texts, refs, seed)
     finally:
-        backend.models["fp32"] = fp32_model
+        served.close()
+    print(f"FP32 pins on the {SERVED}; {len(texts)} sentence(s), voice {served.voice} on {device}; "
+          f"the family's pins: {', '.join(pins) or 'none'}", flush=True)
+    print(f"{'FP16 run':40s} {'min_db':>8s} {'median_db':>9s} {'redos':>5s} {'len_changes':>11s}")
+    _print_row("with the family's pins", baseline)
+    trials = [(f"without {p}", tuple(q for q in pins if q != p)) for p in pins]
+    trials += [(f"with {c} added", (*pins, c)) for c in candidates if c not in pins]
+    trials.append(("no pins", ()))
+    for label, trial in trials:
+        one = ServedVoice(voice, voices_dir, device, threads, pins=trial)
+        try:
+            _print_row(label, _score(one, texts, refs, seed))
+        finally:
+            one.close()
     return 0
+
+
+def _score(served: ServedVoice, texts: list[str], refs: list[np.ndarray], seed: int) -> tuple[list[float], int, int]:
+    values, redos, length_changes = [], 0, 0
+    for text, ref in zip(texts, refs, strict=True):
+        test = served.speak(text, "fp16", seed)
+        values.append(psnr_db(ref, test.audio))
+        redos += test.fallbacks
+        length_changes += len(test.audio) != len(ref)
+    return values, redos, length_changes
+
+
+def _print_row(label: str, score: tuple[list[float], int, int]) -> None:
+    values, redos, length_changes = score
+    print(f"{label:40s} {min(values):8.2f} {statistics.median(values):9.2f} {redos:5d} {length_changes:11d}",
+          flush=True)

@@ -17,6 +17,7 @@ import numpy as np
 
 from service.backends.base import Backend, DevicePriorOut, EncodeOut
 from service.models.family import AcousticJob, ChunkSchedule, DecoderInput, SynthesisParams, VoiceInfo
+from service.models.vits.precision import VITS_PIN_CANDIDATES
 from service.models.vits.staged import StagedDecoder
 from service.models.vits.voice import Voice
 from service.telemetry.ranges import stage
@@ -175,6 +176,7 @@ class VitsRuntime:
         self.backend_name = backend.name
         self.capabilities = backend.capabilities
         self.fp32_pins = backend.fp32_pins
+        self.pin_candidates = VITS_PIN_CANDIDATES if "fp16" in backend.supported_precisions() else ()
         self.schedule = schedule or ChunkSchedule()
         self._noise_scale = voice.info.option("noise_scale")
         self._noise_w = voice.info.option("noise_w")
