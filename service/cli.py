@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from service.api.ports import DEFAULT_HOST, DEFAULT_PORT
-from service.backends.registry import backend_names
+from service.models.registry import backend_names
 from service.voices import BUILTIN_VOICE, VoiceNotFoundError
 
 if TYPE_CHECKING:
@@ -227,8 +227,8 @@ def _cmd_say(args: argparse.Namespace) -> int:
     from service.audio.wav import wav_header, write_wav
     from service.engine.api import AudioOut, SessionConfig
     from service.engine.config import EngineConfig
+    from service.engine.frontend_pool import FrontendPoolConfig
     from service.engine.local import LocalEngine
-    from service.text.frontend_pool import FrontendPoolConfig
     from service.voices import find_voice
 
     voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
@@ -945,7 +945,7 @@ def _setup_logging(command: str, args: argparse.Namespace | None = None) -> None
         setup_logging(config)
         return
     logging.basicConfig(level=logging.WARNING, format="cadenza: %(message)s")
-    logging.getLogger("service.backends.stage_export").setLevel(logging.INFO)
+    logging.getLogger("service.models.vits.backends.stage_export").setLevel(logging.INFO)
 
 
 def _error_exit_code(exc: BaseException) -> int | None:

@@ -4,6 +4,7 @@ engine never depends on a tool, nor a model on the engine."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -14,8 +15,8 @@ LAYERS = {
     "tools": 6,
     "api": 5,
     "engine": 4,
-    "synthesis": 3, "backends": 3,
-    "models": 1, "text": 1, "voices": 1, "audio": 1, "telemetry": 1,
+    "models": 3, "voices": 3,
+    "text": 1, "audio": 1, "telemetry": 1,
     "kernels": 0,
 }
 
@@ -65,13 +66,43 @@ def test_imports_flow_one_way() -> None:
 
 def test_the_engine_and_the_api_see_models_only_through_the_family_contract() -> None:
     """service/engine and service/api import nothing of a model family's own (service.models.vits):
-    what they need of a model is in service.models.family."""
+    what they need of a model is in service.models.family, and the registry finds the family."""
     wrong = []
     for package in ("engine", "api"):
         for path in ROOT.joinpath("service", package).rglob("*.py"):
             if "gen" in path.relative_to(ROOT).parts:
                 continue
             for name in _imports(path):
-                if name.startswith("service.models.") and name != "service.models.family":
+                if name.startswith("service.models.") and name not in ("service.models.family",
+                                                                       "service.models.registry"):
                     wrong.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not wrong, "\n".join(wrong)
+
+
+# A model family's own words (VITS's tensors, modules and noise scales): the engine and the API
+# speak of decoder input, frames and family options instead.
+FAMILY_WORDS = re.compile(r"(?<![\w-])(z_p|m_p|logs_p|noise_w|noise_scale|flow|flows|dec|halo|halos|flow_halo|"
+                          r"voc_halo|vocoder|vits)(?![\w-])", re.IGNORECASE)
+
+
+def test_the_engine_and_the_api_name_no_family_internals() -> None:
+    found = []
+    for package in ("engine", "api"):
+        for path in ROOT.joinpath("service", package).rglob("*.py"):
+            if "gen" in path.relative_to(ROOT).parts:
+                continue
+            for number, line in enumerate(path.read_text("utf-8").splitlines(), 1):
+                if match := FAMILY_WORDS.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r} in {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_the_engine_probes_no_backend_for_methods() -> None:
+    """Capabilities are declared (`service.models.family.Capabilities`), never discovered."""
+    found = []
+    for package in ("engine", "api"):
+        for path in ROOT.joinpath("service", package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr":
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: hasattr")
+    assert not found, "\n".join(found)

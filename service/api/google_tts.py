@@ -323,7 +323,7 @@ class GoogleTextToSpeechServicer(CompatServicer):
     async def StreamingSynthesize(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        """First request: streaming_config; then text inputs; audio flows back as it is made."""
+        """First request: streaming_config; then text inputs; audio comes back as it is made."""
         requests = RequestReader(request_iterator, self._idle_timeout_s)
         session: Session | None = None
         reader: asyncio.Task[None] | None = None

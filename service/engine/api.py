@@ -82,7 +82,7 @@ class SessionConfig:
     options: Mapping[str, float] | None = None  # the voice's model-family options by name (VoiceDescription.options)
     seed: int | None = None  # given: reproducible audio (and cacheable); None: random
     precision: Precision = Precision.AUTO
-    first_chunk_frames: int | None = None  # latent frames in an utterance's first chunk
+    first_chunk_frames: int | None = None  # decoder frames in an utterance's first chunk
     max_chunk_frames: int | None = None  # cap on later chunks
     custom_dictionary: Mapping[str, str] | None = None  # word -> pronunciation annotation
     wav_header: bool = False  # prepend a streaming WAV header to the first audio bytes
@@ -190,7 +190,7 @@ class VoiceDescription:
     sample_rate: int
     speakers: list[SpeakerInfo]
     loaded: bool  # weights in memory now (first session on an unloaded voice pays the load)
-    family: str = ""  # its model family ("vits")
+    family: str = ""  # its model family (a `service.models.registry` name)
     options: list[VoiceOption] = field(default_factory=list)  # what SessionConfig.options may set
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.precision import PrecisionPolicyConfig
 from service.models.family import ChunkSchedule
-from service.text.frontend_pool import FrontendPoolConfig
 from service.text.segment import SegmenterConfig
 
 
@@ -42,7 +42,7 @@ class BatchConfig:
     # decoder state in a device slot (the torch backend). "staged": each utterance decoded
     # alone by the staged decoder (ONNX Runtime on CPU). "auto": slots where the backend has them.
     decoder: str = "auto"
-    step_frames: int = 64  # latent frames a session advances per step after its first chunk
+    step_frames: int = 64  # decoder frames a session advances per step after its first chunk
     max_step_rows: int = 256  # sessions advanced by one step at most (the most urgent first)
     # A GPU step that runs for urgent sessions takes the next sessions in line too, up to this
     # many rows: a step's fixed cost (launch, small-batch device time) is paid once for all of
@@ -86,7 +86,7 @@ class BatchConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     voice: str | None = None  # default voice name; None = the built-in voice
-    voices_dir: Path | None = None  # extra Piper voices served by name
+    voices_dir: Path | None = None  # extra voices (any family's files) served by name
     backend: str = "auto"  # torch | onnxruntime | tensorrt | auto (by device)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # CPU inference threads

@@ -2,7 +2,7 @@
 
 Sessions post text, end and cancel messages from their event loops (`submit_*`; with the core
 in its own process, the thread that reads the server's pipe posts them, see proc.py); text is
-phonemised off this thread first (espeak is process-global and slow next to the GPU). The
+phonemised off this thread first (a text frontend is slow next to the GPU, and espeak is process-global). The
 thread applies the messages, asks the scheduler for a plan, has the executor run it and the
 output stage deliver it. It is the only code that calls the backends; nothing mutable is
 shared with the event loops."""
@@ -26,6 +26,7 @@ from service.engine.api import ENGINE_DIED, ResourceExhausted
 from service.engine.cache import ResultCache
 from service.engine.config import BatchConfig
 from service.engine.executor import Chunk, Executor
+from service.engine.frontend_pool import FrontendPool, FrontendPoolConfig
 from service.engine.output import OutputStage
 from service.engine.scheduler import AcousticCost, Scheduler
 from service.engine.shadow import ShadowVerifier
@@ -40,7 +41,6 @@ from service.telemetry import Telemetry
 from service.telemetry.ranges import BusyProfiler, stage
 from service.telemetry.timeline import Timeline
 from service.text.frontend import PhonemizedSentence
-from service.text.frontend_pool import FrontendPool, FrontendPoolConfig
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ class EngineCore:
             self._acoustic(plan.acoustic)
         else:
             self._acoustic(plan.acoustic)
-            if plan.acoustic:  # sentences that just got their latent frames start now
+            if plan.acoustic:  # sentences that just got their decoder input start now
                 plan = self.scheduler.plan(list(self._sessions.values()), time.monotonic(), max_rows, free,
                                            self._acoustic_cost.per_sentence, fill)
             self._decode(plan.decode)

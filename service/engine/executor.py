@@ -1,7 +1,7 @@
 """The executor: runs what the scheduler planned on the backends.
 
 * the acoustic stage for a batch of sentences (length-sorted, padded, masked);
-* a decoder step: with slots, every planned session advances by the same number of latent
+* a decoder step: with slots, every planned session advances by the same number of decoder
   frames in one batched call (first chunks in their own call: they also fill the decoder's
   lag); the staged CPU decoder instead advances one session by its next chunk;
 * the guard over the step's whole batch, and an FP32 redo of only the rows that tripped.
@@ -153,9 +153,9 @@ class Executor:
         for (_, p), pool in list(self._slots.items()):
             if precision is not None and p != precision:
                 continue
-            dec, frames = pool.decoder, self.config.step_frames
-            audio = frames * dec.hop / pool.sample_rate  # seconds one row of one step makes
-            for (rows, n), seconds in list(dec.step_seconds.items()):
+            decoder, frames = pool.decoder, self.config.step_frames
+            audio = frames * decoder.hop / pool.sample_rate  # seconds one row of one step makes
+            for (rows, n), seconds in list(decoder.step_seconds.items()):
                 if n == frames and seconds > 0:
                     best = max(best, rows * audio / seconds)
         headroom = self.CAPACITY_HEADROOM
@@ -407,18 +407,18 @@ class Executor:
         """Decode `u`'s prior frames up to `u.fed` in one step, in the slot it was just started
         in; returns that step's device audio (None when nothing was fed yet)."""
         assert u.slot is not None
-        dec = self.slots(s.spec.runtime, u.precision).decoder
+        decoder = self.slots(s.spec.runtime, u.precision).decoder
         if not u.fed:
             return None
         sids = None if s.spec.sid is None else [s.spec.sid]
-        return dec.step(StepRows([u.slot], [0], u.fed, sids))
+        return decoder.step(StepRows([u.slot], [0], u.fed, sids))
 
     def _launch(self, rows: list[tuple[SessionState, UtteranceState]], precision: str, first: bool) -> _InFlight:
         """Queue one batched step on the device (no waiting for it); advances each row's `fed`
         once it is queued (a launch that raises changes nothing)."""
         runtime = rows[0][0].spec.runtime
-        dec = self.slots(runtime, precision).decoder
-        frames = (runtime.schedule.first_frames + dec.lag) if first else self.config.step_frames
+        decoder = self.slots(runtime, precision).decoder
+        frames = (runtime.schedule.first_frames + decoder.lag) if first else self.config.step_frames
         utts = [u for _, u in rows]
         fed = [u.fed for u in utts]
         sids = None if rows[0][0].spec.sid is None else [s.spec.sid or 0 for s, _ in rows]
@@ -427,7 +427,7 @@ class Executor:
         step = StepRows(slots, fed, frames, sids)
         t0 = time.perf_counter()
         with stage("step.launch"), self.timeline.timed("launch", rows=len(rows), first=first, frames=frames):
-            pending = runtime.guard_async(dec.step(step))
+            pending = runtime.guard_async(decoder.step(step))
         for u in utts:
             u.fed += frames
         return _InFlight(rows, precision, frames, fed, pending, t0)
@@ -448,15 +448,15 @@ class Executor:
             audio, nonfinite, pcm16 = flight.pending.result()
         rows, precision, frames = flight.rows, flight.precision, flight.frames
         runtime = rows[0][0].spec.runtime
-        dec = self.slots(runtime, precision).decoder
+        decoder = self.slots(runtime, precision).decoder
         self.stats.step_seconds += time.perf_counter() - flight.t0
         self.stats.steps += 1
         self.stats.rows += len(rows)
         self.stats.max_rows = max(self.stats.max_rows, len(rows))
         out = []
-        hop = dec.hop
+        hop = decoder.hop
         for i, (s, u) in enumerate(rows):
-            start = (flight.fed[i] - dec.lag) * hop  # position of audio[i, 0] in the utterance
+            start = (flight.fed[i] - decoder.lag) * hop  # position of audio[i, 0] in the utterance
             lo = max(0, start)
             hi = max(lo, min(u.frames * hop, start + frames * hop))  # lo == hi: none of it is this utterance's
             fallback = False

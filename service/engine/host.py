@@ -19,6 +19,7 @@ from typing import Protocol
 from service.engine.cache import ResultCache
 from service.engine.config import EngineConfig
 from service.engine.core import EngineCore
+from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.precision import Hardware
 from service.engine.shadow import ShadowVerifier
 from service.engine.state import EngineStats, ReadCursor, SessionRequest, Sink, WorkSpec
@@ -26,7 +27,6 @@ from service.models.family import VoiceInfo, VoiceRuntime
 from service.models.registry import open_voice
 from service.telemetry import Telemetry
 from service.telemetry.timeline import Timeline
-from service.text.frontend_pool import FrontendPoolConfig
 
 log = logging.getLogger(__name__)
 

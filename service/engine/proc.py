@@ -48,6 +48,7 @@ from typing import Any
 from service.audio.encoding import float_to_int16
 from service.engine.api import Unavailable
 from service.engine.config import EngineConfig
+from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.host import (
     CoreSnapshot,
     LoadedVoice,
@@ -63,7 +64,6 @@ from service.engine.state import ChunkResult, Loop, ReadCursor, SessionRequest, 
 from service.models.family import VoiceInfo
 from service.telemetry import Telemetry
 from service.telemetry.config import LogConfig
-from service.text.frontend_pool import FrontendPoolConfig
 from service.voices import list_voices
 
 log = logging.getLogger(__name__)

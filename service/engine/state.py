@@ -107,7 +107,7 @@ class SessionStatus(enum.Enum):
 
 class UtteranceStatus(enum.Enum):
     ACOUSTIC = "acoustic"  # waiting for (or in) the acoustic stage
-    DECODING = "decoding"  # latent frames ready; chunks being decoded
+    DECODING = "decoding"  # decoder input ready; chunks being decoded
     CACHED = "cached"  # replayed from the result cache
     DONE = "done"
 

@@ -379,6 +379,7 @@ class Family(Protocol):
     """A model family: its voices' files, frontend and options, and how to load a voice."""
 
     name: str
+    backends: tuple[str, ...]  # the backends it runs on (--backend)
 
     def recognise(self, path: Path) -> VoiceInfo | None:
         """The voice at `path` if it is one of this family's (None: not this family's files)."""

@@ -31,6 +31,11 @@ def families() -> list[Family]:
     return [family(name) for name in FAMILIES]
 
 
+def backend_names() -> list[str]:
+    """Every backend some family runs on."""
+    return sorted({name for fam in families() for name in fam.backends})
+
+
 def recognise(path: Path) -> VoiceInfo:
     """The voice whose files are at `path`, whichever family's they are."""
     for fam in families():

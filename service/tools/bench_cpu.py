@@ -26,8 +26,8 @@ import numpy as np
 from service.audio.encoding import AudioEncoding
 from service.engine.api import AudioOut, SessionConfig
 from service.engine.config import EngineConfig
+from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine
-from service.text.frontend_pool import FrontendPoolConfig
 
 LONG_TEXT_CHARS = 150
 CORPUS_RESOURCE = "data/corpus_cpu.txt"  # in the service package

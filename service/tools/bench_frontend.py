@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import wait
 
-from service.text.frontend_pool import FrontendPool, FrontendPoolConfig
+from service.engine.frontend_pool import FrontendPool, FrontendPoolConfig
 from service.voices import BUILTIN_VOICE
 
 _NAMES = ["Maria", "James", "Priya", "Daniel", "Aiko", "Robert", "Fatima", "Olivia"]

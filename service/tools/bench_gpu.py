@@ -22,9 +22,9 @@ def run_gpu_bench(device: str, batches: list[int], chunk_frames: int, out: Path 
     from service.audio.encoding import AudioEncoding
     from service.engine.api import AudioOut, Precision, SessionConfig
     from service.engine.config import EngineConfig
+    from service.engine.frontend_pool import FrontendPoolConfig
     from service.engine.local import LocalEngine
     from service.models.registry import open_voice
-    from service.text.frontend_pool import FrontendPoolConfig
     from service.voices import builtin_voice_info
 
     if not torch.cuda.is_available():

@@ -25,6 +25,7 @@ _BACKEND_OPTIONS = {
 
 class VitsFamily:
     name = FAMILY_NAME
+    backends = tuple(sorted(_BACKEND_OPTIONS))
 
     def recognise(self, path: Path) -> VoiceInfo | None:
         if path.suffix != ".onnx" or not Path(f"{path}.json").is_file():
@@ -44,7 +45,7 @@ class VitsFamily:
 
     def open(self, info: VoiceInfo, backend: str, device: str, schedule: ChunkSchedule,
              **options: Any) -> VoiceRuntime:
-        from service.backends.registry import create_backend
+        from service.models.vits.backends.registry import create_backend
         from service.models.vits.runtime import VitsRuntime
 
         voice = Voice(info)

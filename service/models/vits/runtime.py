@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.base import Backend, DevicePriorOut, EncodeOut
 from service.models.family import AcousticJob, ChunkSchedule, DecoderInput, SynthesisParams, VoiceInfo
+from service.models.vits.backends.base import Backend, DevicePriorOut, EncodeOut
 from service.models.vits.precision import VITS_PIN_CANDIDATES
 from service.models.vits.staged import StagedDecoder
 from service.models.vits.voice import Voice

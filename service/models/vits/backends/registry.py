@@ -8,13 +8,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from service.backends.base import Backend
+    from service.models.vits.backends.base import Backend
     from service.models.vits.voice import Voice
 
 _BACKENDS: dict[str, str] = {
-    "torch": "service.backends.torch_backend:TorchBackend",
-    "onnxruntime": "service.backends.ort_backend:OrtBackend",
-    "tensorrt": "service.backends.trt_backend:TensorRTBackend",
+    "torch": "service.models.vits.backends.torch_backend:TorchBackend",
+    "onnxruntime": "service.models.vits.backends.ort_backend:OrtBackend",
+    "tensorrt": "service.models.vits.backends.trt_backend:TensorRTBackend",
 }
 
 

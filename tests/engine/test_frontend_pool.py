@@ -17,7 +17,7 @@ import pytest
 
 from service.text.annotations import AnnotationError
 from service.text.frontend import Frontend, PhonemizedSentence
-from service.text.frontend_pool import FrontendPool, FrontendPoolConfig, default_workers
+from service.engine.frontend_pool import FrontendPool, FrontendPoolConfig, default_workers
 from service.tools.bench_frontend import call_center_sentences
 from service.voices import BUILTIN_VOICE, VoiceNotFoundError
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.base import Capabilities, EncodeOut, VocodeOut
-from service.backends.stage_export import cached_stage_exports, decoder_stage_names, default_cache_dir
 from service.models.family import guard_host
+from service.models.vits.backends.base import Capabilities, EncodeOut, VocodeOut
+from service.models.vits.backends.stage_export import cached_stage_exports, decoder_stage_names, default_cache_dir
 from service.models.vits.receptive_field import decoder_stage_table
 from service.models.vits.voice import Voice
 

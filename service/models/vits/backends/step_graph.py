@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from service.backends.stage_export import export_dir_name, writable_cache_dir
+from service.models.vits.backends.stage_export import export_dir_name, writable_cache_dir
 from service.models.vits.model import VitsModel
 from service.models.vits.streaming import StageShape, VitsStreamingDecoder, run_stages, stage_shapes
 

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.guard import guard
-from service.backends.base import Capabilities, DevicePriorOut, EncodeOut, HostAudio, VocodeOut
-from service.backends.stage_export import cache_home
 from service.models.cuda_graphs import GraphCapturer
+from service.models.vits.backends.base import Capabilities, DevicePriorOut, EncodeOut, HostAudio, VocodeOut
+from service.models.vits.backends.stage_export import cache_home
 from service.models.vits.model import VitsModel
 from service.models.vits.precision import VITS_FP32_PINS, to_mixed_precision
 from service.models.vits.receptive_field import decoder_stage_table

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.stage_export import default_cache_dir
-from service.backends.step_graph import GraphStepDecoder, cached_step_export, is_pinned
-from service.backends.torch_backend import TorchBackend
+from service.models.vits.backends.stage_export import default_cache_dir
+from service.models.vits.backends.step_graph import GraphStepDecoder, cached_step_export, is_pinned
+from service.models.vits.backends.torch_backend import TorchBackend
 from service.models.vits.precision import VITS_FP32_PINS
 from service.models.vits.voice import Voice
 
