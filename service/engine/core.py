@@ -359,6 +359,9 @@ class EngineCore:
             self.timeline.add("plan", sessions=len(sessions), acoustic=len(plan.acoustic),
                               acoustic_first=sum(u.index == 0 for _, u in plan.acoustic), decode=len(plan.decode),
                               decode_first=sum(u.chunk_index == 0 for _, u in plan.decode))
+        if plan.tokens:
+            for s, why in self.executor.tokens(plan.tokens):
+                self._fail(s, why)
         if plan.decode and plan.acoustic and runtime is not None and self.executor.overlaps(runtime):
             # The device runs the step while this thread runs the acoustic stage (on its own
             # stream); the sentences that stage readied start in a step of their own right after.

@@ -245,12 +245,38 @@ class Executor:
             for (s, u, _), utt in zip(group, utts, strict=True):
                 u.utt = utt
                 u.word_spans = utt.word_spans
-                u.status = UtteranceStatus.DECODING
-                if not self.uses_slots(s.spec.runtime):
-                    first = s.spec.schedule.first_chunk(u.index)
-                    u.bounds = s.spec.schedule.boundaries(utt.frames, first)
-                    u.staged = s.spec.runtime.utterance_decoder(utt)
+                if runtime.capabilities.autoregressive:
+                    u.status = UtteranceStatus.TOKENS
+                else:
+                    self._decodable(s, u)
         return failed
+
+    def _decodable(self, s: SessionState, u: UtteranceState) -> None:
+        """`u`'s decoder input is complete: it is decoded from now on (staged: by a decoder of its own)."""
+        assert u.utt is not None
+        u.status = UtteranceStatus.DECODING
+        if not self.uses_slots(s.spec.runtime):
+            u.bounds = s.spec.schedule.boundaries(u.frames, s.spec.schedule.first_chunk(u.index))
+            u.staged = s.spec.runtime.utterance_decoder(u.utt)
+
+    # --- autoregressive steps --------------------------------------------------------------------
+
+    def tokens(self, rows: list[tuple[SessionState, UtteranceState]]) -> list[Failure]:
+        """One batched autoregressive step for `rows` (one voice); an utterance whose decoder
+        input is complete goes on to decoding. Returns the sessions that failed, with why."""
+        if not rows:
+            return []
+        runtime = rows[0][0].spec.runtime
+        try:
+            with stage("tokens.step"), self.timeline.timed("tokens", rows=len(rows)):
+                done = runtime.token_step([u.utt for _, u in rows])
+        except Exception as exc:
+            log.exception("autoregressive step of %d rows failed", len(rows))
+            return [(s, exc) for s, _ in rows]
+        for (s, u), finished in zip(rows, done, strict=True):
+            if finished:
+                self._decodable(s, u)
+        return []
 
     # --- decoder steps ---------------------------------------------------------------------------
 

@@ -29,7 +29,10 @@ stage and which sessions advance by one decoder step, most urgent first:
   sessions below their lead catch up once the starts are through (their buffered audio covers
   that: they are not about to run dry);
 * among sessions waiting for their first audio, a first sentence goes to the acoustic stage
-  before a session's next one (which its first audio does not need).
+  before a session's next one (which its first audio does not need);
+* a family that makes its decoder input token by token (autoregressive) gets one batched token
+  step per iteration over every utterance still making tokens, head utterances and the least
+  buffered sessions first, beside the acoustic batch and the decoder step.
 """
 
 from __future__ import annotations
@@ -47,13 +50,15 @@ class Plan:
     """What one engine iteration runs."""
 
     acoustic: list[tuple[SessionState, UtteranceState]] = field(default_factory=list)
+    # One batched autoregressive step (families whose decoder input is made token by token).
+    tokens: list[tuple[SessionState, UtteranceState]] = field(default_factory=list)
     decode: list[tuple[SessionState, UtteranceState]] = field(default_factory=list)
     decode_first: bool = False  # a playing session is close to running dry: its step goes first
     wake_at: float | None = None  # nothing to run now: plan again at this time (or on new input/reads)
 
     @property
     def empty(self) -> bool:
-        return not self.acoustic and not self.decode
+        return not self.acoustic and not self.tokens and not self.decode
 
 
 @dataclass
@@ -93,6 +98,7 @@ class Scheduler:
         plan = Plan()
         acoustic: list[tuple[tuple[float, bool, float], SessionState, UtteranceState]] = []
         ready: list[tuple[SessionState, UtteranceState, float]] = []
+        tokens: list[tuple[tuple[bool, float, float], SessionState, UtteranceState]] = []
         wake = math.inf
         starts = 0  # sessions waiting for the acoustic stage to begin their audio
         for s in sessions:
@@ -102,6 +108,9 @@ class Scheduler:
             head = s.utterances[0]
             if head.status is UtteranceStatus.DECODING and s.unread_s() < cfg.max_ahead_s:
                 ready.append((s, head, slack))
+            # every utterance making tokens steps: its later decoding waits for them (first audio first)
+            tokens += [((u is not head, slack, s.ready_since), s, u) for u in s.utterances
+                       if u.status is UtteranceStatus.TOKENS]
             nxt = next((u for u in s.utterances if u.status is UtteranceStatus.ACOUSTIC), None)
             if nxt is not None:
                 if s.queued_audio_s() < cfg.acoustic_lookahead_s:
@@ -113,6 +122,10 @@ class Scheduler:
             acoustic.sort(key=lambda item: item[0])
             runtime = acoustic[0][1].spec.runtime
             plan.acoustic = [(s, u) for _, s, u in acoustic if s.spec.runtime is runtime][: cfg.acoustic_max_batch]
+        if tokens:
+            tokens.sort(key=lambda item: item[0])
+            runtime = tokens[0][1].spec.runtime
+            plan.tokens = [(s, u) for _, s, u in tokens if s.spec.runtime is runtime][: cfg.max_step_rows]
         urgent_slack = max(cfg.urgent_slack_s, len(plan.acoustic) * acoustic_job_s)
         # a backlog of starts: the lead does not count and no step is filled
         backlog = 2 * starts >= max(2, cfg.acoustic_max_batch)

@@ -107,6 +107,7 @@ class SessionStatus(enum.Enum):
 
 class UtteranceStatus(enum.Enum):
     ACOUSTIC = "acoustic"  # waiting for (or in) the acoustic stage
+    TOKENS = "tokens"  # an autoregressive family is making its decoder input, one batched step at a time
     DECODING = "decoding"  # decoder input ready; chunks being decoded
     CACHED = "cached"  # replayed from the result cache
     DONE = "done"

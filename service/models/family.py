@@ -370,8 +370,10 @@ class VoiceRuntime(Protocol):
         the shadow verifier). Never on the serving path."""
         ...
 
-    def token_step(self, rows: Sequence[Any]) -> Any:
-        """Autoregressive families: one batched step of speech tokens."""
+    def token_step(self, rows: Sequence[DecoderInput | None]) -> Sequence[bool]:
+        """Autoregressive families (`Capabilities.autoregressive`): one batched step that adds a
+        token to each row's decoder input (kept in the family's own cache, e.g. a KV cache in
+        device slots); True for a row whose input is now complete (it is then decoded)."""
         ...
 
 

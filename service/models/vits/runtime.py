@@ -312,5 +312,5 @@ class VitsRuntime:
         out = self.backend.vocode(z, sid, precision)
         return out.audio[0]
 
-    def token_step(self, rows: Sequence[Any]) -> Any:
-        raise NotImplementedError("VITS has no autoregressive stage")
+    def token_step(self, rows: Sequence[DecoderInput | None]) -> Sequence[bool]:
+        raise NotImplementedError("VITS has no autoregressive stage (Capabilities.autoregressive is False)")
