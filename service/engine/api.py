@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.audio.encoding import AudioEncoding
-from service.models.family import WordTiming
+from service.models.family import OptionSpec, WordTiming
 
 __all__ = [
     "MAX_ECHO_CHARS",
@@ -191,18 +191,7 @@ class VoiceDescription:
     speakers: list[SpeakerInfo]
     loaded: bool  # weights in memory now (first session on an unloaded voice pays the load)
     family: str = ""  # its model family (a `service.models.registry` name)
-    options: list[VoiceOption] = field(default_factory=list)  # what SessionConfig.options may set
-
-
-@dataclass(frozen=True)
-class VoiceOption:
-    """A model-family option a session may set, with its range and the voice's default."""
-
-    name: str
-    default: float
-    low: float
-    high: float
-    help: str
+    options: tuple[OptionSpec, ...] = ()  # what SessionConfig.options may set
 
 
 @dataclass(frozen=True)

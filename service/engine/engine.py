@@ -31,7 +31,6 @@ from service.engine.api import (
     SpeakerInfo,
     Unavailable,
     VoiceDescription,
-    VoiceOption,
     WordTiming,
     check_text,
     echo,
@@ -264,9 +263,8 @@ class TtsEngine:
         for v in ordered:
             names = {i: n for n, i in v.speaker_id_map.items()}
             speakers = [SpeakerInfo(i, names.get(i, "")) for i in range(v.num_speakers)] if v.num_speakers > 1 else []
-            options = [VoiceOption(o.name, o.default, o.low, o.high, o.help) for o in v.options]
             out.append(VoiceDescription(v.name, v.language, v.sample_rate, speakers, v.name in self._loaded,
-                                        v.family, options))
+                                        v.family, v.options))
         return out
 
     def server_info(self) -> ServerInfo:

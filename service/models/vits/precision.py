@@ -2,8 +2,8 @@
 
 A pinned module keeps FP32 weights and computes in FP32: its floating inputs are
 cast up on the way in and its outputs cast back to the half dtype on the way out.
-The pin list below is justified by `cadenza precision sensitivity`, which runs
-each candidate alone in FP16 and reports the waveform PSNR it costs."""
+The pin list below is justified by `cadenza precision sensitivity`, which serves FP16 sessions
+with each pin taken out and each other candidate added and reports the waveform PSNR."""
 
 from __future__ import annotations
 
@@ -17,20 +17,22 @@ from torch import nn
 
 from service.models.vits.model import VitsModel
 
-# Module-name patterns (fnmatch) kept in FP32. Why each one:
-# - enc_p, dp: the acoustic stage decides durations through exp() and ceil(); a
-#   rounding change there moves a frame boundary and shifts all later audio. It
-#   is also cheap (per phoneme, not per frame), so FP32 costs little.
-# - emb_g: speaker embedding lookup, tiny.
-# - dec.conv_post: the output conv feeding tanh; its accumulation over 32
-#   channels x 7 taps decides the final sample values.
-VITS_FP32_PINS: tuple[str, ...] = ("enc_p", "dp", "emb_g", "dec.conv_post")
+# Module-name patterns (fnmatch) kept in FP32 in the FP16 decoder. The acoustic stage (`enc_p`,
+# `dp`) is not among them because it always runs in FP32, whole (durations go through exp() and
+# ceil(): one rounding flip moves a frame boundary and shifts all later audio; it is per phoneme,
+# so FP32 costs little there). Why each pin:
+# - emb_g: speaker embedding lookup (multi-speaker voices), tiny.
+# - dec.conv_post: the output conv feeding tanh; its accumulation over 32 channels x 7 taps
+#   decides the final sample values.
+# `cadenza precision sensitivity` measures each on the served path (bench/RESULTS.md).
+VITS_FP32_PINS: tuple[str, ...] = ("emb_g", "dec.conv_post")
 
-# What the sensitivity tool tries one at a time.
+# What the sensitivity tool tries: modules the served decoder calls as a whole (a pin works by
+# casting at a module's call, and the streaming decoder calls the flow's couplings' parts and the
+# generator's layers one stage at a time, never `flow` or `dec` themselves).
 VITS_PIN_CANDIDATES: tuple[str, ...] = (
-    "enc_p", "enc_p.encoder.attn_layers.*", "enc_p.encoder.norm_layers_*", "dp",
-    "dp.flows.*", "flow", "flow.flows.*.enc", "dec.conv_pre", "dec.ups.*", "dec.resblocks.*",
-    "dec.conv_post",
+    "emb_g", "flow.flows.*.pre", "flow.flows.*.enc", "flow.flows.*.post", "dec.conv_pre", "dec.cond",
+    "dec.ups.*", "dec.resblocks.*", "dec.conv_post",
 )
 
 
@@ -92,14 +94,3 @@ def _output_caster(dtype: torch.dtype) -> Callable[[nn.Module, Any, Any], Any]:
         return _cast(output, dtype)
 
     return hook
-
-
-def fp16_only(model: VitsModel, candidate: str) -> VitsModel:
-    """FP32 model with just `candidate` run in FP16 (for the sensitivity tool)."""
-    mixed = copy.deepcopy(model).float()
-    for name in _matching(mixed, [candidate]):
-        module = mixed.get_submodule(name)
-        module.half()
-        module.register_forward_pre_hook(_input_caster(torch.float16), with_kwargs=True)
-        module.register_forward_hook(_output_caster(torch.float32))
-    return mixed.eval()
