@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.backends.ort_backend import OrtBackend, run_session
-from service.voices import Voice, builtin_voice_info
+from service.models.vits.backends.ort_backend import OrtBackend, run_session
+from service.models.vits.voice import Voice, builtin_voice_info
 
 
 @pytest.fixture(scope="module")

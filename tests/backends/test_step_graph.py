@@ -13,7 +13,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from service.backends.step_graph import (
+from service.models.family import AcousticJob, StepRows, SynthesisParams, utterance_rng
+from service.models.registry import open_voice
+from service.models.vits.backends.step_graph import (
     GraphStepDecoder,
     cached_step_export,
     full_scope_names,
@@ -21,11 +23,11 @@ from service.backends.step_graph import (
     pinned_nodes,
     state_names,
 )
-from service.models.family import StepRows
 from service.models.vits.model import VitsModel
 from service.models.vits.precision import VITS_FP32_PINS, pinned_modules
+from service.models.vits.runtime import Utterance, VitsRuntime
 from service.models.vits.streaming import VitsStreamingDecoder
-from service.synthesis import SynthesisParams, Utterance, open_synthesizer
+from service.models.vits.voice import builtin_voice_info, read_piper_voice
 
 TEXT = "Hello there, this is a streaming test. Short one. And a third sentence here."
 # FP32 in both: the graph and the torch step differ only in how each library orders its
@@ -36,10 +38,15 @@ ATOL = 1e-4
 
 class Voice:
     def __init__(self, path: str | None, speaker: int | None, cache: Path) -> None:
-        syn = open_synthesizer(path, backend="torch")
-        self.model: VitsModel = syn.voice.model
-        self.utts: list[Utterance] = syn.prepare(TEXT, SynthesisParams(seed=7, speaker=speaker))
-        self.onnx = cached_step_export(self.model, syn.voice.info.onnx_path, cache)
+        info = read_piper_voice(Path(path)) if path else builtin_voice_info()
+        runtime: VitsRuntime = open_voice(info, "torch", "cpu")  # type: ignore[assignment]
+        self.model: VitsModel = runtime.voice.model
+        params = SynthesisParams(seed=7, speaker=speaker)
+        sid = info.speaker_index(speaker)
+        sentences = runtime.voice.frontend.sentences(TEXT)
+        self.utts: list[Utterance] = runtime.acoustic_batch(
+            [AcousticJob(s, sid, params, utterance_rng(7, s.phoneme_ids)) for s in sentences])
+        self.onnx = cached_step_export(self.model, info.model_path, cache)
         self.session = ort.InferenceSession(str(self.onnx), providers=["CPUExecutionProvider"])
         self.nodes = [n.name for n in onnx.load(str(self.onnx), load_external_data=False).graph.node]
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -14,35 +16,86 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from service.audio.encoding import AudioEncoding
 from service.audio.quality import psnr_db
-from service.backends.torch_backend import TorchBackend
+from service.engine.api import AudioOut, Precision, SessionConfig
+from service.engine.config import BatchConfig, EngineConfig
 from service.engine.faults import inject_nonfinite
-from service.engine.shadow import ShadowVerifier
+from service.engine.frontend_pool import FrontendPoolConfig
+from service.engine.local import LocalEngine
+from service.models.family import AcousticJob, ChunkSchedule, SynthesisParams, utterance_rng
+from service.models.vits.backends.torch_backend import TorchBackend
 from service.models.vits.precision import VITS_FP32_PINS, pinned_modules
-from service.synthesis import ChunkSchedule, SynthesisParams, Synthesizer
-from service.voices import Voice, VoiceInfo, builtin_voice_info
+from service.models.vits.runtime import Utterance, VitsRuntime
+from service.models.vits.voice import Voice, builtin_voice_info
 
-TEXT = "Half precision with pinned layers."
+TEXT = "Half precision with pinned layers."  # one sentence: the engine serves it as one utterance
+DATA = Path(__file__).resolve().parent.parent / "data"
+SCHEDULE = ChunkSchedule(first_frames=8, growth=2.0, max_frames=64)
 
 
 @pytest.fixture(scope="module")
-def builtin_torch() -> Synthesizer:
+def builtin_torch() -> VitsRuntime:
     voice = Voice(builtin_voice_info())
-    return Synthesizer(voice, TorchBackend(voice), ChunkSchedule(first_frames=8, growth=2.0, max_frames=64))
+    return VitsRuntime(voice, TorchBackend(voice), SCHEDULE)
 
 
-def test_pinned_modules_stay_fp32(builtin_torch: Synthesizer) -> None:
+def open_engine(device: str = "cpu", voice: str | None = None, schedule: ChunkSchedule = SCHEDULE,
+                shadow_fraction: float = 0.0) -> LocalEngine:
+    """The engine the server runs (torch, slot decoder), in this process: FP16 chunks are only
+    made by its steps, with the guard and the FP32 redo around them."""
+    return LocalEngine(EngineConfig(
+        voice=voice, voices_dir=DATA if voice else None, backend="torch", device=device, threads=1, cache_bytes=0,
+        frontend=FrontendPoolConfig(workers=0), core="thread", schedule=schedule,
+        batch=BatchConfig(decoder="slots", step_frames=schedule.max_frames), warmup_text="Warm up.",
+        shadow_fraction=shadow_fraction,
+    ))
+
+
+def served(local: LocalEngine, text: str, precision: Precision, seed: int) -> list[AudioOut]:
+    """The audio events of one session (float32 samples)."""
+    config = SessionConfig(seed=seed, encoding=AudioEncoding.FLOAT32, precision=precision)
+    return [e for e in local.stream(text, config) if isinstance(e, AudioOut) and e.num_samples]
+
+
+def samples(events: list[AudioOut]) -> np.ndarray:
+    return np.concatenate([np.frombuffer(e.audio, dtype="<f4") for e in events])
+
+
+def utterance(runtime: VitsRuntime, text: str, seed: int) -> Utterance:
+    """`text` (one sentence) through the acoustic stage with the noise the engine gives it."""
+    (sentence,) = runtime.voice.frontend.sentences(text)
+    job = AcousticJob(sentence, None, SynthesisParams(seed=seed), utterance_rng(seed, sentence.phoneme_ids))
+    return runtime.acoustic_batch([job])[0]
+
+
+def engine_backend(local: LocalEngine) -> TorchBackend:
+    """The backend the engine's own runtime runs on (the one its steps use)."""
+    (runtime,) = local.engine.host.runtimes.loaded.values()  # type: ignore[attr-defined]
+    backend = runtime.backend
+    assert isinstance(backend, TorchBackend)
+    return backend
+
+
+@pytest.fixture(scope="module")
+def builtin_engine() -> Iterator[LocalEngine]:
+    with open_engine() as local:
+        yield local
+
+
+def test_pinned_modules_stay_fp32(builtin_torch: VitsRuntime) -> None:
     backend = builtin_torch.backend
     assert isinstance(backend, TorchBackend)
     half = backend.model_for("fp16")
-    assert pinned_modules(half, VITS_FP32_PINS) == ["enc_p", "dp", "dec.conv_post"]
+    # The built-in voice has one speaker (no emb_g); the acoustic stage runs on the FP32 model.
+    assert pinned_modules(half, VITS_FP32_PINS) == ["dec.conv_post"]
     assert half.dec.conv_post.weight.dtype == torch.float32
-    assert half.enc_p.encoder.ffn_layers[0].conv_1.weight.dtype == torch.float32
+    assert backend.model_for("fp32").enc_p.encoder.ffn_layers[0].conv_1.weight.dtype == torch.float32
     assert half.dec.ups[0].weight.dtype == torch.float16
     assert half.flow.flows["0"].enc.in_layers[0].weight.dtype == torch.float16
 
 
-def test_fp16_vocoder_stages_hold_half_the_weight_memory(builtin_torch: Synthesizer) -> None:
+def test_fp16_vocoder_stages_hold_half_the_weight_memory(builtin_torch: VitsRuntime) -> None:
     backend = builtin_torch.backend
     assert isinstance(backend, TorchBackend)
 
@@ -54,47 +107,68 @@ def test_fp16_vocoder_stages_hold_half_the_weight_memory(builtin_torch: Synthesi
     assert backend.weight_bytes("fp16") < backend.weight_bytes("fp32")
 
 
-def test_fp16_audio_is_close_to_fp32(builtin_torch: Synthesizer) -> None:
-    ref, _ = builtin_torch.synthesize(TEXT, SynthesisParams(seed=2, precision="fp32"))
-    chunks = list(builtin_torch.stream(TEXT, SynthesisParams(seed=2, precision="fp16")))
-    out = np.concatenate([c.samples for c in chunks])
-    assert {c.precision for c in chunks} == {"fp16"} and not any(c.fallback for c in chunks)
+def test_fp16_audio_is_close_to_fp32(builtin_torch: VitsRuntime, builtin_engine: LocalEngine) -> None:
+    """The FP16 chunks the engine serves against the FP32 reference decode of the same seeded
+    sentence; and the FP16 reference decode against the FP32 one."""
+    utt = utterance(builtin_torch, TEXT, 2)
+    ref = builtin_torch.reference(utt, "fp32")
+    events = served(builtin_engine, TEXT, Precision.FP16, 2)
+    out = samples(events)
+    assert len(events) > 1  # chunked
+    assert {e.precision for e in events} == {Precision.FP16} and not any(e.fallback for e in events)
     assert len(out) == len(ref)
     assert psnr_db(ref, out) >= 45.0
+    assert psnr_db(ref, builtin_torch.reference(utt, "fp16")) >= 45.0
 
 
 @pytest.mark.parametrize("layer", ["dec.resblocks.4", "flow.flows.4.enc"])
-def test_fault_injection_falls_back_to_fp32(builtin_torch: Synthesizer, layer: str) -> None:
-    backend = builtin_torch.backend
-    assert isinstance(backend, TorchBackend)
-    fault = inject_nonfinite(backend.model_for("fp16"), layer, value=float("inf"), fraction=0.1)
+def test_fault_injection_falls_back_to_fp32(builtin_torch: VitsRuntime, builtin_engine: LocalEngine,
+                                            layer: str) -> None:
+    # A quarter of the layer's output columns: in a slot step the first columns of a flow layer's
+    # output are left context, cut away before the audio (measured: with 0.1 the flow fault fires
+    # on every step and never reaches a sample), so a tenth would not test the guard there.
+    fault = inject_nonfinite(engine_backend(builtin_engine).model_for("fp16"), layer, value=float("inf"),
+                             fraction=0.25)
     try:
-        chunks = list(builtin_torch.stream(TEXT, SynthesisParams(seed=2, precision="fp16")))
+        events = served(builtin_engine, TEXT, Precision.FP16, 2)
     finally:
         fault.remove()
-    ref, _ = builtin_torch.synthesize(TEXT, SynthesisParams(seed=2, precision="fp32"))
-    out = np.concatenate([c.samples for c in chunks])
+    ref = builtin_torch.reference(utterance(builtin_torch, TEXT, 2), "fp32")
+    out = samples(events)
     assert fault.fired >= 1
-    assert chunks[0].fallback and chunks[0].precision == "fp32"
-    assert all(c.precision == "fp32" and not c.fallback for c in chunks[1:])  # rest of the utterance in FP32
-    assert np.isfinite(out).all()
+    assert events[0].fallback and events[0].precision is Precision.FP32
+    # the rest of the utterance in FP32
+    assert all(e.precision is Precision.FP32 and not e.fallback for e in events[1:])
+    assert np.isfinite(out).all() and len(out) == len(ref)
     assert psnr_db(ref, out) >= 60.0
 
 
-def test_shadow_verification_measures_fp16_quality(tiny_voice_path: Path) -> None:
-    voice = Voice(VoiceInfo.from_files(tiny_voice_path))
-    shadow = ShadowVerifier(fraction=1.0)
-    syn = Synthesizer(voice, TorchBackend(voice), ChunkSchedule(first_frames=4, growth=2.0, max_frames=16),
-                      shadow=shadow)
-    chunks = list(syn.stream("Shadow checks every chunk here.", SynthesisParams(seed=1, precision="fp16")))
-    shadow.drain()
+def test_shadow_verification_measures_fp16_quality() -> None:
+    """Every FP16 chunk the engine serves (shadow fraction 1) is checked against the FP32
+    reference decode on the engine thread, off the serving path."""
+    schedule = ChunkSchedule(first_frames=4, growth=2.0, max_frames=16)
+    with open_engine(voice="tiny-multi", schedule=schedule, shadow_fraction=1.0) as local:
+        shadow = local.engine.host.shadow  # type: ignore[attr-defined]
+        assert shadow is not None
+
+        def settled() -> tuple[int, int]:
+            deadline = time.monotonic() + 60
+            while shadow.pending and time.monotonic() < deadline:  # the idle engine thread verifies them
+                time.sleep(0.01)
+            assert not shadow.pending
+            return shadow.verified, shadow.psnr.count
+
+        verified, counted = settled()  # the warm-up's FP16 chunks, if it made any
+        events = served(local, "Shadow checks every chunk here.", Precision.FP16, 1)
+        now_verified, now_counted = settled()
+    assert len(events) > 3 and all(e.precision is Precision.FP16 for e in events)
+    assert shadow.dropped == 0
+    assert now_verified - verified == len(events) == now_counted - counted
     snap = shadow.psnr.snapshot()
-    assert shadow.verified == len(chunks) == snap["count"]
     assert snap["min"] is not None and float(snap["min"]) > 30.0  # type: ignore[arg-type]
-    shadow.close()
 
 
-def test_unknown_precision_is_rejected(builtin_torch: Synthesizer) -> None:
+def test_unknown_precision_is_rejected(builtin_torch: VitsRuntime) -> None:
     backend = builtin_torch.backend
     assert isinstance(backend, TorchBackend)
     with pytest.raises(ValueError, match="unknown precision 'bf8'"):
@@ -102,15 +176,15 @@ def test_unknown_precision_is_rejected(builtin_torch: Synthesizer) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_fp16_matches_fp32_and_session_streams_agree() -> None:
+def test_cuda_fp16_matches_fp32() -> None:
     voice = Voice(builtin_voice_info())
     backend = TorchBackend(voice, device="cuda")
     rng = np.random.default_rng(0)
     z = rng.standard_normal((4, voice.model.hp.inter_channels, 40)).astype(np.float32)
-    ref = backend.vocode(z, None, "fp32", sessions=[1, 2, 3, 4]).audio
-    plain = TorchBackend(voice, device="cuda", stream_pool_size=1).vocode(z, None, "fp32").audio
-    assert np.allclose(ref, plain, atol=1e-5)
-    half = backend.vocode(z, None, "fp16", sessions=[1, 2, 3, 4])
+    ref = backend.vocode(z, None, "fp32").audio
+    alone = np.concatenate([backend.vocode(z[i : i + 1], None, "fp32").audio for i in range(4)])
+    assert np.allclose(ref, alone, atol=1e-5)  # a row's audio does not depend on its batch
+    half = backend.vocode(z, None, "fp16")
     assert int(half.nonfinite.sum()) == 0
     for row in range(4):
         assert psnr_db(ref[row], half.audio[row]) >= 40.0
@@ -120,19 +194,17 @@ def test_cuda_fp16_matches_fp32_and_session_streams_agree() -> None:
 @pytest.mark.parametrize("layer", ["dec.resblocks.4", "flow.flows.4.enc"])
 def test_cuda_fault_injection_falls_back_to_fp32(layer: str) -> None:
     voice = Voice(builtin_voice_info())
-    syn = Synthesizer(voice, TorchBackend(voice, device="cuda"), ChunkSchedule(first_frames=8, growth=2.0,
-                                                                               max_frames=64))
-    backend = syn.backend
-    assert isinstance(backend, TorchBackend)
-    ref, _ = syn.synthesize(TEXT, SynthesisParams(seed=2, precision="fp32"))
-    fault = inject_nonfinite(backend.model_for("fp16"), layer, value=float("nan"), fraction=0.1)
-    try:
-        chunks = list(syn.stream(TEXT, SynthesisParams(seed=2, precision="fp16")))
-    finally:
-        fault.remove()
-    out = np.concatenate([c.samples for c in chunks])
-    assert fault.fired >= 1 and chunks[0].fallback
-    assert np.isfinite(out).all()
+    runtime = VitsRuntime(voice, TorchBackend(voice, device="cuda"), SCHEDULE)
+    ref = runtime.reference(utterance(runtime, TEXT, 2), "fp32")
+    with open_engine(device="cuda") as local:
+        fault = inject_nonfinite(engine_backend(local).model_for("fp16"), layer, value=float("nan"), fraction=0.25)
+        try:
+            events = served(local, TEXT, Precision.FP16, 2)
+        finally:
+            fault.remove()
+    out = samples(events)
+    assert fault.fired >= 1 and events[0].fallback
+    assert np.isfinite(out).all() and len(out) == len(ref)
     assert psnr_db(ref, out) >= 60.0
 
 
@@ -170,7 +242,7 @@ def test_gemm_convolutions_equal_the_library_ones() -> None:
     what torch's own convolutions give, padded, dilated and depthwise ones included."""
     import copy
 
-    from service.backends.torch_backend import gemm_convs
+    from service.models.vits.backends.torch_backend import gemm_convs
 
     model = Voice(builtin_voice_info()).model.eval()
     gemm = copy.deepcopy(model)
@@ -196,7 +268,7 @@ def _area(rows: int, longest: int) -> float:
 
 
 def test_split_batch_pads_little_and_keeps_one_call_where_padding_is_cheap() -> None:
-    from service.backends.torch_backend import split_batch
+    from service.models.vits.backends.torch_backend import split_batch
 
     sizes = (1, 2, 4, 8, 16, 32, 64, 128)
     assert split_batch([100] * 64, _area, sizes) == [64]  # equal lengths: one call
@@ -213,7 +285,7 @@ def test_split_batch_finds_the_cheapest_grouping(lengths: list[int], fixed: floa
     """Against every way to cut the (sorted) batch into consecutive groups of the sizes tried."""
     import itertools
 
-    from service.backends.torch_backend import split_batch
+    from service.models.vits.backends.torch_backend import split_batch
 
     lengths.sort()
     sizes = (1, 2, 4, 8)
@@ -246,12 +318,11 @@ def test_split_batch_finds_the_cheapest_grouping(lengths: list[int], fixed: floa
 
 
 def test_an_acoustic_batch_split_by_the_backend_keeps_every_utterance_in_order(
-    builtin_torch: Synthesizer, monkeypatch: pytest.MonkeyPatch
+    builtin_torch: VitsRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the backend runs a batch as several calls (`acoustic_split`: by length on CUDA),
     each job still gets its own utterance, in the order given: the durations it gets in one call
     and, to rounding, the same prior."""
-    from service.synthesis import AcousticJob, utterance_rng
     from service.tools.voice_check import check_sentences
 
     params = SynthesisParams(seed=5)
@@ -269,8 +340,8 @@ def test_an_acoustic_batch_split_by_the_backend_keeps_every_utterance_in_order(
         return [1, 2, len(lengths) - 3]
 
     monkeypatch.setattr(builtin_torch.backend, "acoustic_split", split, raising=False)
-    monkeypatch.setattr(builtin_torch.backend, "capabilities",
-                        dataclasses.replace(builtin_torch.backend.capabilities, acoustic_split=True))
+    monkeypatch.setattr(builtin_torch, "capabilities",
+                        dataclasses.replace(builtin_torch.capabilities, acoustic_split=True))
     parts = builtin_torch.acoustic_batch(jobs())
     assert seen == [sorted(len(s.phoneme_ids) for s in sentences)]  # asked with ascending lengths
     for s, a, b in zip(sentences, whole, parts, strict=True):
@@ -285,7 +356,6 @@ def test_cuda_acoustic_batches_split_by_measured_device_time_keep_every_duration
 ) -> None:
     """On CUDA every encoder graph's device time is measured at capture and a batch of mixed
     lengths runs as the cheapest groups by it; the utterances are those of one call."""
-    from service.synthesis import AcousticJob, utterance_rng
     from service.tools.bench_load import SENTENCES
 
     voice = Voice(builtin_voice_info())
@@ -293,7 +363,7 @@ def test_cuda_acoustic_batches_split_by_measured_device_time_keep_every_duration
     backend.capture_encoder(64)
     graphs = backend._encoder_graphs
     assert graphs is not None and len(graphs.device_ms) == len(graphs._graphs) and min(graphs.device_ms.values()) > 0
-    synth = Synthesizer(voice, backend, ChunkSchedule())
+    synth = VitsRuntime(voice, backend, ChunkSchedule())
     sentences = [s for t in SENTENCES for s in voice.frontend.sentences(t) if s.phoneme_ids]
     sentences = (sentences * 4)[:45]
     params = SynthesisParams(seed=9)
@@ -316,7 +386,6 @@ def test_cuda_compiled_acoustic_stage_keeps_every_duration() -> None:
     """`compile_acoustic`: the stage's graphs hold inductor's kernels (compiled, not fallen back
     to eager) and give the eager graphs' utterances: the same durations for every sentence, at a
     batch of one and of many, and priors to FP32 rounding."""
-    from service.synthesis import AcousticJob, utterance_rng
     from service.tools.bench_load import SENTENCES
 
     voice = Voice(builtin_voice_info())
@@ -325,7 +394,7 @@ def test_cuda_compiled_acoustic_stage_keeps_every_duration() -> None:
     params = SynthesisParams(seed=3)
 
     def utterances(backend: TorchBackend, batch: list) -> list:  # type: ignore[type-arg]
-        synth = Synthesizer(voice, backend, ChunkSchedule())
+        synth = VitsRuntime(voice, backend, ChunkSchedule())
         return synth.acoustic_batch([AcousticJob(s, None, params, utterance_rng(3, s.phoneme_ids)) for s in batch])
 
     eager = TorchBackend(voice, device="cuda")
@@ -343,7 +412,7 @@ def test_compiled_kernels_are_kept_in_cadenzas_cache_unless_the_user_says_where(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """inductor's default home is /tmp (gone with the machine): the compiled acoustic stage keeps
     its kernels under Cadenza's cache, and a TORCHINDUCTOR_CACHE_DIR set by the user stays."""
-    from service.backends.torch_backend import _keep_compiled_kernels
+    from service.models.vits.backends.torch_backend import _keep_compiled_kernels
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

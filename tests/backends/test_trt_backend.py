@@ -17,9 +17,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from service.backends.registry import UnknownBackendError, create_backend
-from service.backends.step_graph import cached_step_export, is_pinned, pinned_nodes
-from service.backends.trt_backend import (
+from service.models.vits.backends.registry import UnknownBackendError, create_backend
+from service.models.vits.backends.step_graph import cached_step_export, is_pinned, pinned_nodes
+from service.models.vits.backends.trt_backend import (
     INSTALL_HINT,
     GraphInput,
     TensorRTUnavailable,
@@ -30,16 +30,16 @@ from service.backends.trt_backend import (
     read_graph_inputs,
 )
 from service.models.vits.precision import VITS_FP32_PINS
-from service.voices import Voice, VoiceInfo, builtin_voice_info
+from service.models.vits.voice import Voice, builtin_voice_info, read_piper_voice
 
 ROWS, FRAMES = (1, 64, 256), (1, 40, 40)
 
 
 @pytest.fixture(scope="module", params=["tiny", "builtin"])
 def step_onnx(request: pytest.FixtureRequest, tiny_voice_path: Path, onnx_cache_dir: str) -> Path:
-    info = VoiceInfo.from_files(tiny_voice_path) if request.param == "tiny" else builtin_voice_info()
+    info = read_piper_voice(tiny_voice_path) if request.param == "tiny" else builtin_voice_info()
     voice = Voice(info)
-    return cached_step_export(voice.model, info.onnx_path, Path(onnx_cache_dir))
+    return cached_step_export(voice.model, info.model_path, Path(onnx_cache_dir))
 
 
 def test_the_profile_covers_every_input_and_runs_the_graph(step_onnx: Path) -> None:
@@ -218,11 +218,14 @@ def test_tensorrt_steps_equal_the_torch_steps(precision: str, tmp_path: Path) ->
     """The engines against the torch slot decoder in the same precision: equal in FP32; in FP16
     (both with the FP32 pins) as close as two FP16 implementations get."""
     from service.audio.quality import psnr_db
-    from service.backends.torch_backend import TorchBackend
-    from service.models.family import StepRows
-    from service.synthesis import SynthesisParams, open_synthesizer
+    from service.models.family import AcousticJob, StepRows, SynthesisParams, utterance_rng
+    from service.models.registry import open_voice
+    from service.models.vits.backends.torch_backend import TorchBackend
 
-    utts = open_synthesizer(None, backend="torch").prepare("A sentence for the engines.", SynthesisParams(seed=3))
+    runtime = open_voice(builtin_voice_info(), "torch", "cpu")
+    (sentence,) = runtime.voice.frontend.sentences("A sentence for the engines.")  # type: ignore[attr-defined]
+    utts = runtime.acoustic_batch([AcousticJob(sentence, None, SynthesisParams(seed=3),
+                                               utterance_rng(3, sentence.phoneme_ids))])
     trt_backend = create_backend("tensorrt", Voice(builtin_voice_info()), "cuda", cache_dir=tmp_path)
     torch_backend = TorchBackend(Voice(builtin_voice_info()), device="cuda")
     lag = torch_backend.streaming_lag()

@@ -10,12 +10,12 @@ import torch
 
 from service.models.vits.flow import FoldedCoupling, fold_couplings
 from service.models.vits.onnx_import import load_vits_from_onnx
-from service.voices import builtin_voice_info
+from service.models.vits.voice import builtin_voice_info
 
 
 @pytest.mark.parametrize("which", ["tiny", "builtin"])
 def test_folded_couplings_match_the_trained_ones(which: str, tiny_voice_path: Path) -> None:
-    path = tiny_voice_path if which == "tiny" else builtin_voice_info().onnx_path
+    path = tiny_voice_path if which == "tiny" else builtin_voice_info().model_path
     model = load_vits_from_onnx(path).float().eval()
     folded = copy.deepcopy(model)
     fold_couplings(folded.flow)

@@ -8,7 +8,7 @@ from torch import nn
 
 from service.models.vits.generator import PolyphaseUpsample, polyphase_upsamplers
 from service.models.vits.onnx_import import load_vits_from_onnx
-from service.voices import builtin_voice_info
+from service.models.vits.voice import builtin_voice_info
 
 
 @pytest.mark.parametrize(("stride", "padding"), [(8, 4), (4, 2), (2, 1), (5, 2), (3, 0), (6, 6)])
@@ -32,7 +32,7 @@ def test_shapes_without_a_polyphase_form_are_left_alone() -> None:
 
 
 def test_builtin_voice_upsamplers_all_convert() -> None:
-    model = load_vits_from_onnx(builtin_voice_info().onnx_path).float().eval()
+    model = load_vits_from_onnx(builtin_voice_info().model_path).float().eval()
     dec = model.dec
     z = torch.randn(1, model.hp.inter_channels, 9)
     with torch.no_grad():

@@ -8,16 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.backends.torch_backend import TorchBackend
+from service.models.vits.backends.torch_backend import TorchBackend
 from service.models.vits.staged import StagedDecoder
-from service.voices import Voice, VoiceInfo, builtin_voice_info
+from service.models.vits.voice import Voice, builtin_voice_info, read_piper_voice
 
 
 @pytest.mark.parametrize(
     ("which", "first_piece", "piece"), [("tiny", 0, 0), ("builtin", 0, 0), ("builtin", 0, 30), ("tiny", 97, 64)]
 )
 def test_staged_chunks_equal_the_full_decode(which: str, first_piece: int, piece: int, tiny_voice_path: Path) -> None:
-    info = VoiceInfo.from_files(tiny_voice_path) if which == "tiny" else builtin_voice_info()
+    info = read_piper_voice(tiny_voice_path) if which == "tiny" else builtin_voice_info()
     backend = TorchBackend(Voice(info))
     frames = 97
     sid = np.asarray([1]) if info.num_speakers > 1 else None

@@ -10,21 +10,37 @@ import pytest
 import torch
 
 from service.audio.quality import psnr_db
-from service.models.family import StepRows
+from service.models.family import AcousticJob, StepRows, SynthesisParams, utterance_rng
+from service.models.registry import open_voice
 from service.models.vits.model import VitsModel
+from service.models.vits.runtime import PriorSample, Utterance, VitsRuntime
 from service.models.vits.streaming import PriorMemory, VitsStreamingDecoder
-from service.synthesis import PriorSample, SynthesisParams, Utterance, open_synthesizer
+from service.models.vits.voice import builtin_voice_info, read_piper_voice
+
+
+def _runtime(voice: str | None) -> VitsRuntime:
+    """A voice on the torch backend (CPU): `voice` a Piper .onnx path, None the built-in one."""
+    info = read_piper_voice(Path(voice)) if voice else builtin_voice_info()
+    return open_voice(info, "torch", "cpu")  # type: ignore[return-value]
+
+
+def _prepare(runtime: VitsRuntime, text: str, params: SynthesisParams) -> list[Utterance]:
+    """`text`'s sentences through the acoustic stage, each with its own seeded noise."""
+    sid = runtime.info.speaker_index(params.speaker)
+    sentences = [s for s in runtime.voice.frontend.sentences(text) if s.phoneme_ids]
+    return runtime.acoustic_batch([AcousticJob(s, sid, params, utterance_rng(params.seed, s.phoneme_ids))
+                                   for s in sentences])
 
 
 def _utterances(voice: str | None, text: str, speaker: int | None) -> tuple[VitsModel, list[Utterance]]:
-    syn = open_synthesizer(voice, backend="torch")
-    return syn.voice.model, syn.prepare(text, SynthesisParams(seed=7, speaker=speaker))
+    runtime = _runtime(voice)
+    return runtime.voice.model, _prepare(runtime, text, SynthesisParams(seed=7, speaker=speaker))
 
 
 @torch.inference_mode()
 def _full(model: VitsModel, u: Utterance, device: torch.device) -> np.ndarray:
     sid = None if u.sid is None else torch.tensor([u.sid], device=device)
-    z_p = torch.from_numpy(u.z_p)[None].to(device)
+    z_p = torch.from_numpy(u.prior.full())[None].to(device)
     z = model.flow_reverse(z_p, torch.ones(1, 1, z_p.shape[2], device=device), sid)
     return model.vocode(z, sid)[0].float().cpu().numpy()
 
@@ -90,13 +106,12 @@ def test_cuda_graph_steps_equal_eager_steps_and_the_full_decode(precision: str) 
     """On CUDA, steps replayed from captured graphs (padded to a bucket) give what eager steps
     give and equal the full decode in FP32; in FP16 (with its FP32 pins) both stay as close to
     it as FP16 rounding allows."""
-    from service.backends.torch_backend import TorchBackend
-    from service.voices import Voice, find_voice
+    from service.models.vits.backends.torch_backend import TorchBackend
+    from service.models.vits.voice import Voice
 
-    voice = Voice(find_voice(None))
-    backend = TorchBackend(voice, device="cuda")
-    utts = open_synthesizer(None, backend="torch").prepare(
-        "Hello there, this is a streaming test. Short one. And a third sentence here.", SynthesisParams(seed=7))
+    backend = TorchBackend(Voice(builtin_voice_info()), device="cuda")
+    utts = _prepare(_runtime(None), "Hello there, this is a streaming test. Short one. And a third sentence here.",
+                    SynthesisParams(seed=7))
     lag = backend.streaming_lag()
     graphed = backend.streaming_decoder(precision, 8, max_rows=4, graph_frames=(20 + lag, 20))
     eager = backend.streaming_decoder(precision, 8, max_rows=4, graphs=False)
@@ -201,22 +216,22 @@ def test_prior_memory_holds_256_phoneme_ids_per_slot_on_average(tiny_voice_path:
 def test_priors_left_on_the_device_decode_as_host_priors(tiny_voice_path: Path) -> None:
     """The acoustic stage may leave the prior where it was made (`encode_prior`, on a GPU): the
     same durations, mean and sigma (to exp's rounding), and the same audio from the slots."""
-    syn = open_synthesizer(str(tiny_voice_path), backend="torch")
+    runtime = _runtime(str(tiny_voice_path))
     text, params = "Hello there, this is a streaming test. Short one.", SynthesisParams(seed=7, speaker=1)
-    host = syn.prepare(text, params)
-    declared = syn.backend.capabilities
-    syn.backend.capabilities = dataclasses.replace(declared, priors_on_device=True)
+    host = _prepare(runtime, text, params)
+    declared = runtime.capabilities
+    runtime.capabilities = dataclasses.replace(declared, priors_on_device=True)
     try:
-        device = syn.prepare(text, params)
+        device = _prepare(runtime, text, params)
     finally:
-        syn.backend.capabilities = declared
+        runtime.capabilities = declared
     assert all(u.prior.device_values is None for u in host)
     assert all(u.prior.device_values is not None for u in device)
     for a, b in zip(host, device, strict=True):
         assert np.array_equal(a.durations, b.durations) and a.prior.key == b.prior.key
         np.testing.assert_allclose(b.prior.mean, a.prior.mean, rtol=0, atol=1e-6)
         np.testing.assert_allclose(b.prior.sigma, a.prior.sigma, rtol=1e-6, atol=1e-7)
-    model = syn.voice.model
+    model = runtime.voice.model
     outs = []
     for utts in (host, device):
         dec = VitsStreamingDecoder(model, "fp32", 4, torch.device("cpu"), torch.float32)
@@ -229,17 +244,15 @@ def test_priors_of_one_acoustic_call_share_one_device_tensor(tiny_voice_path: Pa
     """Every prior an acoustic call leaves on the device is a view of that call's one output, so
     the prior memory's flush records the tensor's use on the decoder's stream once per call,
     not once per sentence (each record is a native call that gives the GIL up)."""
-    from service.synthesis import AcousticJob
-
-    syn = open_synthesizer(str(tiny_voice_path), backend="torch")
+    runtime = _runtime(str(tiny_voice_path))
     params = SynthesisParams(speaker=0)  # unseeded: no sentence is encoded again alone (ceil ambiguity)
-    sentences = syn._sentences("One sentence here. And a second, longer one. A third.", params)
+    sentences = runtime.voice.frontend.sentences("One sentence here. And a second, longer one. A third.")
     jobs = [AcousticJob(s, 0, params, np.random.default_rng(i)) for i, s in enumerate(sentences)]
-    declared = syn.backend.capabilities
-    syn.backend.capabilities = dataclasses.replace(declared, priors_on_device=True)
+    declared = runtime.capabilities
+    runtime.capabilities = dataclasses.replace(declared, priors_on_device=True)
     try:
-        utts = syn.acoustic_batch(jobs)
+        utts = runtime.acoustic_batch(jobs)
     finally:
-        syn.backend.capabilities = declared
+        runtime.capabilities = declared
     assert len(utts) == 3
     assert len({u.prior.device_values.untyped_storage().data_ptr() for u in utts}) == 1
