@@ -9,6 +9,9 @@ import pytest
 
 from service.cli import main
 
+_ROOT = Path(__file__).resolve().parents[1]
+_TINY_VOICE = _ROOT / "tests" / "data" / "tiny-multi.onnx"
+
 
 def test_say_writes_a_wav(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "hello.wav"
@@ -18,6 +21,35 @@ def test_say_writes_a_wav(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert wav.getnframes() > 22050 // 2
     printed = capsys.readouterr().out
     assert "time to first audio" in printed and "Cadenza" in printed
+
+
+def test_say_options_set_the_voice_family_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--option NAME=VALUE` reaches the voice: with both VITS noise scales at 0 the same seed
+    gives the same WAV, and so does another seed (no noise left to draw); at the voice's
+    defaults the seed changes the audio. A name the voice does not take is one line, exit 2."""
+    def say(name: str, seed: int, *options: str) -> bytes:
+        out = tmp_path / f"{name}.wav"
+        args = ["say", "Options reach the voice.", "-o", str(out), "--voice", str(_TINY_VOICE), "--threads", "1",
+                "--seed", str(seed)]
+        assert main([*args, *(a for o in options for a in ("--option", o))]) == 0
+        return out.read_bytes()
+
+    quiet = ("noise_scale=0", "noise_w=0")
+    first, again, other_seed = say("a", 1, *quiet), say("b", 1, *quiet), say("c", 2, *quiet)
+    assert first == again == other_seed and len(first) > 44 + 1000
+    assert say("d", 1) != say("e", 2)
+    capsys.readouterr()
+    assert main(["say", "hi", "--voice", str(_TINY_VOICE), "--option", "temperature=1", "-o", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "config.options" in err and "temperature" in err and "noise_scale, noise_w" in err
+
+
+def test_voices_list_prints_family_and_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["voices", "list", "--voices", str(_TINY_VOICE.parent)]) == 0
+    lines = {ln.split("\t")[0]: ln.split("\t") for ln in capsys.readouterr().out.strip().splitlines()}
+    tiny = lines["tiny-multi"]
+    assert tiny[1] == "vits" and tiny[5] == "options: noise_scale=0.667 noise_w=0.8"
+    assert tiny[-1] == str(_TINY_VOICE)
 
 
 def test_voices_check_builtin_psnr(capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,9 +77,6 @@ def test_compare_fp16_reports_psnr_json_and_plot(tmp_path: Path, capsys: pytest.
 
 
 # --- Command-line conventions (issue 13), run as a user runs them: in a subprocess ---------------------------
-
-_ROOT = Path(__file__).resolve().parents[1]
-_TINY_VOICE = _ROOT / "tests" / "data" / "tiny-multi.onnx"
 
 
 def _cadenza(*args: str, stdin: bytes | None = None, cwd: Path | None = None, timeout: float = 180,

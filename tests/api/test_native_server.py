@@ -140,6 +140,37 @@ def _bidi(stub: pb_grpc.TextToSpeechStub, messages: list[pb.StreamingSynthesizeR
     return info.value  # type: ignore[return-value]
 
 
+def test_voices_declare_their_family_and_options_and_sessions_take_them(stub: pb_grpc.TextToSpeechStub) -> None:
+    """ListVoices says each voice's model family and the options a session may set (defaults
+    from the voice's config, ranges from the family); `SessionConfig.options` (field 17) reaches
+    the voice, and a name the voice does not take is refused naming the ones it does."""
+    voice = stub.ListVoices(pb.ListVoicesRequest()).voices[0]
+    assert voice.name == "tiny-multi" and voice.family == "vits"
+    options = {o.name: o for o in voice.options}
+    assert sorted(options) == ["noise_scale", "noise_w"]
+    for name, default in [("noise_scale", 0.667), ("noise_w", 0.8)]:  # tests/data/tiny-multi.onnx.json
+        o = options[name]
+        assert o.default_value == pytest.approx(default) and (o.min_value, o.max_value) == (0.0, 2.0)
+        assert o.description
+    # both noise scales at 0: the seed no longer changes the audio; at the defaults it does
+    quiet = {"noise_scale": 0.0, "noise_w": 0.0}
+    a, b = (stream(stub, pb.SessionConfig(seed=seed, options=quiet), ["Options, please."], timeout=30)
+            for seed in (1, 2))
+    assert a.summary is not None and len(a.audio) > 0 and a.audio == b.audio
+    c, d = (stream(stub, pb.SessionConfig(seed=seed), ["Options, please."], timeout=30) for seed in (1, 2))
+    assert c.audio != d.audio
+    for options, needles in [({"temperature": 0.5}, ("temperature", "noise_scale, noise_w")),
+                             ({"noise_w": 2.5}, ("noise_w=2.5", "0..2"))]:
+        config = pb.SessionConfig(options=options)
+        err = _bidi(stub, [CFG(config=config), CFG(text="Hello.")])
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "config.options" in err.details()
+        assert all(n in err.details() for n in needles), err.details()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Synthesize(pb.SynthesizeRequest(config=config, text="Hello."), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    _assert_serves(stub)
+
+
 CFG = pb.StreamingSynthesizeRequest
 BAD_CONFIGS = [
     (pb.SessionConfig(voice="nobody"), grpc.StatusCode.NOT_FOUND, "nobody"),

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kernels.loader import GUARD_PREBUILT
-from service.backends.stage_export import PREBUILT_DIR
 from service.cli import build_parser
+from service.models.vits.backends.stage_export import PREBUILT_DIR
 from tests.deploy.tools import ROOT, tool
 
 CPU = ROOT / "Dockerfile"

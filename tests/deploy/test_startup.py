@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from service.api.server import ServerConfig
-from service.backends.stage_export import STAGES, cached_stage_exports, export_dir_name
 from service.engine.config import EngineConfig
-from service.voices import Voice, find_voice
+from service.models.vits.backends.stage_export import STAGES, cached_stage_exports, export_dir_name
+from service.models.vits.voice import Voice
+from service.voices import find_voice
 from tests.api.native_server import ServerThread
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -44,7 +45,7 @@ def test_unwritable_cache_falls_back_to_a_temp_dir_with_a_warning(
 ) -> None:
     blocked = tmp_path / "not-a-dir"
     blocked.write_text("a file where the cache should be")  # was NotADirectoryError, a crash
-    with caplog.at_level(logging.WARNING, logger="service.backends.stage_export"):
+    with caplog.at_level(logging.WARNING, logger="service.models.vits.backends.stage_export"):
         paths = cached_stage_exports(tiny.model, TINY, blocked / "onnx", prebuilt=())
     assert all(p.is_file() and p.is_relative_to(temp_root) for p in paths.values())
     assert set(STAGES) <= set(paths)

@@ -12,6 +12,8 @@ import pytest
 from service.engine.api import AudioOut, SessionSummary
 from service.engine.config import BatchConfig, EngineConfig
 from service.engine.engine import TtsEngine
+from service.models.family import AcousticJob, DecoderInput, SynthesisParams, VoiceRuntime, utterance_rng
+from service.models.registry import open_frontend
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -22,6 +24,16 @@ def tiny_engine_config(**overrides: object) -> EngineConfig:
                                    batch=BatchConfig(), cache_bytes=0, core="thread")
     base.update(overrides)
     return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+def prepare(runtime: VoiceRuntime, text: str, params: SynthesisParams) -> list[DecoderInput]:
+    """Frontend and acoustic stage for every sentence of `text`, one sentence at a time, each
+    with its own seeded noise (as the engine draws it): decoder inputs to drive an executor with."""
+    frontend = open_frontend(runtime.info.frontend_key)
+    sid = runtime.info.speaker_index(params.speaker)
+    sentences = [s for s in frontend.sentences(text, params.custom_dictionary) if s.phoneme_ids]
+    return [runtime.acoustic_batch([AcousticJob(s, sid, params, utterance_rng(params.seed, s.phoneme_ids))])[0]
+            for s in sentences]
 
 
 async def drive(session: Any, deltas: list[str]) -> tuple[bytes, list[AudioOut], SessionSummary]:

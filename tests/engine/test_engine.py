@@ -96,7 +96,7 @@ def test_acoustic_stage_run_during_a_step_keeps_each_session_result(harness: Eng
     step is on the device and the sentences it readied start right after. The CPU backend marked
     asynchronous takes that path too (its steps just finish before returning): every session
     still gets its solo audio, whoever shared its steps and whatever ran in between."""
-    backend = harness.engine.host.runtimes.loaded["tiny-multi"].backend
+    runtime = harness.engine.host.runtimes.loaded["tiny-multi"]
     alone = [harness.run(harness.engine.synthesize_all(_cfg(i), TEXT))[0] for i in range(6)]
     before = harness.engine.stats()["overlapped_acoustic"]
 
@@ -108,8 +108,8 @@ def test_acoustic_stage_run_during_a_step_keeps_each_session_result(harness: Eng
 
     # Whether a sentence arrives while a step is planned depends on timing: stagger until the
     # overlapped path ran (bounded), checking every session of every run.
-    declared = backend.capabilities
-    backend.capabilities = dataclasses.replace(declared, asynchronous=True)
+    declared = runtime.capabilities  # what the engine reads (never probing the backend)
+    runtime.capabilities = dataclasses.replace(declared, asynchronous=True)
     try:
         for _ in range(8):
             results = harness.run(staggered())
@@ -120,7 +120,7 @@ def test_acoustic_stage_run_during_a_step_keeps_each_session_result(harness: Eng
             if harness.engine.stats()["overlapped_acoustic"] > before:
                 break
     finally:
-        backend.capabilities = declared
+        runtime.capabilities = declared
     assert harness.engine.stats()["overlapped_acoustic"] > before
 
 
@@ -273,12 +273,12 @@ def test_guard_trip_recomputes_in_fp32(layer: str, value: float) -> None:
     no non-finite sample leaves, the chunk is redone in FP32, the rest of the
     utterance stays FP32, and the audio matches a pure FP32 run."""
     from service.audio.quality import psnr_db
-    from service.backends.torch_backend import TorchBackend
     from service.engine.faults import inject_nonfinite
+    from service.models.vits.backends.torch_backend import TorchBackend
 
     h = EngineHarness(tiny_engine_config())
     try:
-        backend = h.engine.host.runtimes.loaded["tiny-multi"].backend
+        backend = h.engine.host.runtimes.loaded["tiny-multi"].backend  # type: ignore[attr-defined]
         assert isinstance(backend, TorchBackend)
         fault = inject_nonfinite(backend.model_for("fp16"), layer, value=value)
         text = "Hello there, this sentence is long enough for several chunks of audio."
@@ -302,7 +302,9 @@ def test_guard_trip_recomputes_in_fp32(layer: str, value: float) -> None:
     (SessionConfig(sample_rate=4000), InvalidArgument, "config.sample_rate"),
     (SessionConfig(speaking_rate=9.0), InvalidArgument, "config.speaking_rate"),
     (SessionConfig(speaking_rate=float("nan")), InvalidArgument, "config.speaking_rate"),
-    (SessionConfig(noise_scale=-1.0), InvalidArgument, "config.noise_scale"),
+    (SessionConfig(options={"noise_scale": -1.0}), InvalidArgument, "config.options"),
+    (SessionConfig(options={"noise_w": float("nan")}), InvalidArgument, "config.options"),
+    (SessionConfig(options={"temperature": 0.5}), InvalidArgument, "config.options"),
     (SessionConfig(first_chunk_frames=16, max_chunk_frames=8), InvalidArgument, "config.max_chunk_frames"),
     (SessionConfig(first_chunk_frames=5000), InvalidArgument, "config.first_chunk_frames"),
     (SessionConfig(voice="tiny-multi", language="de"), InvalidArgument, "config.language"),
@@ -315,6 +317,28 @@ def test_bad_configs_are_rejected(harness: EngineHarness, cfg: SessionConfig, er
     if field:
         assert info.value.field == field
     assert harness.engine.live_sessions == 0
+
+
+def test_family_options_are_checked_by_name_and_range_and_reach_the_voice(harness: EngineHarness) -> None:
+    """`SessionConfig.options` carries the family's options: a bad one is refused naming it and
+    what it takes; good ones change the audio (both noise scales at 0: the seed no longer matters)."""
+    with pytest.raises(InvalidArgument) as info:
+        harness.run(harness.engine.open_session(SessionConfig(options={"noise_scale": -1.0})))
+    assert "noise_scale" in str(info.value) and "0..2" in str(info.value)
+    with pytest.raises(InvalidArgument) as info:
+        harness.run(harness.engine.open_session(SessionConfig(options={"temperature": 0.5})))
+    assert "temperature" in str(info.value) and "noise_scale, noise_w" in str(info.value)
+    assert harness.engine.live_sessions == 0
+
+    def audio(seed: int, **options: float) -> np.ndarray:
+        cfg = SessionConfig(seed=seed, encoding=FLOAT, options=options or None)
+        return _samples(harness.run(harness.engine.synthesize_all(cfg, "Options reach the voice."))[0])
+
+    quiet = dict(noise_scale=0.0, noise_w=0.0)
+    np.testing.assert_array_equal(audio(1, **quiet), audio(2, **quiet))
+    one, two = audio(1), audio(2)  # the voice's defaults: the seed decides the noise
+    assert one.shape != two.shape or not np.array_equal(one, two)
+    np.testing.assert_array_equal(audio(1), one)
 
 
 def test_limits_sessions_and_text() -> None:

@@ -11,13 +11,17 @@ import numpy as np
 import pytest
 
 from service.audio.encoding import float_to_int16
-from service.backends.torch_backend import TorchBackend
 from service.engine.config import BatchConfig
 from service.engine.executor import Executor
 from service.engine.faults import break_batches, inject_nonfinite
 from service.engine.state import EngineStats, ReadCursor, SessionState, UtteranceState, UtteranceStatus, WorkSpec
-from service.synthesis import ChunkSchedule, PriorSample, SynthesisParams, Synthesizer, open_synthesizer
+from service.models.family import ChunkSchedule, SynthesisParams
+from service.models.registry import recognise
+from service.models.vits.backends.torch_backend import TorchBackend
+from service.models.vits.runtime import PriorSample, Utterance, VitsRuntime
+from service.models.vits.voice import Voice
 from service.text.frontend import PhonemizedSentence
+from tests.engine.conftest import prepare
 
 
 class _Sink:
@@ -28,14 +32,15 @@ class _Sink:
     def on_error(self, exc: BaseException) -> None: ...
 
 
-def _rows(runtime: Synthesizer, precision: str, loop: asyncio.AbstractEventLoop
+def _rows(runtime: VitsRuntime, precision: str, loop: asyncio.AbstractEventLoop
           ) -> list[tuple[SessionState, UtteranceState]]:
     texts = ["The first session speaks here.", "A second one, a little longer than that.", "And a third."]
     rows = []
     for i, text in enumerate(texts):
         spec = WorkSpec(i, "tiny", 0, SynthesisParams(seed=i), ChunkSchedule(), precision, None, runtime=runtime,
                         sink=_Sink(), loop=loop, cursor=ReadCursor())
-        utt = runtime.prepare(text, SynthesisParams(seed=i, speaker=0))[0]
+        utt = prepare(runtime, text, SynthesisParams(seed=i, speaker=0))[0]
+        assert isinstance(utt, Utterance)
         u = UtteranceState(0, PhonemizedSentence(text, [], utt.phoneme_ids, []), UtteranceStatus.DECODING, precision)
         u.utt = utt
         s = SessionState(spec, None)
@@ -58,8 +63,9 @@ def _decode_all(executor: Executor, rows: list[tuple[SessionState, UtteranceStat
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_voice_path: Path) -> Synthesizer:
-    return open_synthesizer(str(tiny_voice_path), backend="torch")
+def runtime(tiny_voice_path: Path) -> VitsRuntime:
+    voice = Voice(recognise(tiny_voice_path))
+    return VitsRuntime(voice, TorchBackend(voice, "cpu", threads=1), ChunkSchedule())
 
 
 @pytest.fixture
@@ -69,7 +75,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.close()
 
 
-def _reference(runtime: Synthesizer, loop: asyncio.AbstractEventLoop) -> list[list]:  # type: ignore[type-arg]
+def _reference(runtime: VitsRuntime, loop: asyncio.AbstractEventLoop) -> list[list]:  # type: ignore[type-arg]
     """Every row decoded in FP32 with no fault."""
     return _decode_all(Executor(BatchConfig(step_frames=16), EngineStats()), _rows(runtime, "fp32", loop))
 
@@ -85,7 +91,7 @@ def _executor(stats: EngineStats, pipelined: bool) -> Executor:
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_a_guard_trip_in_a_batch_redoes_only_the_tripped_row(
-    runtime: Synthesizer, loop: asyncio.AbstractEventLoop, pipelined: bool
+    runtime: VitsRuntime, loop: asyncio.AbstractEventLoop, pipelined: bool
 ) -> None:
     backend = runtime.backend
     assert isinstance(backend, TorchBackend)
@@ -117,7 +123,7 @@ def test_a_guard_trip_in_a_batch_redoes_only_the_tripped_row(
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_a_failing_batch_is_split_and_every_row_still_decodes_exactly(
-    runtime: Synthesizer, loop: asyncio.AbstractEventLoop, pipelined: bool
+    runtime: VitsRuntime, loop: asyncio.AbstractEventLoop, pipelined: bool
 ) -> None:
     """A step that raises for batches of 2+ rows is retried in halves down to single rows,
     each row's decoder state rebuilt first: every session still gets exactly its audio."""
@@ -135,7 +141,7 @@ def test_a_failing_batch_is_split_and_every_row_still_decodes_exactly(
                                    atol=1e-5, rtol=0)
 
 
-def test_pipelined_halves_equal_one_batch(runtime: Synthesizer, loop: asyncio.AbstractEventLoop) -> None:
+def test_pipelined_halves_equal_one_batch(runtime: VitsRuntime, loop: asyncio.AbstractEventLoop) -> None:
     reference = _reference(runtime, loop)
     stats = EngineStats()
     chunks = _decode_all(_executor(stats, True), _rows(runtime, "fp32", loop))
@@ -147,7 +153,7 @@ def test_pipelined_halves_equal_one_batch(runtime: Synthesizer, loop: asyncio.Ab
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_meanwhile_runs_once_between_the_launches_and_the_first_result(
-    runtime: Synthesizer, loop: asyncio.AbstractEventLoop, pipelined: bool
+    runtime: VitsRuntime, loop: asyncio.AbstractEventLoop, pipelined: bool
 ) -> None:
     """The engine's overlap point: every step of the call is launched (each row's `fed` moved
     on), none has been waited for (no step counted yet), and it runs once per call."""
@@ -167,7 +173,7 @@ def test_meanwhile_runs_once_between_the_launches_and_the_first_result(
     assert seen[-1] == ([], -1)
 
 
-def test_rows_ranked_after_first_chunks_step_after_them(runtime: Synthesizer, loop: asyncio.AbstractEventLoop) -> None:
+def test_rows_ranked_after_first_chunks_step_after_them(runtime: VitsRuntime, loop: asyncio.AbstractEventLoop) -> None:
     """A playing row ranked before a first chunk (about to run dry) steps before it; one ranked
     after it (a fill) gets its own call after it, instead of riding in the first call. Each
     call's chunks are handed over as it lands, before the next call is waited for."""
@@ -189,7 +195,7 @@ def test_rows_ranked_after_first_chunks_step_after_them(runtime: Synthesizer, lo
 
 
 def test_an_utterance_waits_while_prior_memory_is_full_and_one_too_long_fails_alone(
-    runtime: Synthesizer, loop: asyncio.AbstractEventLoop
+    runtime: VitsRuntime, loop: asyncio.AbstractEventLoop
 ) -> None:
     """Starting an utterance needs a slot and room for its prior: without room it waits (no
     slot held, no error) and starts once memory is freed, decoding exactly; a prior longer than

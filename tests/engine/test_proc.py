@@ -496,9 +496,9 @@ def test_a_voice_load_the_core_never_answers_fails_with_a_timeout_naming_it(proc
 def test_a_core_that_never_says_ready_fails_the_start_with_a_timeout() -> None:
     """The start waits a bounded time (`CoreWaits.start_s`) for the core's "ready", then stops
     the core's process and fails with an error naming what it waited for."""
+    from service.engine.frontend_pool import FrontendPoolConfig
     from service.engine.proc import CoreWaits
     from service.telemetry import Telemetry
-    from service.text.frontend_pool import FrontendPoolConfig
     from service.voices import list_voices
     from tests.engine.conftest import DATA
 

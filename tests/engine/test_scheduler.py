@@ -12,7 +12,9 @@ import pytest
 from service.engine.config import BatchConfig
 from service.engine.scheduler import AcousticCost, Scheduler
 from service.engine.state import ReadCursor, SessionState, UtteranceState, UtteranceStatus, WorkSpec
-from service.synthesis import ChunkSchedule, PriorSample, SynthesisParams, Synthesizer, Utterance, open_synthesizer
+from service.models.family import ChunkSchedule, SynthesisParams, VoiceRuntime
+from service.models.registry import open_voice, recognise
+from service.models.vits.runtime import PriorSample, Utterance
 from service.text.frontend import PhonemizedSentence
 
 NOW = 1000.0
@@ -22,8 +24,8 @@ LOOP = asyncio.new_event_loop()  # sessions name their event loop; nothing runs 
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_voice_path: Path) -> Iterator[Synthesizer]:
-    yield open_synthesizer(str(tiny_voice_path), backend="torch")
+def runtime(tiny_voice_path: Path) -> Iterator[VoiceRuntime]:
+    yield open_voice(recognise(tiny_voice_path), "torch", "cpu", threads=1)
     LOOP.close()
 
 
@@ -35,7 +37,7 @@ class _Sink:
     def on_error(self, exc: BaseException) -> None: ...
 
 
-def _session(runtime: Synthesizer, sid: int, *, playing_for: float | None = None, slack: float = 0.0,
+def _session(runtime: VoiceRuntime, sid: int, *, playing_for: float | None = None, slack: float = 0.0,
              decoding: bool = True, acoustic: int = 0, unread: float = 0.0, frames: int = 400) -> SessionState:
     """A session whose head utterance is decoding (or waiting for the acoustic stage), that
     started playing `playing_for` seconds ago (None: no audio yet) with `slack` seconds left."""
@@ -59,7 +61,7 @@ def _session(runtime: Synthesizer, sid: int, *, playing_for: float | None = None
     return s
 
 
-def test_about_to_run_dry_then_first_chunks_then_least_buffered(runtime: Synthesizer) -> None:
+def test_about_to_run_dry_then_first_chunks_then_least_buffered(runtime: VoiceRuntime) -> None:
     dry = _session(runtime, 1, playing_for=2.0, slack=0.2)
     low = _session(runtime, 2, playing_for=2.0, slack=0.4)
     mid = _session(runtime, 3, playing_for=2.0, slack=0.6)
@@ -73,13 +75,13 @@ def test_about_to_run_dry_then_first_chunks_then_least_buffered(runtime: Synthes
     assert not plan.decode_first  # the head of the queue is a first chunk, not a playing session
 
 
-def test_row_cap_keeps_the_most_urgent(runtime: Synthesizer) -> None:
+def test_row_cap_keeps_the_most_urgent(runtime: VoiceRuntime) -> None:
     sessions = [_session(runtime, i, playing_for=1.0, slack=0.1 * i) for i in range(1, 6)]
     plan = Scheduler(BatchConfig()).plan(sessions[::-1], NOW, max_rows=2)
     assert [s.spec.session_id for s, _ in plan.decode] == [1, 2]
 
 
-def test_sessions_ahead_of_their_lead_wait_while_others_are_urgent(runtime: Synthesizer) -> None:
+def test_sessions_ahead_of_their_lead_wait_while_others_are_urgent(runtime: VoiceRuntime) -> None:
     cfg = BatchConfig(lead_s=1.0)
     ahead = _session(runtime, 1, playing_for=1.0, slack=2.5)
     behind = _session(runtime, 2, playing_for=1.0, slack=0.5)
@@ -93,7 +95,7 @@ def test_sessions_ahead_of_their_lead_wait_while_others_are_urgent(runtime: Synt
     assert [s for s, _ in plan.decode] == [ahead]
 
 
-def test_a_step_for_urgent_rows_is_filled_with_the_next_in_line(runtime: Synthesizer) -> None:
+def test_a_step_for_urgent_rows_is_filled_with_the_next_in_line(runtime: VoiceRuntime) -> None:
     """Up to `fill_rows`, least buffered first; never past backpressure; no step only to fill."""
     cfg = BatchConfig(lead_s=1.0, max_ahead_s=3.0)
     behind = _session(runtime, 1, playing_for=1.0, slack=0.5)
@@ -111,7 +113,7 @@ def test_a_step_for_urgent_rows_is_filled_with_the_next_in_line(runtime: Synthes
     assert plan.decode == []
 
 
-def test_backpressure_on_unread_audio(runtime: Synthesizer) -> None:
+def test_backpressure_on_unread_audio(runtime: VoiceRuntime) -> None:
     cfg = BatchConfig(max_ahead_s=3.0)
     stalled = _session(runtime, 1, playing_for=1.0, slack=0.1, unread=3.5)
     reading = _session(runtime, 2, playing_for=1.0, slack=0.1, unread=0.5)
@@ -119,7 +121,7 @@ def test_backpressure_on_unread_audio(runtime: Synthesizer) -> None:
     assert [s for s, _ in plan.decode] == [reading]
 
 
-def test_acoustic_lookahead_and_running_dry_goes_first(runtime: Synthesizer) -> None:
+def test_acoustic_lookahead_and_running_dry_goes_first(runtime: VoiceRuntime) -> None:
     cfg = BatchConfig(acoustic_lookahead_s=2.0, urgent_slack_s=0.3)
     # ~4.6 s of its current sentence still to decode: its next sentence waits.
     long_queue = _session(runtime, 1, playing_for=1.0, slack=0.1, acoustic=3, frames=400)
@@ -130,7 +132,7 @@ def test_acoustic_lookahead_and_running_dry_goes_first(runtime: Synthesizer) -> 
     assert plan.decode_first  # 0.1 s left to play: its step runs before the acoustic batch
 
 
-def test_starts_wait_for_a_free_slot_and_never_crowd_out_slot_holders(runtime: Synthesizer) -> None:
+def test_starts_wait_for_a_free_slot_and_never_crowd_out_slot_holders(runtime: VoiceRuntime) -> None:
     """With every decoder slot taken, new utterances (most urgent by rank) are left out and
     the sessions that hold the slots are stepped, so slots free up (no livelock)."""
     holders = [_session(runtime, i, playing_for=1.0, slack=0.5) for i in range(1, 4)]
@@ -144,7 +146,7 @@ def test_starts_wait_for_a_free_slot_and_never_crowd_out_slot_holders(runtime: S
     assert len(planned) == 4 and planned[0] in starts and {id(s) for s in planned[1:]} == {id(s) for s in holders}
 
 
-def test_a_slow_acoustic_batch_makes_a_playing_session_urgent(runtime: Synthesizer) -> None:
+def test_a_slow_acoustic_batch_makes_a_playing_session_urgent(runtime: VoiceRuntime) -> None:
     """On a CPU, seven new sessions' sentences take longer than the first session's first chunk
     plays: that session's next step goes first. On a GPU (a fast stage) nothing changes."""
     cfg = BatchConfig(urgent_slack_s=0.3)
@@ -157,7 +159,7 @@ def test_a_slow_acoustic_batch_makes_a_playing_session_urgent(runtime: Synthesiz
     assert not fast.decode_first and len(fast.acoustic) == 7
 
 
-def test_a_backlog_of_starts_steps_only_the_rows_that_cannot_wait(runtime: Synthesizer) -> None:
+def test_a_backlog_of_starts_steps_only_the_rows_that_cannot_wait(runtime: VoiceRuntime) -> None:
     """Half an acoustic batch of sessions or more waiting for the acoustic stage to begin their
     audio: sessions below their lead but not about to run dry wait, and no step is filled;
     first chunks and the dry-soon step."""
@@ -181,7 +183,7 @@ def test_a_backlog_of_starts_steps_only_the_rows_that_cannot_wait(runtime: Synth
     assert len(plan.acoustic) == 4 and [s for s, _ in plan.decode] == [below_lead]
 
 
-def test_first_sentences_go_to_the_acoustic_stage_before_next_ones(runtime: Synthesizer) -> None:
+def test_first_sentences_go_to_the_acoustic_stage_before_next_ones(runtime: VoiceRuntime) -> None:
     """Both sessions wait for their first audio; one is through the acoustic stage already and
     its next sentence does not make its first audio come sooner."""
     started = _session(runtime, 2, acoustic=1)  # readied before the other

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from service.engine.config import EngineConfig
+from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine
-from service.text.frontend_pool import FrontendPoolConfig
+from service.models.family import SynthesisParams, VoiceRuntime
 from service.tools.bench_cpu import load_corpus, run_cpu_bench, time_cadenza
+from tests.engine.conftest import prepare
 
 
 def test_bench_reports_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,3 +44,15 @@ def test_packaged_corpus_loads_from_anywhere_and_has_late_comma_long_texts(
     assert len(texts) >= 15 and all(not t.startswith("#") for t in texts)
     late = [t for t in texts if 150 <= len(t) <= 250 and "," not in t[:120]]
     assert len(late) >= 3
+
+
+def test_the_timed_stream_gives_the_whole_utterance_audio(builtin_ort: VoiceRuntime) -> None:
+    """The bench times the engine the server runs: one sentence streamed through it gives as
+    much audio as the family's reference decode of the same sentence (same seed) makes at once."""
+    text = "The weather tomorrow will be mostly sunny with a high of seventy two degrees."
+    with LocalEngine(EngineConfig(threads=1, cache_bytes=0, frontend=FrontendPoolConfig(workers=0))) as local:
+        streamed = time_cadenza(local, text, 3)
+    (utt,) = prepare(builtin_ort, text, SynthesisParams(seed=3))
+    whole = len(builtin_ort.reference(utt)) / builtin_ort.sample_rate
+    assert streamed.audio_seconds == pytest.approx(whole, abs=1e-9)
+    assert streamed.ttfa <= streamed.total and whole > 3.0
