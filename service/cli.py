@@ -453,15 +453,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     from service.tools.precision_tools import run_compare
 
-    return run_compare(args.precision, args.voice, args.voices_dir, _resolved_device(args.device),
+    voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
+    return run_compare(args.precision, voice, voices_dir, _resolved_device(args.device),
                        Path(args.out) if args.out else None, args.limit)
 
 
 def _cmd_sensitivity(args: argparse.Namespace) -> int:
     from service.tools.precision_tools import run_sensitivity
 
-    return run_sensitivity(args.voice, args.voices_dir, _resolved_device(args.device), args.limit,
-                           threads=args.threads)
+    voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
+    return run_sensitivity(voice, voices_dir, _resolved_device(args.device), args.limit, threads=args.threads)
 
 
 def _cmd_bench_gpu(args: argparse.Namespace) -> int:

@@ -46,7 +46,9 @@ class ServedVoice:
         config = EngineConfig(
             voice=voice, voices_dir=Path(voices_dir) if voices_dir else None, backend="torch", device=device,
             threads=threads, core="thread", cache_bytes=0, frontend=FrontendPoolConfig(workers=0),
-            batch=BatchConfig(decoder="slots"), fp32_pins=None if pins is None else tuple(pins),
+            # one session at a time: a few slots and rows (fewer step graphs to capture per engine)
+            batch=BatchConfig(decoder="slots", slots=16, max_step_rows=4),
+            fp32_pins=None if pins is None else tuple(pins),
         )
         self.local = LocalEngine(config)
         info = self.local.engine.server_info()

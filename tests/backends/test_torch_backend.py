@@ -41,13 +41,15 @@ def builtin_torch() -> VitsRuntime:
 
 
 def open_engine(device: str = "cpu", voice: str | None = None, schedule: ChunkSchedule = SCHEDULE,
-                shadow_fraction: float = 0.0) -> LocalEngine:
+                shadow_fraction: float = 0.0, graphs: bool = True) -> LocalEngine:
     """The engine the server runs (torch, slot decoder), in this process: FP16 chunks are only
-    made by its steps, with the guard and the FP32 redo around them."""
+    made by its steps, with the guard and the FP32 redo around them. `graphs=False`: eager steps
+    (a fault injected by a forward hook runs only there: a CUDA graph replay runs no Python)."""
     return LocalEngine(EngineConfig(
         voice=voice, voices_dir=DATA if voice else None, backend="torch", device=device, threads=1, cache_bytes=0,
         frontend=FrontendPoolConfig(workers=0), core="thread", schedule=schedule,
-        batch=BatchConfig(decoder="slots", step_frames=schedule.max_frames), warmup_text="Warm up.",
+        batch=BatchConfig(decoder="slots", step_frames=schedule.max_frames, cuda_graphs=graphs),
+        warmup_text="Warm up.",
         shadow_fraction=shadow_fraction,
     ))
 
@@ -196,7 +198,7 @@ def test_cuda_fault_injection_falls_back_to_fp32(layer: str) -> None:
     voice = Voice(builtin_voice_info())
     runtime = VitsRuntime(voice, TorchBackend(voice, device="cuda"), SCHEDULE)
     ref = runtime.reference(utterance(runtime, TEXT, 2), "fp32")
-    with open_engine(device="cuda") as local:
+    with open_engine(device="cuda", graphs=False) as local:
         fault = inject_nonfinite(engine_backend(local).model_for("fp16"), layer, value=float("nan"), fraction=0.25)
         try:
             events = served(local, TEXT, Precision.FP16, 2)
