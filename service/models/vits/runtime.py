@@ -194,7 +194,7 @@ class VitsRuntime:
 
     def prepare(self, max_batch: int) -> None:
         if self.capabilities.encoder_graphs:
-            self.backend.capture_encoder(max_batch)  # type: ignore[attr-defined]
+            self.backend.capture_encoder(max_batch)
 
     # --- acoustic stage --------------------------------------------------------------------------
 
@@ -206,7 +206,7 @@ class VitsRuntime:
         order = sorted(range(len(jobs)), key=lambda k: len(jobs[k].sentence.phoneme_ids))
         sizes = [len(jobs)]
         if self.capabilities.acoustic_split:
-            sizes = self.backend.acoustic_split(  # type: ignore[attr-defined]
+            sizes = self.backend.acoustic_split(
                 [len(jobs[k].sentence.phoneme_ids) for k in order])
         if len(sizes) == 1:
             return self.acoustic_launch(jobs).result()
@@ -242,7 +242,7 @@ class VitsRuntime:
         scales = np.asarray([j.params.option(self._noise_scale) for j in jobs], dtype=np.float32)
         with stage("acoustic.encode"):
             if self.capabilities.priors_on_device:
-                wait = self.backend.encode_prior_async(  # type: ignore[attr-defined]
+                wait = self.backend.encode_prior_async(
                     ids, lengths, dp_noise, sid_arr, scales).result
             else:
                 wait = functools.partial(_given, self.encode(ids, lengths, dp_noise, sid_arr, scales))
@@ -252,7 +252,7 @@ class VitsRuntime:
                scales: np.ndarray) -> EncodeOut | DevicePriorOut:
         """The backend's acoustic stage; on a GPU the prior stays there (see `DevicePriorOut`)."""
         if self.capabilities.priors_on_device:
-            return self.backend.encode_prior(ids, lengths, dp_noise, sid, scales)  # type: ignore[attr-defined]
+            return self.backend.encode_prior(ids, lengths, dp_noise, sid, scales)
         return self.backend.encode(ids, lengths, dp_noise, sid)
 
     def length_scale(self, params: SynthesisParams) -> float:
@@ -286,21 +286,21 @@ class VitsRuntime:
 
     def streaming_decoder(self, precision: str, slots: int, *, max_rows: int, graphs: bool,
                           graph_frames: tuple[int, ...]) -> Any:
-        return self.backend.streaming_decoder(  # type: ignore[attr-defined]
+        return self.backend.streaming_decoder(
             precision, slots, max_rows=max_rows, graphs=graphs, graph_frames=graph_frames)
 
     def streaming_lag(self) -> int:
-        return int(self.backend.streaming_lag())  # type: ignore[attr-defined]
+        return int(self.backend.streaming_lag())
 
     def guard_async(self, device_audio: Any) -> Any:
-        return self.backend.guard_async(device_audio)  # type: ignore[attr-defined]
+        return self.backend.guard_async(device_audio)
 
     def utterance_decoder(self, utt: DecoderInput) -> StagedDecoder:
         """A staged decoder for one utterance (FP32). Short utterances run the whole flow in
         their first call (cheap per frame, but small calls cost); longer ones what the first chunk needs."""
         assert isinstance(utt, Utterance), "a VITS voice decodes its own acoustic stage's output"
         first_piece = utt.frames if utt.frames <= self.schedule.flow_at_once_frames else 0
-        return StagedDecoder(self.backend, utt.prior.full(), utt.sid_batch,  # type: ignore[arg-type]
+        return StagedDecoder(self.backend, utt.prior.full(), utt.sid_batch,
                              self.schedule.flow_piece_frames, first_piece)
 
     def reference(self, utt: DecoderInput, precision: str = "fp32") -> np.ndarray:

@@ -5,6 +5,7 @@ durations, chunking) is shared by all backends and results are comparable."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,3 +61,44 @@ class Backend(Protocol):
         ...
 
     def supported_precisions(self) -> tuple[str, ...]: ...
+
+    # What a backend has only where its `capabilities` say so (the runtime reads the flags first).
+
+    def decoder_stages(self) -> list[tuple[int, int, int]]:
+        """staged_decoder: (upsampling factor, input context, output channels) per stage."""
+        ...
+
+    def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
+        """staged_decoder: one flow coupling or generator stage in FP32."""
+        ...
+
+    def streaming_decoder(self, precision: str, capacity: int, max_rows: int = 256, graphs: bool = True,
+                          graph_frames: Sequence[int] = ()) -> Any:
+        """slot_decoder: a `service.models.family.StreamingDecoder`."""
+        ...
+
+    def streaming_lag(self) -> int:
+        """slot_decoder: frames its audio trails its input."""
+        ...
+
+    def guard_async(self, audio: Any) -> Any:
+        """slot_decoder: the guard and the copy to the host queued behind a step (`.result()`: HostAudio)."""
+        ...
+
+    def encode_prior(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None,
+                     noise_scale: np.ndarray) -> DevicePriorOut:
+        """priors_on_device: `encode` with the prior left on the device."""
+        ...
+
+    def encode_prior_async(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray,
+                           sid: np.ndarray | None, noise_scale: np.ndarray) -> Any:
+        """priors_on_device: `encode_prior` queued (`.result()`: DevicePriorOut)."""
+        ...
+
+    def acoustic_split(self, lengths: Sequence[int]) -> list[int]:
+        """acoustic_split: group sizes for an acoustic batch of ascending lengths."""
+        ...
+
+    def capture_encoder(self, max_batch: int) -> None:
+        """encoder_graphs: capture the acoustic stage before serving."""
+        ...
