@@ -45,7 +45,8 @@ from multiprocessing.context import SpawnProcess
 from pathlib import Path
 from typing import Any
 
-from service.text.frontend import Frontend, PhonemizedSentence
+from service.models.family import TextFrontend
+from service.text.frontend import PhonemizedSentence
 
 VoiceKey = str | os.PathLike[str]
 """A voice's Piper config (``.onnx.json``) path, or what ``find_voice`` accepts: a voice
@@ -104,19 +105,18 @@ class _FrontendCache:
     """Frontend per voice frontend key, built on first use (one per process)."""
 
     def __init__(self) -> None:
-        self._frontends: dict[str, Frontend] = {}
+        self._frontends: dict[str, TextFrontend] = {}
 
-    def get(self, key: str) -> Frontend:
-        frontend = self._frontends.get(key)
-        if frontend is None:
+    def get(self, key: str) -> TextFrontend:
+        found = self._frontends.get(key)
+        if found is None:
             from service.models.registry import open_frontend
 
-            frontend = open_frontend(key)
-            self._frontends[key] = frontend
-        return frontend
+            found = self._frontends[key] = open_frontend(key)
+        return found
 
     def warm(self, frontend_keys: Sequence[str]) -> None:
-        """Load these voices and run espeak once for each (initialise, load its dictionary)."""
+        """Load these voices' frontends and run each once (espeak: initialise, load its dictionary)."""
         for frontend_key in frontend_keys:
             try:
                 self.get(frontend_key).sentences(_WARM_TEXT)

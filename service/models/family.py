@@ -12,9 +12,19 @@ A family (VITS/Piper today) lives in its own folder under `service/models/` and 
   for a CPU backend an `UtteranceDecoder` per utterance, the device guard, and a reference
   full decode (the exactness oracle, and the shadow verifier's FP32 reference).
 
-Autoregressive families (speech tokens before the decoder) declare `Capabilities.autoregressive`
-and give their steps through `VoiceRuntime.token_step`; the scheduler's plan holds those rows
-beside acoustic batches and decoder steps (`service.engine.scheduler.Plan`).
+How the next families map onto it:
+
+* Kokoro-82M (StyleTTS2 text encoder, prosody predictor, iSTFTNet with a sine source): the
+  acoustic stage predicts durations, F0 and energy and gives per-frame decoder input (a `Prior`
+  whose columns are frames, `src` the identity, sigma 0; the utterance's style vector is its own
+  field of the family's `DecoderInput`); its `StreamingDecoder` keeps the sine source's phase and
+  the inverse STFT's overlap in each slot's state.
+* CosyVoice2 (a Qwen2 LM emitting 25 Hz speech tokens, chunked flow matching, HiFT): declares
+  `Capabilities.autoregressive`; the acoustic stage tokenises and prefills, `token_step` decodes
+  one token for every utterance still making tokens over a KV cache in slots, and the scheduler's
+  plan holds those rows (`Plan.tokens`) beside acoustic batches and decoder steps. Today an
+  utterance is decoded once its tokens are complete; feeding the decoder chunk by chunk while
+  tokens are still being made is that family's work.
 
 Nothing here imports torch: the server's API process reads voices and options through it."""
 
@@ -183,6 +193,14 @@ def utterance_rng(seed: int | None, phoneme_ids: Sequence[int]) -> np.random.Gen
         return np.random.default_rng()
     digest = hashlib.blake2b(np.asarray(phoneme_ids, dtype=np.int64).tobytes(), digest_size=8).digest()
     return np.random.default_rng([seed, int.from_bytes(digest, "little")])
+
+
+class TextFrontend(Protocol):
+    """A voice's text frontend: text (with inline annotations and a custom dictionary) to the
+    sentences its acoustic stage takes, with word spans for timings. Thread safe."""
+
+    def sentences(self, text: str, custom_dictionary: Mapping[str, str] | None = None,
+                  words: bool = True) -> list[PhonemizedSentence]: ...
 
 
 class Prior(Protocol):
@@ -395,8 +413,8 @@ class Family(Protocol):
         """The voice that ships with the package, if this family has one."""
         ...
 
-    def frontend(self, source: str) -> Any:
-        """Its text frontend (`.sentences(text, dictionary, words=)`) from the source a VoiceInfo names."""
+    def frontend(self, source: str) -> TextFrontend:
+        """Its text frontend, from the source a VoiceInfo's `frontend_key` names."""
         ...
 
     def open(self, info: VoiceInfo, backend: str, device: str, schedule: ChunkSchedule,
@@ -407,6 +425,6 @@ class Family(Protocol):
 
 __all__ = [
     "AcousticJob", "Capabilities", "ChunkSchedule", "DecoderInput", "Family", "HostAudio", "OptionSpec",
-    "PendingAudio", "Prior", "StepRows", "StreamingDecoder", "SynthesisParams", "UtteranceDecoder",
+    "PendingAudio", "Prior", "StepRows", "StreamingDecoder", "SynthesisParams", "TextFrontend", "UtteranceDecoder",
     "VoiceInfo", "VoiceNotFoundError", "VoiceRuntime", "WordTiming", "guard_host", "utterance_rng",
 ]

@@ -7,7 +7,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from service.models.family import ChunkSchedule, Family, VoiceInfo, VoiceNotFoundError, VoiceRuntime
+from service.models.family import ChunkSchedule, Family, TextFrontend, VoiceInfo, VoiceNotFoundError, VoiceRuntime
 
 # name -> "module:attribute" of its `Family`; the first family with a built-in voice gives the default voice.
 FAMILIES: dict[str, str] = {
@@ -56,7 +56,7 @@ def discover(directory: Path) -> list[VoiceInfo]:
     return [info for fam in families() for info in fam.discover(directory)]
 
 
-def open_frontend(key: str) -> Any:
+def open_frontend(key: str) -> TextFrontend:
     """A voice's text frontend from its `VoiceInfo.frontend_key` ("<family>:<source>")."""
     name, sep, source = key.partition(":")
     if not sep:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from service.models.family import ChunkSchedule, VoiceInfo, VoiceRuntime
+from service.models.family import ChunkSchedule, TextFrontend, VoiceInfo, VoiceRuntime
 from service.models.vits.voice import FAMILY_NAME, Voice, builtin_voice_info, read_piper_voice
 
 
@@ -38,7 +38,7 @@ class VitsFamily:
     def builtin(self) -> VoiceInfo:
         return builtin_voice_info()
 
-    def frontend(self, source: str) -> Any:
+    def frontend(self, source: str) -> TextFrontend:
         from service.text.frontend import Frontend
 
         return Frontend.from_piper_config(source)
