@@ -1,0 +1,122 @@
+"""Style-conditioned building blocks shared by Kokoro's prosody predictor and decoder, and the
+weight-norm folding that lets the official state dict load into plain convolutions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+# The official residual blocks scale by rsqrt(2) computed in float32; the same float keeps them equal.
+INV_SQRT2 = float(torch.rsqrt(torch.tensor(2.0)))
+
+_LEGACY = ("weight_g", "weight_v")
+_PARAMETRIZED = ("parametrizations.weight.original0", "parametrizations.weight.original1")
+
+
+def fold_weight_norm(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with every weight-normed layer's (g, v) pair replaced by its `weight`.
+
+    Both spellings are accepted: `torch.nn.utils.weight_norm`'s `weight_g`/`weight_v` (the
+    official checkpoint and `KModel` as built today) and the parametrisation API's
+    `parametrizations.weight.original0/1`. The official layers all normalise over dim 0; the
+    fold uses the same kernel as their forward (`torch._weight_norm`), so the weight is the one
+    the official layer computes, bit for bit."""
+    out: dict[str, torch.Tensor] = {}
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state_dict.items():
+        for names in (_LEGACY, _PARAMETRIZED):
+            matched = next((n for n in names if key.endswith("." + n) or key == n), None)
+            if matched is not None:
+                base = key[: len(key) - len(matched)]
+                pairs.setdefault(base, {})["g" if matched == names[0] else "v"] = value
+                break
+        else:
+            out[key] = value
+    for base, gv in pairs.items():
+        if set(gv) != {"g", "v"}:
+            raise KeyError(f"weight norm of {base or 'the module'} has only {sorted(gv)}")
+        g, v = gv["g"], gv["v"]
+        if g.dim() != v.dim() or g.shape[0] != v.shape[0] or g[0].numel() != 1:
+            raise ValueError(f"{base}: weight norm g {tuple(g.shape)} is not over dim 0 of v {tuple(v.shape)}")
+        out[base + "weight"] = torch._weight_norm(v, g, 0)
+    return out
+
+
+def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Snake activation x + sin^2(alpha x) / alpha (periodic inductive bias for audio)."""
+    return x + (1 / alpha) * (torch.sin(alpha * x) ** 2)
+
+
+class AdaIN1d(nn.Module):
+    """Instance norm over time, then a style-predicted scale (1 + gamma) and shift.
+
+    The statistics span the whole sequence given, so a decoder run on a window of frames
+    differs from the whole-utterance run unless it is given the utterance's statistics."""
+
+    def __init__(self, style_dim: int, channels: int) -> None:
+        super().__init__()
+        # affine=True only to carry the official (identity-initialised) norm weights.
+        self.norm = nn.InstanceNorm1d(channels, affine=True)
+        self.fc = nn.Linear(style_dim, 2 * channels)
+
+    def forward(self, x: torch.Tensor, style: torch.Tensor) -> torch.Tensor:
+        gamma, beta = self.fc(style).unsqueeze(-1).chunk(2, dim=1)
+        return (1 + gamma) * self.norm(x) + beta
+
+
+class AdaLayerNorm(nn.Module):
+    """Layer norm over channels (no affine) with a style-predicted scale and shift; x is [B, N, C]."""
+
+    def __init__(self, style_dim: int, channels: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.channels = channels
+        self.eps = eps
+        self.fc = nn.Linear(style_dim, 2 * channels)
+
+    def forward(self, x: torch.Tensor, style: torch.Tensor) -> torch.Tensor:
+        gamma, beta = self.fc(style).unsqueeze(1).chunk(2, dim=-1)
+        return (1 + gamma) * F.layer_norm(x, (self.channels,), eps=self.eps) + beta
+
+
+class ChannelLayerNorm(nn.Module):
+    """Layer norm over the channels of a [B, C, T] tensor (official names gamma/beta)."""
+
+    def __init__(self, channels: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.gamma = nn.Parameter(torch.ones(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.transpose(1, -1), (x.shape[1],), self.gamma, self.beta, self.eps)
+        return y.transpose(1, -1)
+
+
+class AdainResBlk1d(nn.Module):
+    """StyleTTS2's residual block: two AdaIN + LeakyReLU + conv stages, a 1x1 shortcut where
+    the width changes, and optionally a 2x upsampling of time (a depthwise transposed conv on
+    the residual path, nearest repetition on the shortcut)."""
+
+    def __init__(self, dim_in: int, dim_out: int, style_dim: int, upsample: bool = False) -> None:
+        super().__init__()
+        self.upsample = upsample
+        self.norm1 = AdaIN1d(style_dim, dim_in)
+        self.conv1 = nn.Conv1d(dim_in, dim_out, 3, padding=1)
+        self.norm2 = AdaIN1d(style_dim, dim_out)
+        self.conv2 = nn.Conv1d(dim_out, dim_out, 3, padding=1)
+        self.conv1x1 = nn.Conv1d(dim_in, dim_out, 1, bias=False) if dim_in != dim_out else None
+        self.pool = (nn.ConvTranspose1d(dim_in, dim_in, 3, stride=2, padding=1, output_padding=1, groups=dim_in)
+                     if upsample else None)
+
+    def forward(self, x: torch.Tensor, style: torch.Tensor) -> torch.Tensor:
+        h = F.leaky_relu(self.norm1(x, style), 0.2)
+        if self.pool is not None:
+            h = self.pool(h)
+        h = self.conv2(F.leaky_relu(self.norm2(self.conv1(h), style), 0.2))
+        shortcut = x.repeat_interleave(2, dim=-1) if self.upsample else x
+        if self.conv1x1 is not None:
+            shortcut = self.conv1x1(shortcut)
+        return (h + shortcut) * INV_SQRT2

@@ -1,0 +1,130 @@
+"""Kokoro-82M split into the two stages the engine serves.
+
+* `acoustic(ids, style, speed)`: phoneme ids -> frames per phoneme and the decoder's
+  per-frame input (text features `asr` [B, 512, T], F0 and energy `n` [B, 2T]). Needs the
+  whole utterance (ALBERT and the LSTMs are bidirectional).
+* `decode(asr, f0, n, style, noise)`: that input -> audio [B, T x 600] at 24 kHz.
+
+The style is the voice pack's row for the utterance's phoneme count, [B, 256]: its first half
+conditions the decoder, its second half the prosody predictor. Both stages take the whole row.
+
+Parameter names and shapes are the official `kokoro.model.KModel`'s, so its state dict loads
+with `load_state_dict(strict=True)`. Our convolutions are plain (no weight-norm
+parametrisation): a load folds any `weight_g`/`weight_v` (or parametrisation) pair into
+`weight` on the way in (`fold_weight_norm`), so a dict that is already folded loads as well."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from service.models.kokoro.albert import Albert
+from service.models.kokoro.hparams import KokoroHParams
+from service.models.kokoro.istftnet import Decoder, Generator
+from service.models.kokoro.layers import fold_weight_norm
+from service.models.kokoro.prosody import ProsodyPredictor, TextEncoder
+
+
+class AcousticOutput(NamedTuple):
+    """One utterance after the acoustic stage (batch of one)."""
+
+    durations: torch.Tensor  # [N] int64 frames per phoneme (each >= 1)
+    asr: torch.Tensor  # [1, hidden_dim, T] text features per frame
+    f0: torch.Tensor  # [1, 2T] F0 in Hz at twice the frame rate
+    n: torch.Tensor  # [1, 2T] energy at twice the frame rate
+
+
+class KokoroModel(nn.Module):
+    def __init__(self, hp: KokoroHParams | None = None) -> None:
+        super().__init__()
+        hp = hp or KokoroHParams()
+        self.hp = hp
+        self.bert = Albert(hp.albert)
+        self.bert_encoder = nn.Linear(hp.albert.hidden_size, hp.hidden_dim)
+        self.predictor = ProsodyPredictor(hp.style_dim, hp.hidden_dim, hp.n_layer, hp.max_dur)
+        self.text_encoder = TextEncoder(hp.hidden_dim, hp.text_encoder_kernel_size, hp.n_layer, hp.n_token)
+        generator = Generator(
+            hp.style_dim, hp.resblock_kernel_sizes, hp.resblock_dilation_sizes, hp.upsample_rates,
+            hp.upsample_kernel_sizes, hp.upsample_initial_channel, hp.istft_n_fft, hp.istft_hop, hp.sample_rate,
+        )
+        self.decoder = Decoder(hp.hidden_dim, hp.style_dim, generator)
+        self.register_load_state_dict_pre_hook(_fold_on_load)
+
+    @property
+    def samples_per_frame(self) -> int:
+        """Audio samples per acoustic frame: 600 for Kokoro-82M (25 ms at 24 kHz)."""
+        return self.hp.samples_per_frame
+
+    @property
+    def source_harmonics(self) -> int:
+        return self.decoder.generator.m_source.harmonics
+
+    def _halves(self, style: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Style row [B, 2 x style_dim] -> (decoder half, prosody half)."""
+        if style.dim() == 1:
+            style = style.unsqueeze(0)
+        d = self.hp.style_dim
+        if style.shape[-1] != 2 * d:
+            raise ValueError(f"style vector has {style.shape[-1]} values; Kokoro takes {2 * d}")
+        return style[:, :d], style[:, d:]
+
+    def acoustic(self, ids: torch.Tensor, style: torch.Tensor, speed: float = 1.0) -> AcousticOutput:
+        """Phoneme ids [1, N] (or [N], with the boundary 0s already around them), style [1, 256]
+        -> durations and per-frame decoder input. `speed` divides every duration."""
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.shape[0] != 1:
+            raise ValueError("acoustic takes one utterance at a time (its frame count is its own)")
+        _, prosody_style = self._halves(style)
+        d = self.predictor.text_encoder(self.bert_encoder(self.bert(ids)), prosody_style)
+        # torch.round is half-to-even, as the official model rounds.
+        durations = torch.round(self.predictor.durations(d, speed)).clamp(min=1).long()[0]
+        frame_src = torch.repeat_interleave(torch.arange(ids.shape[1], device=ids.device), durations)
+        f0, n = self.predictor.curves(d[:, frame_src], prosody_style)
+        asr = self.text_encoder(ids)[:, :, frame_src]
+        return AcousticOutput(durations, asr, f0, n)
+
+    def source_noise(self, batch: int, frames: int, generator: torch.Generator | None = None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+        """The sine source's standard-normal noise for `frames` acoustic frames,
+        [batch, frames x samples_per_frame, harmonics]. Drawn on the CPU from `generator`, so
+        a seed gives the same noise on every device."""
+        shape = (batch, frames * self.samples_per_frame, self.source_harmonics)
+        return torch.randn(shape, generator=generator).to(device or "cpu")
+
+    def decode(self, asr: torch.Tensor, f0: torch.Tensor, n: torch.Tensor, style: torch.Tensor,
+               noise: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """asr [B, 512, T], F0 and N [B, 2T], style [B, 256] -> audio [B, T x 600].
+
+        `noise`: the sine source's noise (`source_noise`'s shape); None draws it from
+        `generator`. The output is deterministic given it."""
+        decoder_style, _ = self._halves(style)
+        if noise is None:
+            noise = self.source_noise(asr.shape[0], asr.shape[-1], generator, asr.device)
+        expected = (asr.shape[0], asr.shape[-1] * self.samples_per_frame, self.source_harmonics)
+        if tuple(noise.shape) != expected:
+            raise ValueError(f"source noise is {tuple(noise.shape)}; this input needs {expected}")
+        return self.decoder(asr, f0, n, decoder_style, noise.to(asr.dtype))
+
+    def forward(self, ids: torch.Tensor, style: torch.Tensor, speed: float = 1.0,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both stages: (audio [1, T x 600], durations [N])."""
+        out = self.acoustic(ids, style, speed)
+        return self.decode(out.asr, out.f0, out.n, style, generator=generator), out.durations
+
+
+def _fold_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """load_state_dict pre-hook: weight-normed pairs under `prefix` become plain weights."""
+    ours = {k[len(prefix):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+    for key, value in fold_weight_norm(ours).items():
+        state_dict[prefix + key] = value
+
+
+def load_official(state_dict: Mapping[str, torch.Tensor], hp: KokoroHParams | None = None) -> KokoroModel:
+    """A KokoroModel (eval, FP32) from an official `KModel.state_dict()`-style dict."""
+    model = KokoroModel(hp)
+    model.load_state_dict(dict(state_dict), strict=True)
+    return model.eval()

@@ -1,0 +1,193 @@
+"""Our Kokoro modules against the official `kokoro.model.KModel` (PyPI kokoro 0.9.4), FP32.
+
+Both are built from the Kokoro-82M configuration with random weights (no download): ours
+loads the official model's state dict strictly, weight-norm pairs and all.
+
+The official sine source draws its noise from the global generator: `torch.rand` for an
+initial phase (which its frame-rate phase accumulation never reads), then `randn_like` of a
+[B, samples, 9] tensor laid out harmonic-major, which fills values in a different order than
+`torch.randn` of that shape. `official_noise` reproduces those draws after the same seed, so
+both decoders get identical noise."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+import tempfile
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from service.models.kokoro.hparams import KokoroHParams
+from service.models.kokoro.layers import fold_weight_norm
+from service.models.kokoro.model import KokoroModel
+
+pytest.importorskip("transformers")
+pytest.importorskip("huggingface_hub")
+pytest.importorskip("loguru")
+
+# Kokoro-82M v1.0's config.json (its vocabulary is not needed: the tests feed ids).
+CONFIG: dict[str, Any] = {
+    "istftnet": {"upsample_kernel_sizes": [20, 12], "upsample_rates": [10, 6], "gen_istft_hop_size": 5,
+                 "gen_istft_n_fft": 20, "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+                 "resblock_kernel_sizes": [3, 7, 11], "upsample_initial_channel": 512},
+    "dim_in": 64, "dropout": 0.2, "hidden_dim": 512, "max_conv_dim": 512, "max_dur": 50,
+    "multispeaker": True, "n_layer": 3, "n_mels": 80, "n_token": 178, "style_dim": 128,
+    "text_encoder_kernel_size": 5, "vocab": {},
+    "plbert": {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 2048,
+               "max_position_embeddings": 512, "num_hidden_layers": 12, "dropout": 0.1},
+}
+
+# (token count, speed)
+SEQUENCES = [(5, 1.0), (16, 1.3), (40, 2.2)]
+
+
+def _official_model_class() -> Any:
+    """`kokoro.model.KModel`. The package's __init__ pulls in its G2P (misaki, spaCy...);
+    when that is not installed, the model modules are loaded without it."""
+    spec = importlib.util.find_spec("kokoro")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("kokoro (PyPI kokoro==0.9.4) is not installed")
+    try:
+        return importlib.import_module("kokoro.model").KModel
+    except ImportError:
+        for name in [n for n in sys.modules if n == "kokoro" or n.startswith("kokoro.")]:
+            del sys.modules[name]
+        bare = types.ModuleType("kokoro")
+        bare.__path__ = list(spec.submodule_search_locations)
+        sys.modules["kokoro"] = bare
+        return importlib.import_module("kokoro.model").KModel
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[Any, KokoroModel]:
+    kmodel_class = _official_model_class()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        empty = Path(tmp) / "empty.pth"
+        torch.save({}, empty)  # KModel loads its weights from a file: give it none
+        official = kmodel_class(repo_id="hexgrad/Kokoro-82M", config=CONFIG, model=str(empty)).eval()
+    with torch.no_grad():
+        for p in official.parameters():
+            # Break the identity initialisations (norm affines, Snake alphas) so that a
+            # mixed-up parameter shows.
+            p.mul_(1 + 0.05 * torch.randn_like(p))
+        # Random weights give ~25 frames a phoneme; about 5 keeps the decodes short.
+        official.predictor.duration_proj.linear_layer.bias.sub_(2.2)
+    ours = KokoroModel(KokoroHParams.from_config(CONFIG))
+    ours.load_state_dict(official.state_dict(), strict=True)
+    return official, ours.eval()
+
+
+def _ids(count: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, CONFIG["n_token"], (1, count), generator=g)
+    ids[0, 0] = ids[0, -1] = 0  # the boundary token KModel puts around every utterance
+    return ids
+
+
+def _style(seed: int) -> torch.Tensor:
+    return torch.randn(1, 256, generator=torch.Generator().manual_seed(1000 + seed)) * 0.5
+
+
+def official_noise(seed: int, batch: int, samples: int) -> torch.Tensor:
+    """The sine-source noise the official decoder draws after `torch.manual_seed(seed)`."""
+    torch.manual_seed(seed)
+    torch.rand(batch, 9)  # its initial phase draw
+    return torch.randn_like(torch.empty(batch, 9, samples).transpose(1, 2))
+
+
+def psnr(reference: torch.Tensor, other: torch.Tensor) -> float:
+    mse = (reference - other).pow(2).mean().item()
+    peak = reference.abs().max().item()
+    return math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
+
+
+def test_config_and_frame_size() -> None:
+    hp = KokoroHParams.from_config(CONFIG)
+    assert hp == KokoroHParams()
+    assert hp.samples_per_frame == 600 and hp.source_upsample == 300
+
+
+@pytest.mark.parametrize(("count", "speed"), SEQUENCES)
+def test_acoustic_and_end_to_end(models: tuple[Any, KokoroModel], count: int, speed: float) -> None:
+    official, ours = models
+    ids, style = _ids(count, count), _style(count)
+    captured: dict[str, torch.Tensor] = {}
+
+    def grab(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        captured["asr"], captured["f0"], captured["n"] = (a.clone() for a in args[:3])
+
+    hook = official.decoder.register_forward_pre_hook(grab)
+    try:
+        torch.manual_seed(count)
+        audio, durations = official.forward_with_tokens(ids, style, speed)
+    finally:
+        hook.remove()
+
+    with torch.no_grad():
+        out = ours.acoustic(ids, style, speed)
+    assert torch.equal(out.durations, durations.reshape(-1))
+    frames = int(durations.sum())
+    assert out.asr.shape == (1, 512, frames) and out.f0.shape == out.n.shape == (1, 2 * frames)
+    for name in ("asr", "f0", "n"):
+        torch.testing.assert_close(getattr(out, name), captured[name], rtol=1e-4, atol=1e-5, msg=name)
+
+    # The whole model: our decoder on our acoustic output, the official noise.
+    with torch.no_grad():
+        ours_audio = ours.decode(out.asr, out.f0, out.n, style, official_noise(count, 1, frames * 600))
+    assert ours_audio.shape == (1, frames * 600)
+    assert psnr(audio.reshape(1, -1), ours_audio) >= 60.0
+
+
+@pytest.mark.parametrize("frames", [7, 24])
+def test_decoder_voiced(models: tuple[Any, KokoroModel], frames: int) -> None:
+    """Same decoder input on both, with a voiced F0 contour (random weights predict F0 near 0,
+    all unvoiced, which would leave the sine path untested) and two utterances in a batch."""
+    official, ours = models
+    g = torch.Generator().manual_seed(frames)
+    steps = torch.arange(2 * frames, dtype=torch.float32)
+    contour = 150 + 70 * torch.sin(steps / 7.0 + torch.rand(2, 1, generator=g) * 6)
+    f0 = contour * ((steps % 40) > 9)  # voiced stretches with unvoiced gaps
+    n = torch.randn(2, 2 * frames, generator=g) * 0.5
+    asr = torch.randn(2, 512, frames, generator=g) * 0.3
+    style = torch.cat([_style(frames), _style(frames + 1)])
+    with torch.no_grad():
+        torch.manual_seed(frames)
+        expected = official.decoder(asr, f0, n, style[:, :128]).squeeze(1)
+        got = ours.decode(asr, f0, n, style, official_noise(frames, 2, frames * 600))
+    assert got.shape == expected.shape == (2, frames * 600)
+    for row in range(2):
+        assert psnr(expected[row], got[row]) >= 60.0
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_is_seeded(models: tuple[Any, KokoroModel]) -> None:
+    _, ours = models
+    asr, f0, n = torch.randn(1, 512, 5), torch.full((1, 10), 200.0), torch.zeros(1, 10)
+    with torch.no_grad():
+        a = ours.decode(asr, f0, n, _style(0), generator=torch.Generator().manual_seed(3))
+        b = ours.decode(asr, f0, n, _style(0), generator=torch.Generator().manual_seed(3))
+        c = ours.decode(asr, f0, n, _style(0), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_weight_norm_spellings(models: tuple[Any, KokoroModel]) -> None:
+    """An already-folded dict and the parametrisation API's names load to the same weights."""
+    official, ours = models
+    legacy = official.state_dict()
+    parametrized = {k.replace("weight_g", "parametrizations.weight.original0")
+                     .replace("weight_v", "parametrizations.weight.original1"): v for k, v in legacy.items()}
+    reference = ours.state_dict()
+    for source in (fold_weight_norm(legacy), parametrized):
+        other = KokoroModel()
+        other.load_state_dict(source, strict=True)
+        for key, value in other.state_dict().items():
+            assert torch.equal(value, reference[key]), key
+    conv = official.decoder.generator.conv_post
+    assert torch.equal(ours.decoder.generator.conv_post.weight, conv.weight)
