@@ -11,7 +11,13 @@ conditions the decoder, its second half the prosody predictor. Both stages take 
 Parameter names and shapes are the official `kokoro.model.KModel`'s, so its state dict loads
 with `load_state_dict(strict=True)`. Our convolutions are plain (no weight-norm
 parametrisation): a load folds any `weight_g`/`weight_v` (or parametrisation) pair into
-`weight` on the way in (`fold_weight_norm`), so a dict that is already folded loads as well."""
+`weight` on the way in (`fold_weight_norm`), so a dict that is already folded loads as well.
+
+What a chunked decoder must carry, beyond each conv's receptive field: every AdaIN normalises
+over the whole utterance's time axis (frame rate up to the last generator scale), so a chunk
+equals the full decode only with the utterance's statistics per layer; the sine source's phase
+is a cumulative sum over F0 steps (carry the sum; the interpolation reads one step ahead); the
+inverse STFT overlaps n_fft - hop samples; the source noise is indexed by sample."""
 
 from __future__ import annotations
 
