@@ -212,18 +212,22 @@ def test_serve_start_up_errors_are_one_line(args: list[str]) -> None:
 
 @pytest.mark.slow
 def test_precision_sensitivity_completes_on_cpu() -> None:
-    from service.models.vits.precision import VITS_PIN_CANDIDATES
+    """On the served path: the family's pins, each taken out, each other candidate added, no pins."""
+    from service.models.vits.precision import VITS_FP32_PINS, VITS_PIN_CANDIDATES
 
     code, out, err, _ = _cadenza("precision", "sensitivity", "--device", "cpu", "--voice", str(_TINY_VOICE),
                                  "--limit", "1", "--threads", "1", timeout=600)
     assert code == 0, err
     _no_traceback(err)
     lines = out.decode().strip().splitlines()
-    assert lines[1].split() == ["module", "min_db", "median_db", "len_changes"]
-    rows = [line.split() for line in lines[2:]]
-    assert [r[0] for r in rows] == list(VITS_PIN_CANDIDATES)  # every candidate, `flow` included
-    for _, min_db, median_db, changes in rows:
-        assert float(min_db) > 0 and float(median_db) >= float(min_db) and int(changes) >= 0
+    assert "served path" in lines[0]
+    assert lines[1].split() == ["FP16", "run", "min_db", "median_db", "redos", "len_changes"]
+    rows = [(" ".join(line.split()[:-4]), line.split()[-4:]) for line in lines[2:]]
+    expected = ["with the family's pins", *(f"without {p}" for p in VITS_FP32_PINS),
+                *(f"with {c} added" for c in VITS_PIN_CANDIDATES if c not in VITS_FP32_PINS), "no pins"]
+    assert [label for label, _ in rows] == expected
+    for _, (min_db, median_db, redos, changes) in rows:
+        assert float(min_db) > 0 and float(median_db) >= float(min_db) and int(redos) >= 0 and int(changes) >= 0
 
 
 @pytest.mark.slow

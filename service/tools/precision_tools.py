@@ -48,6 +48,7 @@ class ServedVoice:
             threads=threads, core="thread", cache_bytes=0, frontend=FrontendPoolConfig(workers=0),
             # one session at a time: a few slots and rows (fewer step graphs to capture per engine)
             batch=BatchConfig(decoder="slots", slots=16, max_step_rows=4),
+            warmup_text="Warm up.",  # an engine per pin set: each only needs its step shapes prepared
             fp32_pins=None if pins is None else tuple(pins),
         )
         self.local = LocalEngine(config)
