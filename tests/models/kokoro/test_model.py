@@ -11,12 +11,8 @@ both decoders get identical noise."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import sys
 import tempfile
-import types
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +22,7 @@ import torch
 from service.models.kokoro.hparams import KokoroHParams
 from service.models.kokoro.layers import fold_weight_norm
 from service.models.kokoro.model import KokoroModel
-
-pytest.importorskip("transformers")
-pytest.importorskip("huggingface_hub")
-pytest.importorskip("loguru")
+from tests.models.kokoro.official import official_kmodel
 
 # Kokoro-82M v1.0's config.json (its vocabulary is not needed: the tests feed ids).
 CONFIG: dict[str, Any] = {
@@ -47,26 +40,9 @@ CONFIG: dict[str, Any] = {
 SEQUENCES = [(5, 1.0), (16, 1.3), (40, 2.2)]
 
 
-def _official_model_class() -> Any:
-    """`kokoro.model.KModel`. The package's __init__ pulls in its G2P (misaki, spaCy...);
-    when that is not installed, the model modules are loaded without it."""
-    spec = importlib.util.find_spec("kokoro")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("kokoro (PyPI kokoro==0.9.4) is not installed")
-    try:
-        return importlib.import_module("kokoro.model").KModel
-    except ImportError:
-        for name in [n for n in sys.modules if n == "kokoro" or n.startswith("kokoro.")]:
-            del sys.modules[name]
-        bare = types.ModuleType("kokoro")
-        bare.__path__ = list(spec.submodule_search_locations)
-        sys.modules["kokoro"] = bare
-        return importlib.import_module("kokoro.model").KModel
-
-
 @pytest.fixture(scope="module")
 def models() -> tuple[Any, KokoroModel]:
-    kmodel_class = _official_model_class()
+    kmodel_class = official_kmodel()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         empty = Path(tmp) / "empty.pth"

@@ -15,12 +15,9 @@ integrates to a drifting sine phase, which alone would hold the waveform PSNR ne
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +29,7 @@ import torch
 
 from service.audio.quality import psnr_db
 from service.models.kokoro import weights as kw
+from tests.models.kokoro.official import official_kmodel
 
 # misaki's phonemes for "Hello world, this is a test of the Kokoro model."
 PHONEMES = "həlˈO wˈɜɹld, ðɪs ɪz ɐ tˈɛst ʌv ðə kəkˈɔɹO mˈɑdᵊl."
@@ -60,28 +58,8 @@ def mapped(model_path: Path) -> kw.KokoroWeights:
     return kw.read_onnx_kokoro(model_path)
 
 
-def import_kmodel() -> type:
-    """`kokoro.model.KModel` without running `kokoro/__init__.py`, which imports the G2P
-    pipeline (misaki[en]: spacy, espeak) that the model itself does not need."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("loguru")
-    pytest.importorskip("huggingface_hub")
-    if "kokoro.model" not in sys.modules:
-        spec = importlib.util.find_spec("kokoro")
-        if spec is None or not spec.submodule_search_locations:
-            pytest.skip("the official model code is not installed (pip install --no-deps kokoro==0.9.4)")
-        package = types.ModuleType("kokoro")
-        package.__path__ = list(spec.submodule_search_locations)
-        package.__file__ = spec.origin
-        package.__spec__ = spec
-        sys.modules["kokoro"] = package
-    from kokoro.model import KModel
-
-    return KModel
-
-
 def build_kmodel(cache_dir: Path, tmp: Path) -> torch.nn.Module:
-    KModel = import_kmodel()
+    KModel = official_kmodel()
     vocab = json.loads((cache_dir / "vocab.json").read_text(encoding="utf-8"))["vocab"]
     empty = tmp / "empty.pth"
     torch.save({}, empty)  # KModel loads this instead of reaching for the hub
