@@ -12,6 +12,7 @@ from service.models.family import ChunkSchedule, Family, TextFrontend, VoiceInfo
 # name -> "module:attribute" of its `Family`; the first family with a built-in voice gives the default voice.
 FAMILIES: dict[str, str] = {
     "vits": "service.models.vits.family:FAMILY",
+    "kokoro": "service.models.kokoro.family:FAMILY",
 }
 
 _loaded: dict[str, Family] = {}
@@ -45,7 +46,8 @@ def recognise(path: Path) -> VoiceInfo:
     if not path.exists():
         raise VoiceNotFoundError(f"voice file {path} does not exist")
     raise VoiceNotFoundError(f"{path} is not a voice of any known family ({', '.join(FAMILIES)}); "
-                             "a Piper voice is <name>.onnx with <name>.onnx.json beside it")
+                             "a Piper voice is <name>.onnx with <name>.onnx.json beside it, a Kokoro voice "
+                             "<dir>/voices/<pack>.bin with kokoro-v1.0.int8.onnx in <dir>")
 
 
 def builtin_voices() -> list[VoiceInfo]:

