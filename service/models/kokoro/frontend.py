@@ -478,6 +478,8 @@ def _fit(tokens: list[_Token], limit: int) -> list[list[_Token]]:
         cut = next((z for z in reversed(fits) if _only(rest[z - 1].phonemes, _CLAUSE_MARKS)), None)
         if cut is None:
             cut = next((z for z in reversed(fits) if rest[z - 1].space), None)
+        if cut is None and fits:
+            cut = fits[-1]  # no word boundary fits: the pieces of a word cut below
         if cut is None:
             # The first word alone is longer than the limit (a long number, a long annotation):
             # cut it at its own spaces, or at the limit.
