@@ -68,7 +68,7 @@ class KokoroUtterance:
     phoneme_ids: list[int]
     prior: FrameColumns  # rows: text features, then F0 (2 per frame), then energy (2 per frame)
     style: torch.Tensor  # [256] the pack's row for this sentence's length
-    durations: np.ndarray  # [N + 2] frames per token, the boundary tokens included
+    durations: np.ndarray  # frames per token, the boundary tokens included
     word_spans: list[tuple[str, int, int]]
     sid: int | None = None
     audio: np.ndarray | None = field(default=None, repr=False)  # the whole decode, once made
@@ -147,16 +147,18 @@ class KokoroRuntime:
         return [self._acoustic(job) for job in jobs]
 
     def _acoustic(self, job: AcousticJob) -> KokoroUtterance:
+        """The sentence's ids hold the boundary tokens already (the frontend adds them); the
+        style row is picked by its phoneme count less one, as the official pipeline does."""
         ids = list(job.sentence.phoneme_ids)
-        style = self.pack[min(max(len(ids) - 1, 0), VOICE_ROWS - 1), 0]
+        style = self.pack[min(max(len(job.sentence.phonemes) - 1, 0), VOICE_ROWS - 1), 0]
         length_scale = self.info.length_scale if job.params.length_scale is None else job.params.length_scale
-        tokens = torch.tensor([0, *ids, 0], dtype=torch.long, device=self.device)  # the boundary tokens
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         out = self.model.acoustic(tokens, style[None], speed=1.0 / length_scale)
         frames = out.asr.shape[-1]
         values = torch.cat([out.asr[0], out.f0[0].view(frames, 2).T, out.n[0].view(frames, 2).T])
         durations = out.durations.cpu().numpy()
         ends = np.concatenate([[0], np.cumsum(durations)]) * self.hop  # token k starts at ends[k]
-        words = [(w.text, int(ends[w.start_id + 1]), int(ends[w.end_id + 1])) for w in job.sentence.words]
+        words = [(w.text, int(ends[w.start_id]), int(ends[w.end_id])) for w in job.sentence.words]
         key = int(job.rng.integers(0, 1 << 63))
         return KokoroUtterance(job.sentence.text, ids, FrameColumns(values.float().cpu().numpy(), key), style,
                                durations, words)

@@ -1,0 +1,59 @@
+"""A Kokoro voice served by the engine the server runs (segmenter, scheduler, executor, output),
+in this process: speech with word timings, the same audio for the same seed, 24 kHz."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import soxr
+
+from service.audio.encoding import AudioEncoding
+from service.engine.api import AudioOut, SessionConfig
+from service.engine.config import EngineConfig
+from service.engine.frontend_pool import FrontendPoolConfig
+from service.engine.local import LocalEngine
+from service.models.kokoro import weights as kw
+
+TEXT = "Thank you for calling. How can I help you today?"
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[LocalEngine]:
+    home = kw.default_cache_dir()
+    kw.fetch_model(home)
+    kw.fetch_voices(home)
+    config = EngineConfig(voice="kokoro-af_heart", voices_dir=home, device="cpu", threads=2, core="thread",
+                          cache_bytes=0, frontend=FrontendPoolConfig(workers=0), warmup_text="Hello.")
+    with LocalEngine(config) as engine:
+        yield engine
+
+
+def speak(local: LocalEngine, seed: int) -> tuple[np.ndarray, list[AudioOut]]:
+    config = SessionConfig(seed=seed, encoding=AudioEncoding.FLOAT32, word_timings=True)
+    events = [e for e in local.stream(TEXT, config) if isinstance(e, AudioOut)]
+    return np.concatenate([np.frombuffer(e.audio, dtype="<f4") for e in events]), events
+
+
+def test_served_speech_with_word_timings(local: LocalEngine) -> None:
+    from pocketsphinx import Decoder
+
+    audio, events = speak(local, 1)
+    assert local.sample_rate == 24_000 and {e.sample_rate for e in events} == {24_000}
+    assert len(events) > 2  # chunks, two utterances
+    words = [w.word.lower().strip(".,?") for e in events for w in e.words]
+    assert words == "thank you for calling how can i help you today".split()
+    pcm = (np.clip(soxr.resample(audio, 24_000, 16_000), -1, 1) * 32767).astype(np.int16)
+    decoder = Decoder(samprate=16000)
+    decoder.start_utt()
+    decoder.process_raw(pcm.tobytes(), full_utt=True)
+    decoder.end_utt()
+    hyp = decoder.hyp().hypstr.lower().split() if decoder.hyp() else []
+    assert sum(w in hyp for w in words) >= 7, hyp
+
+
+def test_the_same_seed_serves_the_same_audio(local: LocalEngine) -> None:
+    a, _ = speak(local, 5)
+    b, _ = speak(local, 5)
+    assert np.array_equal(a, b)
