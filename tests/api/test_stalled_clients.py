@@ -39,6 +39,20 @@ def _ttfa(port: int) -> float:
     return first
 
 
+def _admitted(port: int, within_s: float) -> float:
+    """A healthy session, retried on RESOURCE_EXHAUSTED as a client should ("retry shortly"):
+    admission may refuse while a burst of starts is still waiting for first audio (how long that
+    takes depends on the host's load), but never for long. Returns its TTFA."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return _ttfa(port)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[int, list[tuple[float, str]]]]:
     proc, port = start_serve("--voices", str(DATA), "--voice", "tiny-multi", "--threads", "1",
@@ -98,9 +112,12 @@ def test_stalled_clients_end_promptly_and_a_healthy_session_is_served(server: tu
 
 def test_many_stalled_clients_do_not_lock_healthy_ones_out(server: tuple[int, list[tuple[float, str]]]) -> None:
     port, _ = server
+    opened = time.monotonic()
     calls = _never_read(port, 64)
     time.sleep(2.0)
     for _ in range(3):
-        _ttfa(port)  # admitted (RESOURCE_EXHAUSTED would raise) and served
+        _admitted(port, within_s=2.0)
+        # served while the 64 are still open: the server cuts them only after STALL_S
+        assert time.monotonic() - opened < STALL_S
     for channel, _ in calls:
         channel.close()
