@@ -20,6 +20,7 @@ from service.models.registry import open_voice
 from service.models.vits.runtime import Utterance, VitsRuntime
 from service.models.vits.voice import read_piper_voice
 from service.voices import builtin_voice_info
+from tests.asr import transcribe, word_error_rate
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 TINY = "tiny-multi"
@@ -215,32 +216,16 @@ def test_word_timings_follow_durations(builtin_ort: VitsRuntime, onnx_cache_dir:
 
 def test_builtin_voice_end_to_end_is_speech(builtin_ort: VitsRuntime) -> None:
     """Real voice: non-silent, plausible length, and recognisable by an ASR."""
-    import soxr
-    from pocketsphinx import Decoder
-
     text = "The weather today is sunny and warm."
     audio = np.concatenate(references(builtin_ort, text, seed=1))
     seconds = len(audio) / builtin_ort.sample_rate
     assert 1.2 < seconds < 4.5  # ~ 8-9 phonemes per second of speech
     assert float(np.sqrt(np.mean(audio**2))) > 0.02
-    pcm = (np.clip(soxr.resample(audio, builtin_ort.sample_rate, 16000), -1, 1) * 32767).astype(np.int16)
-    decoder = Decoder(samprate=16000)
-    decoder.start_utt()
-    decoder.process_raw(pcm.tobytes(), full_utt=True)
-    decoder.end_utt()
-    hyp = decoder.hyp().hypstr.lower().split() if decoder.hyp() else []
+    hyp = transcribe(audio, builtin_ort.sample_rate)
     ref = text.lower().rstrip(".").split()
     assert word_error_rate(ref, hyp) < 0.5, hyp
 
 
-def word_error_rate(ref: list[str], hyp: list[str]) -> float:
-    d = np.zeros((len(ref) + 1, len(hyp) + 1), dtype=int)
-    d[:, 0] = np.arange(len(ref) + 1)
-    d[0, :] = np.arange(len(hyp) + 1)
-    for i in range(1, len(ref) + 1):
-        for j in range(1, len(hyp) + 1):
-            d[i, j] = min(d[i - 1, j] + 1, d[i, j - 1] + 1, d[i - 1, j - 1] + (ref[i - 1] != hyp[j - 1]))
-    return float(d[-1, -1]) / max(len(ref), 1)
 
 
 def test_batched_acoustic_stage_keeps_every_duration(builtin_ort: VitsRuntime) -> None:

@@ -22,19 +22,11 @@ import torch
 from service.models.kokoro.hparams import KokoroHParams
 from service.models.kokoro.layers import fold_weight_norm
 from service.models.kokoro.model import KokoroModel
+from service.models.kokoro.weights import KOKORO_V1_CONFIG
 from tests.models.kokoro.official import official_kmodel
 
 # Kokoro-82M v1.0's config.json (its vocabulary is not needed: the tests feed ids).
-CONFIG: dict[str, Any] = {
-    "istftnet": {"upsample_kernel_sizes": [20, 12], "upsample_rates": [10, 6], "gen_istft_hop_size": 5,
-                 "gen_istft_n_fft": 20, "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
-                 "resblock_kernel_sizes": [3, 7, 11], "upsample_initial_channel": 512},
-    "dim_in": 64, "dropout": 0.2, "hidden_dim": 512, "max_conv_dim": 512, "max_dur": 50,
-    "multispeaker": True, "n_layer": 3, "n_mels": 80, "n_token": 178, "style_dim": 128,
-    "text_encoder_kernel_size": 5, "vocab": {},
-    "plbert": {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 2048,
-               "max_position_embeddings": 512, "num_hidden_layers": 12, "dropout": 0.1},
-}
+CONFIG: dict[str, Any] = {**KOKORO_V1_CONFIG, "vocab": {}}
 
 # (token count, speed)
 SEQUENCES = [(5, 1.0), (16, 1.3), (40, 2.2)]

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import soxr
 
 from service.audio.encoding import AudioEncoding
 from service.engine.api import AudioOut, SessionConfig
@@ -15,6 +14,7 @@ from service.engine.config import EngineConfig
 from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine
 from service.models.kokoro import weights as kw
+from tests.asr import transcribe
 
 TEXT = "Thank you for calling. How can I help you today?"
 
@@ -37,19 +37,12 @@ def speak(local: LocalEngine, seed: int) -> tuple[np.ndarray, list[AudioOut]]:
 
 
 def test_served_speech_with_word_timings(local: LocalEngine) -> None:
-    from pocketsphinx import Decoder
-
     audio, events = speak(local, 1)
     assert local.sample_rate == 24_000 and {e.sample_rate for e in events} == {24_000}
     assert len(events) > 2  # chunks, two utterances
     words = [w.word.lower().strip(".,?") for e in events for w in e.words]
     assert words == "thank you for calling how can i help you today".split()
-    pcm = (np.clip(soxr.resample(audio, 24_000, 16_000), -1, 1) * 32767).astype(np.int16)
-    decoder = Decoder(samprate=16000)
-    decoder.start_utt()
-    decoder.process_raw(pcm.tobytes(), full_utt=True)
-    decoder.end_utt()
-    hyp = decoder.hyp().hypstr.lower().split() if decoder.hyp() else []
+    hyp = transcribe(audio, 24_000)
     assert sum(w in hyp for w in words) >= 7, hyp
 
 
