@@ -17,7 +17,7 @@ from tests.api.compat_server import DATA
 from tests.serve_process import start_serve, stop_process
 
 STALL_S = 8.0
-TEXT = "A client that never reads keeps this sentence waiting in its window. " * 200
+TEXT = "A client that never reads keeps this sentence waiting in its window. " * 200  # 3 742 s of audio (tiny voice)
 HELLO = "Hello there, a healthy session."
 
 
@@ -90,7 +90,7 @@ def test_stalled_clients_end_promptly_and_a_healthy_session_is_served(server: tu
     calls = _never_read(port, 16)
     time.sleep(5.0)  # their transports' windows are full: they are held back, not yet ended
     beside = _ttfa(port)
-    assert beside < max(3 * baseline, baseline + 0.5), (baseline, beside)
+    assert beside < baseline + 2.0, (baseline, beside)  # served now, not after the stalled ones end (STALL_S)
     deadline = opened + 120
     while time.monotonic() < deadline and sum("failed: DEADLINE_EXCEEDED" in line for _, line in lines) < 16:
         time.sleep(0.2)
@@ -104,7 +104,9 @@ def test_stalled_clients_end_promptly_and_a_healthy_session_is_served(server: tu
                     audio_s += response.audio.duration_seconds
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
         assert "took no audio for 8 s" in (info.value.details() or "")  # type: ignore[attr-defined]
-        assert 0 < audio_s < 150  # what its transport's window held (the client's HTTP/2 window), not the text
+        # what its transport's window held (the client's HTTP/2 window, which grows with its
+        # measured bandwidth: 35-183 s seen), not the text's hour of audio
+        assert 0 < audio_s < 600
         channel.close()
     print(f"baseline TTFA {baseline * 1e3:.0f} ms, beside 16 stalled {beside * 1e3:.0f} ms; "
           f"stalled ended {ended[0] - opened:.1f}-{ended[-1] - opened:.1f} s after opening")
