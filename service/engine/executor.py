@@ -245,7 +245,7 @@ class Executor:
             for (s, u, _), utt in zip(group, utts, strict=True):
                 u.utt = utt
                 u.word_spans = utt.word_spans
-                if runtime.capabilities.autoregressive:
+                if runtime.tokens is not None:
                     u.status = UtteranceStatus.TOKENS
                 else:
                     self._decodable(s, u)
@@ -266,10 +266,11 @@ class Executor:
         input is complete goes on to decoding. Returns the sessions that failed, with why."""
         if not rows:
             return []
-        runtime = rows[0][0].spec.runtime
+        stage_of_tokens = rows[0][0].spec.runtime.tokens
+        assert stage_of_tokens is not None, "only an autoregressive family's utterances make tokens"
         try:
             with stage("tokens.step"), self.timeline.timed("tokens", rows=len(rows)):
-                done = runtime.token_step([u.utt for _, u in rows])
+                done = stage_of_tokens.step([u.utt for _, u in rows])
         except Exception as exc:
             log.exception("autoregressive step of %d rows failed", len(rows))
             return [(s, exc) for s, _ in rows]

@@ -19,8 +19,8 @@ How the next families map onto it:
   whose columns are frames, `src` the identity, sigma 0; the utterance's style vector is its own
   field of the family's `DecoderInput`); its `StreamingDecoder` keeps the sine source's phase and
   the inverse STFT's overlap in each slot's state.
-* CosyVoice2 (a Qwen2 LM emitting 25 Hz speech tokens, chunked flow matching, HiFT): declares
-  `Capabilities.autoregressive`; the acoustic stage tokenises and prefills, `token_step` decodes
+* CosyVoice2 (a Qwen2 LM emitting 25 Hz speech tokens, chunked flow matching, HiFT): gives a
+  `TokenStage` (`VoiceRuntime.tokens`); the acoustic stage tokenises and prefills, its `step` decodes
   one token for every utterance still making tokens over a KV cache in slots, and the scheduler's
   plan holds those rows (`Plan.tokens`) beside acoustic batches and decoder steps. Today an
   utterance is decoded once its tokens are complete; feeding the decoder chunk by chunk while
@@ -336,7 +336,16 @@ class Capabilities:
     priors_on_device: bool = False  # the acoustic stage's output stays on the device
     acoustic_split: bool = False  # an acoustic batch is cut by length into several calls
     encoder_graphs: bool = False  # prepare() captures the acoustic stage before serving
-    autoregressive: bool = False  # token_step(): speech tokens made step by step before the decoder
+
+
+class TokenStage(Protocol):
+    """An autoregressive family's decoder input made token by token (its state in the family's own
+    cache, e.g. a KV cache in device slots)."""
+
+    def step(self, rows: Sequence[DecoderInput | None]) -> Sequence[bool]:
+        """One batched step adding a token to each row's decoder input; True for a row whose input
+        is now complete (it is then decoded)."""
+        ...
 
 
 class VoiceRuntime(Protocol):
@@ -388,10 +397,10 @@ class VoiceRuntime(Protocol):
         the shadow verifier). Never on the serving path."""
         ...
 
-    def token_step(self, rows: Sequence[DecoderInput | None]) -> Sequence[bool]:
-        """Autoregressive families (`Capabilities.autoregressive`): one batched step that adds a
-        token to each row's decoder input (kept in the family's own cache, e.g. a KV cache in
-        device slots); True for a row whose input is now complete (it is then decoded)."""
+    @property
+    def tokens(self) -> TokenStage | None:
+        """An autoregressive family's token stage; None where the acoustic stage's output is the
+        whole decoder input."""
         ...
 
 
@@ -425,6 +434,7 @@ class Family(Protocol):
 
 __all__ = [
     "AcousticJob", "Capabilities", "ChunkSchedule", "DecoderInput", "Family", "HostAudio", "OptionSpec",
-    "PendingAudio", "Prior", "StepRows", "StreamingDecoder", "SynthesisParams", "TextFrontend", "UtteranceDecoder",
+    "PendingAudio", "Prior", "StepRows", "StreamingDecoder", "SynthesisParams", "TextFrontend", "TokenStage",
+    "UtteranceDecoder",
     "VoiceInfo", "VoiceNotFoundError", "VoiceRuntime", "WordTiming", "guard_host", "utterance_rng",
 ]

@@ -6,7 +6,6 @@ built-in voice's runtime declared autoregressive (one token per 25 decoder frame
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import threading
 import time
@@ -35,14 +34,14 @@ class TokenVits:
 
     def __init__(self, inner: VitsRuntime) -> None:
         self.inner = inner
-        self.capabilities = dataclasses.replace(inner.capabilities, autoregressive=True)
+        self.tokens = self  # its own token stage
         self.made: dict[int, int] = {}
         self.batches: list[int] = []
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
-    def token_step(self, rows: Sequence[DecoderInput | None]) -> list[bool]:
+    def step(self, rows: Sequence[DecoderInput | None]) -> list[bool]:
         time.sleep(0.005)  # a device step's time: sessions that arrive meanwhile join the next one
         self.batches.append(len(rows))
         out = []

@@ -12,7 +12,6 @@ source's noise is drawn from the utterance's own seeded key, so a seed gives the
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -193,5 +192,4 @@ class KokoroRuntime:
     def guard_async(self, device_audio: Any) -> PendingAudio:
         raise ValueError("Kokoro voices have no slot decoder yet (Capabilities.slot_decoder is False)")
 
-    def token_step(self, rows: Sequence[DecoderInput | None]) -> Sequence[bool]:
-        raise ValueError("Kokoro has no autoregressive stage (Capabilities.autoregressive is False)")
+    tokens = None  # no autoregressive stage

@@ -9,7 +9,7 @@ seeded generator, so the same seed gives the same samples on any backend and in 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -312,5 +312,4 @@ class VitsRuntime:
         out = self.backend.vocode(z, sid, precision)
         return out.audio[0]
 
-    def token_step(self, rows: Sequence[DecoderInput | None]) -> Sequence[bool]:
-        raise NotImplementedError("VITS has no autoregressive stage (Capabilities.autoregressive is False)")
+    tokens = None  # no autoregressive stage: the acoustic stage gives the whole prior
