@@ -82,6 +82,3 @@ class Voice:
     @property
     def hop_length(self) -> int:
         return self.model.hp.hop_length
-
-    def option(self, name: str, params_options: tuple[tuple[str, float], ...]) -> float:
-        return dict(params_options).get(name, self.info.option(name).default)
