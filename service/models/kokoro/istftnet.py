@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.models.kokoro.layers import AdaIN1d, AdainResBlk1d, snake
+from service.models.kokoro.layers import AdaIN1d, AdainResBlk1d, frame_mask, masked, snake
 
 
 class SineSource(nn.Module):
@@ -78,19 +78,17 @@ class AdaINResBlock1(nn.Module):
         self.alpha1 = nn.ParameterList(nn.Parameter(torch.ones(1, channels, 1)) for _ in dilations)
         self.alpha2 = nn.ParameterList(nn.Parameter(torch.ones(1, channels, 1)) for _ in dilations)
 
-    def forward(self, x: torch.Tensor, style: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, style: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         for c1, c2, n1, n2, a1, a2 in zip(self.convs1, self.convs2, self.adain1, self.adain2,
                                           self.alpha1, self.alpha2, strict=True):
-            h = c1(snake(n1(x, style), a1))
-            x = x + c2(snake(n2(h, style), a2))
+            h = c1(snake(n1(x, style, mask), a1))
+            x = masked(x + c2(snake(n2(h, style, mask), a2)), mask)
         return x
 
 
 class Generator(nn.Module):
     """iSTFTNet generator: features at 2x frame rate -> audio, with the sine excitation
     entering every scale through `noise_convs` (strided to that scale) and `noise_res`."""
-
-    window: torch.Tensor
 
     def __init__(self, style_dim: int, resblock_kernel_sizes: tuple[int, ...],
                  resblock_dilation_sizes: tuple[tuple[int, ...], ...], upsample_rates: tuple[int, ...],
@@ -120,33 +118,101 @@ class Generator(nn.Module):
                 self.noise_convs.append(nn.Conv1d(spec_channels, ch, 1))
                 self.noise_res.append(AdaINResBlock1(ch, 11, (1, 3, 5), style_dim))
         self.conv_post = nn.Conv1d(ch, spec_channels, 7, padding=3)
-        self.register_buffer("window", torch.hann_window(n_fft, periodic=True), persistent=False)
+        self.source_stft = SourceSTFT(n_fft, hop)
+        self.head = SpectrumHead(n_fft, hop)
 
-    def excitation_spectrum(self, f0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        """F0 [B, 2T] -> the excitation's STFT magnitude and phase, [B, n_fft + 2, frames]."""
-        source = self.m_source(f0, noise)
-        spec = torch.stft(source, self.n_fft, self.hop, self.n_fft, window=self.window, return_complex=True)
-        return torch.cat([spec.abs(), spec.angle()], dim=1)
-
-    def forward(self, x: torch.Tensor, style: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        har = self.excitation_spectrum(f0, noise)
+    def forward(self, x: torch.Tensor, style: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor,
+                frames: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, C, 2T], F0 [B, 2T], noise [B, T x 600, harmonics] -> audio [B, T x 600].
+        `frames` [B]: each row's acoustic frames when rows are padded to T (None: no padding)."""
+        length = None if frames is None else frames * 2 * self.source_upsample  # samples per row (F0 is 2 a frame)
+        source = self.m_source(f0, noise).unsqueeze(1)
+        har = self.source_stft(masked(source, frame_mask(length, source.shape[-1]))[:, 0], length)
+        stft_frames = None if length is None else length // self.hop + 1
+        har = masked(har, frame_mask(stft_frames, har.shape[-1]))
         last = len(self.ups) - 1
+        rate = 1
         for i, up in enumerate(self.ups):
-            source = self.noise_res[i](self.noise_convs[i](har), style)
+            rate *= self.ups[i].stride[0]
+            if i == last:
+                scale_len, size = stft_frames, har.shape[-1]
+            else:
+                scale_len = None if frames is None else frames * 2 * rate
+                size = x.shape[-1] * self.ups[i].stride[0]
+            mask = frame_mask(scale_len, size)
+            source = self.noise_res[i](masked(self.noise_convs[i](har), mask), style, mask)
             x = up(F.leaky_relu(x, 0.1))
             if i == last:
                 # One more frame at the start: the STFT of T samples has T / hop + 1 frames.
                 x = F.pad(x, (1, 0), mode="reflect")
-            x = x + source
+            x = masked(x, mask) + source
             blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
-            acc = blocks[0](x, style)
+            acc = blocks[0](x, style, mask)
             for block in blocks[1:]:
-                acc = acc + block(x, style)
+                acc = acc + block(x, style, mask)
             x = acc / self.num_kernels
         spec = self.conv_post(F.leaky_relu(x))
-        bins = self.n_fft // 2 + 1
-        magnitude, phase = torch.exp(spec[:, :bins]), torch.sin(spec[:, bins:])
-        return torch.istft(torch.polar(magnitude, phase), self.n_fft, self.hop, self.n_fft, window=self.window)
+        return self.head(spec, stft_frames)
+
+
+class SourceSTFT(nn.Module):
+    """The excitation's STFT as magnitude and phase [B, n_fft + 2, frames] (centred, reflect
+    padded as `torch.stft` pads). Computed in FP32: cuFFT has no half-precision transform of
+    this size. With `samples` [B], row b's signal ends at samples[b] and is reflected there, as
+    it would be alone."""
+
+    window: torch.Tensor
+
+    def __init__(self, n_fft: int, hop: int) -> None:
+        super().__init__()
+        self.n_fft, self.hop = n_fft, hop
+        self.register_buffer("window", torch.hann_window(n_fft, periodic=True), persistent=False)
+
+    def forward(self, source: torch.Tensor, samples: torch.Tensor | None = None) -> torch.Tensor:
+        source, half = source.float(), self.n_fft // 2
+        window = self.window.float()
+        if samples is None:
+            spec = torch.stft(source, self.n_fft, self.hop, self.n_fft, window=window, return_complex=True)
+        else:
+            left = source[:, 1:half + 1].flip(-1)
+            padded = torch.cat([left, source, source.new_zeros(source.shape[0], half)], dim=1)
+            j = torch.arange(half, device=source.device)
+            ends = samples.view(-1, 1)
+            padded = padded.scatter(1, ends + half + j, source.gather(1, ends - 2 - j))
+            spec = torch.stft(padded, self.n_fft, self.hop, self.n_fft, window=window, center=False,
+                              return_complex=True)
+        return torch.cat([spec.abs(), spec.angle()], dim=1)
+
+
+class SpectrumHead(nn.Module):
+    """conv_post's output -> audio: log-magnitude and phase, then the inverse STFT (in FP32, as
+    the STFT). With `frames` [B], each row's spectrum ends at frames[b] and its overlap-add is
+    normalised by its own frames' windows, as `torch.istft` of that row alone would be."""
+
+    window: torch.Tensor
+
+    def __init__(self, n_fft: int, hop: int) -> None:
+        super().__init__()
+        self.n_fft, self.hop = n_fft, hop
+        self.register_buffer("window", torch.hann_window(n_fft, periodic=True), persistent=False)
+
+    def forward(self, spec: torch.Tensor, frames: torch.Tensor | None = None) -> torch.Tensor:
+        spec, bins, window = spec.float(), self.n_fft // 2 + 1, self.window.float()
+        complex_spec = torch.polar(torch.exp(spec[:, :bins]), torch.sin(spec[:, bins:]))
+        if frames is None:
+            return torch.istft(complex_spec, self.n_fft, self.hop, self.n_fft, window=window)
+        count = complex_spec.shape[-1]
+        live = (torch.arange(count, device=spec.device) < frames.view(-1, 1)).float()  # [B, F]
+        pieces = torch.fft.irfft(complex_spec.transpose(1, 2), n=self.n_fft) * window * live.unsqueeze(-1)
+        size = (count - 1) * self.hop + self.n_fft
+
+        def overlap_add(x: torch.Tensor) -> torch.Tensor:  # [B, F, n_fft] -> [B, size]
+            return F.fold(x.transpose(1, 2), (1, size), (1, self.n_fft), stride=(1, self.hop)).view(x.shape[0], -1)
+
+        envelope = overlap_add(window.square().expand(spec.shape[0], count, -1) * live.unsqueeze(-1))
+        audio = overlap_add(pieces) / torch.where(envelope > 1e-11, envelope, torch.ones_like(envelope))
+        half = self.n_fft // 2
+        return audio[:, half:size - half]
 
 
 class Decoder(nn.Module):
@@ -170,12 +236,17 @@ class Decoder(nn.Module):
         self.generator = generator
 
     def forward(self, asr: torch.Tensor, f0: torch.Tensor, n: torch.Tensor, style: torch.Tensor,
-                noise: torch.Tensor) -> torch.Tensor:
-        f0_frames = self.F0_conv(f0.unsqueeze(1))
-        n_frames = self.N_conv(n.unsqueeze(1))
-        x = self.encode(torch.cat([asr, f0_frames, n_frames], dim=1), style)
-        skip = torch.cat([self.asr_res(asr), f0_frames, n_frames], dim=1)
+                noise: torch.Tensor, frames: torch.Tensor | None = None) -> torch.Tensor:
+        """`frames` [B]: each row's frame count when rows are padded to T (inputs zero past it;
+        None: no padding). A padded row's audio equals its decode alone, zero past its end."""
+        mask, mask2 = frame_mask(frames, asr.shape[-1]), frame_mask(None if frames is None else 2 * frames, f0.shape[-1])
+        f0_frames = masked(self.F0_conv(f0.unsqueeze(1)), mask)
+        n_frames = masked(self.N_conv(n.unsqueeze(1)), mask)
+        x = self.encode(torch.cat([asr, f0_frames, n_frames], dim=1), style, mask)
+        skip = torch.cat([masked(self.asr_res(asr), mask), f0_frames, n_frames], dim=1)
         for block in self.decode:
             # Every block sees the skip features; the last one doubles the frame rate.
-            x = block(torch.cat([x, skip], dim=1), style)
-        return self.generator(x, style, f0, noise)
+            x = block(torch.cat([x, skip], dim=1), style, mask, mask2 if block.upsample else None)
+        audio = self.generator(x, style, f0, noise, frames).unsqueeze(1)
+        samples = None if frames is None else frames * (audio.shape[-1] // asr.shape[-1])
+        return masked(audio, frame_mask(samples, audio.shape[-1]))[:, 0]

@@ -50,11 +50,45 @@ def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return x + (1 / alpha) * (torch.sin(alpha * x) ** 2)
 
 
+def frame_mask(lengths: torch.Tensor | None, size: int) -> torch.Tensor | None:
+    """[B, 1, size] float mask, 1 on each row's first `lengths[b]` positions (None: no padding)."""
+    if lengths is None:
+        return None
+    return (torch.arange(size, device=lengths.device) < lengths.view(-1, 1)).unsqueeze(1).float()
+
+
+def masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`x` with each row's padding zeroed, so the next convolution sees there what it sees past
+    the end of an unpadded row."""
+    return x if mask is None else x * mask.to(x.dtype)
+
+
+def instance_norm(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """Instance norm over time of [B, C, T], over each row's valid positions only.
+
+    The statistics are taken in FP32 whatever `x` is: a variance summed over thousands of
+    positions leaves FP16's range, and a batch of padded rows must normalise each row as if it
+    were alone."""
+    xf = x.float()
+    if mask is None:
+        mean = xf.mean(-1, keepdim=True)
+        centred = xf - mean
+        var = centred.square().mean(-1, keepdim=True)
+    else:
+        count = mask.sum(-1, keepdim=True)
+        mean = (xf * mask).sum(-1, keepdim=True) / count
+        centred = (xf - mean) * mask
+        var = centred.square().sum(-1, keepdim=True) / count
+    y = centred * torch.rsqrt(var + eps) * weight.float().view(1, -1, 1) + bias.float().view(1, -1, 1)
+    return y.to(x.dtype)
+
+
 class AdaIN1d(nn.Module):
     """Instance norm over time, then a style-predicted scale (1 + gamma) and shift.
 
-    The statistics span the whole sequence given, so a decoder run on a window of frames
-    differs from the whole-utterance run unless it is given the utterance's statistics."""
+    The statistics span the whole sequence given (its valid positions, with a mask), so a
+    decoder run on a window of frames differs from the whole-utterance run."""
 
     def __init__(self, style_dim: int, channels: int) -> None:
         super().__init__()
@@ -62,9 +96,10 @@ class AdaIN1d(nn.Module):
         self.norm = nn.InstanceNorm1d(channels, affine=True)
         self.fc = nn.Linear(style_dim, 2 * channels)
 
-    def forward(self, x: torch.Tensor, style: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, style: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         gamma, beta = self.fc(style).unsqueeze(-1).chunk(2, dim=1)
-        return (1 + gamma) * self.norm(x) + beta
+        y = instance_norm(x, mask, self.norm.weight, self.norm.bias, self.norm.eps)
+        return masked((1 + gamma) * y + beta, mask)
 
 
 class AdaLayerNorm(nn.Module):
@@ -111,12 +146,16 @@ class AdainResBlk1d(nn.Module):
         self.pool = (nn.ConvTranspose1d(dim_in, dim_in, 3, stride=2, padding=1, output_padding=1, groups=dim_in)
                      if upsample else None)
 
-    def forward(self, x: torch.Tensor, style: torch.Tensor) -> torch.Tensor:
-        h = F.leaky_relu(self.norm1(x, style), 0.2)
+    def forward(self, x: torch.Tensor, style: torch.Tensor, mask: torch.Tensor | None = None,
+                mask_out: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: [B, 1, T] valid positions of padded rows (None: no padding); `mask_out`: the
+        same at the output's rate (an upsampling block doubles it)."""
+        mask_out = mask if mask_out is None else mask_out
+        h = F.leaky_relu(self.norm1(x, style, mask), 0.2)
         if self.pool is not None:
-            h = self.pool(h)
-        h = self.conv2(F.leaky_relu(self.norm2(self.conv1(h), style), 0.2))
+            h = masked(self.pool(h), mask_out)
+        h = self.conv2(F.leaky_relu(self.norm2(self.conv1(h), style, mask_out), 0.2))
         shortcut = x.repeat_interleave(2, dim=-1) if self.upsample else x
         if self.conv1x1 is not None:
             shortcut = self.conv1x1(shortcut)
-        return (h + shortcut) * INV_SQRT2
+        return masked((h + shortcut) * INV_SQRT2, mask_out)

@@ -13,11 +13,11 @@ with `load_state_dict(strict=True)`. Our convolutions are plain (no weight-norm
 parametrisation): a load folds any `weight_g`/`weight_v` (or parametrisation) pair into
 `weight` on the way in (`fold_weight_norm`), so a dict that is already folded loads as well.
 
-What a chunked decoder must carry, beyond each conv's receptive field: every AdaIN normalises
-over the whole utterance's time axis (frame rate up to the last generator scale), so a chunk
-equals the full decode only with the utterance's statistics per layer; the sine source's phase
-is a cumulative sum over F0 steps (carry the sum; the interpolation reads one step ahead); the
-inverse STFT overlaps n_fft - hop samples; the source noise is indexed by sample."""
+Why the decoder is not cut into chunks: every AdaIN normalises over the whole utterance's time
+axis, at every rate up to the last generator scale, and each layer's statistics depend on the
+layer before over the whole utterance; a chunk equals the full decode only after the full decode.
+What batches instead is whole utterances of different lengths, padded: `decode(..., frames=)`
+normalises each row over its own frames and gives each row what it would give alone."""
 
 from __future__ import annotations
 
@@ -102,18 +102,21 @@ class KokoroModel(nn.Module):
         return torch.randn(shape, generator=generator).to(device or "cpu")
 
     def decode(self, asr: torch.Tensor, f0: torch.Tensor, n: torch.Tensor, style: torch.Tensor,
-               noise: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+               noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
+               frames: torch.Tensor | None = None) -> torch.Tensor:
         """asr [B, 512, T], F0 and N [B, 2T], style [B, 256] -> audio [B, T x 600].
 
         `noise`: the sine source's noise (`source_noise`'s shape); None draws it from
-        `generator`. The output is deterministic given it."""
+        `generator`. The output is deterministic given it. `frames` [B]: rows padded to T, each
+        with its own frame count (inputs zero past it): each row's audio is its decode alone,
+        zero past its end."""
         decoder_style, _ = self._halves(style)
         if noise is None:
             noise = self.source_noise(asr.shape[0], asr.shape[-1], generator, asr.device)
         expected = (asr.shape[0], asr.shape[-1] * self.samples_per_frame, self.source_harmonics)
         if tuple(noise.shape) != expected:
             raise ValueError(f"source noise is {tuple(noise.shape)}; this input needs {expected}")
-        return self.decoder(asr, f0, n, decoder_style, noise.to(asr.dtype))
+        return self.decoder(asr, f0, n, decoder_style, noise.to(asr.dtype), frames)
 
     def forward(self, ids: torch.Tensor, style: torch.Tensor, speed: float = 1.0,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:

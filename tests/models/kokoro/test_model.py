@@ -162,3 +162,32 @@ def test_weight_norm_spellings(models: tuple[Any, KokoroModel]) -> None:
     for name in ("decoder.generator.conv_post", "decoder.generator.ups.0", "decoder.F0_conv"):
         g, v = legacy[name + ".weight_g"], legacy[name + ".weight_v"]
         torch.testing.assert_close(reference[name + ".weight"], g * v / v.norm(dim=(1, 2), keepdim=True))
+
+
+def test_padded_rows_decode_as_alone(models: tuple[Any, KokoroModel]) -> None:
+    """Utterances of different lengths padded into one batch (what the slot decoder runs) give
+    each its decode alone: every norm takes its row's own frames, the STFTs reflect at its own
+    end, the inverse STFT normalises by its own windows; the padding is silent."""
+    _, ours = models
+    lengths = [9, 4, 13]
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for t in lengths:
+        steps = torch.arange(2 * t, dtype=torch.float32)
+        rows.append((torch.randn(1, 512, t, generator=g) * 0.3, (160 + 60 * torch.sin(steps / 5)) * (steps % 9 > 2),
+                     torch.randn(1, 2 * t, generator=g) * 0.5, torch.randn(1, t * 600, 9, generator=g)))
+    styles = torch.cat([_style(i) for i in range(len(lengths))])
+    top = max(lengths)
+    asr = torch.zeros(len(lengths), 512, top)
+    f0, n = torch.zeros(len(lengths), 2 * top), torch.zeros(len(lengths), 2 * top)
+    noise = torch.zeros(len(lengths), top * 600, 9)
+    for b, (a, f, e, z) in enumerate(rows):
+        t = lengths[b]
+        asr[b, :, :t], f0[b, :2 * t], n[b, :2 * t], noise[b, :t * 600] = a[0], f, e[0], z[0]
+    with torch.no_grad():
+        batch = ours.decode(asr, f0, n, styles, noise, frames=torch.tensor(lengths))
+        for b, (a, f, e, z) in enumerate(rows):
+            alone = ours.decode(a, f[None], e, styles[b:b + 1], z)[0]
+            t = lengths[b] * 600
+            torch.testing.assert_close(batch[b, :t], alone, rtol=0, atol=1e-4)
+            assert torch.count_nonzero(batch[b, t:]) == 0
