@@ -37,7 +37,9 @@ class KokoroFamily:
 
         if options.get("threads"):
             torch.set_num_threads(int(options["threads"]))
-        runtime: VoiceRuntime = KokoroRuntime(info, device, schedule)
+        pins = options.get("pins")
+        runtime: VoiceRuntime = (KokoroRuntime(info, device, schedule) if pins is None
+                                 else KokoroRuntime(info, device, schedule, tuple(pins)))
         return runtime
 
 

@@ -97,6 +97,7 @@ class Generator(nn.Module):
         super().__init__()
         self.n_fft, self.hop = n_fft, hop
         self.num_kernels = len(resblock_kernel_sizes)
+        self.upsample_rates = tuple(upsample_rates)
         self.source_upsample = math.prod(upsample_rates) * hop
         self.m_source = SineSource(sample_rate, self.source_upsample)
         self.ups = nn.ModuleList()
@@ -133,12 +134,12 @@ class Generator(nn.Module):
         last = len(self.ups) - 1
         rate = 1
         for i, up in enumerate(self.ups):
-            rate *= self.ups[i].stride[0]
+            rate *= self.upsample_rates[i]
             if i == last:
                 scale_len, size = stft_frames, har.shape[-1]
             else:
                 scale_len = None if frames is None else frames * 2 * rate
-                size = x.shape[-1] * self.ups[i].stride[0]
+                size = x.shape[-1] * self.upsample_rates[i]
             mask = frame_mask(scale_len, size)
             source = self.noise_res[i](masked(self.noise_convs[i](har), mask), style, mask)
             x = up(F.leaky_relu(x, 0.1))
@@ -239,7 +240,8 @@ class Decoder(nn.Module):
                 noise: torch.Tensor, frames: torch.Tensor | None = None) -> torch.Tensor:
         """`frames` [B]: each row's frame count when rows are padded to T (inputs zero past it;
         None: no padding). A padded row's audio equals its decode alone, zero past its end."""
-        mask, mask2 = frame_mask(frames, asr.shape[-1]), frame_mask(None if frames is None else 2 * frames, f0.shape[-1])
+        mask = frame_mask(frames, asr.shape[-1])
+        mask2 = frame_mask(None if frames is None else 2 * frames, f0.shape[-1])
         f0_frames = masked(self.F0_conv(f0.unsqueeze(1)), mask)
         n_frames = masked(self.N_conv(n.unsqueeze(1)), mask)
         x = self.encode(torch.cat([asr, f0_frames, n_frames], dim=1), style, mask)

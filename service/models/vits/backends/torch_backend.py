@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kernels.guard import guard
 from service.models.cuda_graphs import GraphCapturer
+from service.models.device_audio import GuardedCopy, guard_async, pinned_copy
 from service.models.vits.backends.base import Capabilities, DevicePriorOut, EncodeOut, HostAudio, VocodeOut
 from service.models.vits.backends.stage_export import cache_home
 from service.models.vits.model import VitsModel
@@ -201,11 +202,9 @@ class TorchBackend:
         the 16-bit PCM), then one copy of each to the host."""
         return self.guard_async(audio).result()
 
-    def guard_async(self, audio: torch.Tensor) -> _GuardedCopy:
-        """`guarded_host` without waiting: the guard and the copies to pinned host memory are
-        queued behind the step on its stream; `.result()` waits for them."""
-        checked = guard(audio)
-        return _GuardedCopy(audio, checked.nonfinite, checked.pcm)
+    def guard_async(self, audio: torch.Tensor) -> GuardedCopy:
+        """`guarded_host` without waiting (`service.models.device_audio.guard_async`)."""
+        return guard_async(audio)
 
     def decoder_stages(self) -> list[tuple[int, int, int]]:
         return decoder_stage_table(self.models["fp32"])
@@ -400,7 +399,7 @@ def _numpy(x: torch.Tensor) -> np.ndarray:
     through the driver's staging buffers at a fraction of the bus's speed, the engine thread waiting."""
     if x.device.type != "cuda":
         return x.numpy()
-    host = _pinned_copy(x)
+    host = pinned_copy(x)
     torch.cuda.current_stream(x.device).synchronize()
     return host.numpy()
 
@@ -466,7 +465,7 @@ class PendingPrior:
         self._prior = prior
         self._event: torch.cuda.Event | None = None
         if logw.device.type == "cuda":
-            self._logw = _pinned_copy(logw)
+            self._logw = pinned_copy(logw)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
@@ -476,41 +475,6 @@ class PendingPrior:
         if self._event is not None:
             self._event.synchronize()
         return DevicePriorOut(self._logw.numpy(), self._prior)
-
-
-class _GuardedCopy:
-    """A step's audio, its PCM and its guard counts on their way to the host (pinned memory,
-    one event). The PCM comes from the device so the core's process does not convert each
-    chunk while holding the GIL the engine thread needs for its launches."""
-
-    def __init__(self, audio: torch.Tensor, nonfinite: torch.Tensor, pcm16: torch.Tensor) -> None:
-        self._event: torch.cuda.Event | None = None
-        if audio.device.type == "cuda":
-            self._audio, self._nonfinite, self._pcm16 = (
-                _pinned_copy(t) for t in (audio.float(), nonfinite, pcm16))
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._audio, self._nonfinite, self._pcm16 = audio.float(), nonfinite, pcm16
-
-    def result(self) -> HostAudio:
-        if self._event is not None:
-            self._event.synchronize()
-        host, pcm16 = self._audio.numpy(), self._pcm16.numpy()
-        if self._event is not None:  # chunks cut from them wait in session queues: leave pinned memory
-            host, pcm16 = host.copy(), pcm16.copy()
-        nonfinite = self._nonfinite.numpy().astype(np.int64)
-        bad = nonfinite > 0
-        if bad.any():
-            host[bad] = np.nan_to_num(host[bad], nan=0.0, posinf=0.0, neginf=0.0)
-        return HostAudio(host, nonfinite, pcm16)
-
-
-def _pinned_copy(x: torch.Tensor) -> torch.Tensor:
-    """A copy of device tensor `x` in pinned host memory, queued on the current stream."""
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    return host
 
 
 def _to_host(audio: torch.Tensor, precision: str) -> VocodeOut:
