@@ -315,7 +315,8 @@ def _cmd_voices_install(args: argparse.Namespace) -> int:
 def _cmd_voices_check(args: argparse.Namespace) -> int:
     from service.tools.voice_check import run_voice_check
 
-    return run_voice_check(args.voice, args.voices_dir, args.backend, _resolved_device(args.device), args.threads)
+    return run_voice_check(args.voice, args.voices_dir, args.backend, _resolved_device(args.device), args.threads,
+                           args.limit)
 
 
 def _cmd_bench_cpu(args: argparse.Namespace) -> int:
@@ -680,8 +681,12 @@ def build_parser() -> argparse.ArgumentParser:
     vinstall.add_argument("--dir", default=None, metavar="DIR",
                           help="where to put them (default: the cache, ~/.cache/cadenza/kokoro)")
     vinstall.set_defaults(func=_cmd_voices_install)
-    vcheck = _subcommand(vsub, "check", "compare our model with the original ONNX voice (PSNR, noise off)")
+    vcheck = _subcommand(vsub, "check", "compare our model with the original it was ported from (PSNR)",
+                         description="Our model against the original implementation, sentence by sentence: a "
+                                     "Piper voice against its ONNX graph (noise off), a Kokoro voice against the "
+                                     "official KModel (same weights and source noise). Last line: min_psnr_db=.")
     _add_voice_args(vcheck, device="cpu", backend_help="backend of our side; auto: torch")
+    vcheck.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N check sentences")
     vcheck.set_defaults(func=_cmd_voices_check)
 
     compare = _subcommand(sub, "compare", "FP16 vs FP32 on a fixed corpus: PSNR, JSON report, plot",

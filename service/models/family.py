@@ -30,6 +30,7 @@ Nothing here imports torch: the server's API process reads voices and options th
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -58,6 +59,21 @@ class OptionSpec:
     help: str
 
 
+class Gender(enum.StrEnum):
+    """A voice's gender as its family declares it: what the APIs' voice lists show, and what a
+    Google request's `ssml_gender` prefers. UNSPECIFIED where the voice's files do not say."""
+
+    FEMALE = "female"
+    MALE = "male"
+    UNSPECIFIED = "unspecified"
+
+    @classmethod
+    def of(cls, value: object) -> Gender:
+        """A configuration's word for it ("female", "F", "male", ...); anything else is UNSPECIFIED."""
+        word = str(value or "").strip().lower()
+        return {"female": cls.FEMALE, "f": cls.FEMALE, "male": cls.MALE, "m": cls.MALE}.get(word, cls.UNSPECIFIED)
+
+
 @dataclass(frozen=True)
 class VoiceInfo:
     """Everything the server says about a voice without loading its weights."""
@@ -73,6 +89,7 @@ class VoiceInfo:
     speaker_id_map: Mapping[str, int]
     length_scale: float  # the voice's default pace (1 / speaking rate)
     options: tuple[OptionSpec, ...] = ()
+    gender: Gender = Gender.UNSPECIFIED
 
     def option(self, name: str) -> OptionSpec:
         for spec in self.options:
@@ -404,6 +421,17 @@ class VoiceRuntime(Protocol):
         ...
 
 
+class ParityCheck(Protocol):
+    """A voice against the original implementation it was ported from (`cadenza voices check`):
+    the same sentence through both, without randomness or with the same noise."""
+
+    description: str  # what is compared with what, for the report's first line
+
+    def pair(self, sentence: PhonemizedSentence) -> tuple[np.ndarray, np.ndarray]:
+        """(original's audio, ours), float32 at the voice's rate; ours decoded whole."""
+        ...
+
+
 class Family(Protocol):
     """A model family: its voices' files, frontend and options, and how to load a voice."""
 
@@ -431,10 +459,14 @@ class Family(Protocol):
         """Load the voice's weights on `backend`/`device` ("auto": the family's choice for the device)."""
         ...
 
+    def parity(self, runtime: VoiceRuntime, threads: int | None) -> ParityCheck:
+        """The check of `runtime` (opened from this family) against the original implementation."""
+        ...
+
 
 __all__ = [
-    "AcousticJob", "Capabilities", "ChunkSchedule", "DecoderInput", "Family", "HostAudio", "OptionSpec",
-    "PendingAudio", "Prior", "StepRows", "StreamingDecoder", "SynthesisParams", "TextFrontend", "TokenStage",
-    "UtteranceDecoder",
-    "VoiceInfo", "VoiceNotFoundError", "VoiceRuntime", "WordTiming", "guard_host", "utterance_rng",
+    "AcousticJob", "Capabilities", "ChunkSchedule", "DecoderInput", "Family", "Gender", "HostAudio", "OptionSpec",
+    "ParityCheck", "PendingAudio", "Prior", "StepRows", "StreamingDecoder", "SynthesisParams", "TextFrontend",
+    "TokenStage", "UtteranceDecoder", "VoiceInfo", "VoiceNotFoundError", "VoiceRuntime", "WordTiming", "guard_host",
+    "utterance_rng",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from service.models.family import ChunkSchedule, TextFrontend, VoiceInfo, VoiceRuntime
+from service.models.family import ChunkSchedule, ParityCheck, TextFrontend, VoiceInfo, VoiceRuntime
 from service.models.kokoro.voices import FAMILY_NAME, discover, read_pack
 
 
@@ -41,6 +41,14 @@ class KokoroFamily:
         runtime: VoiceRuntime = (KokoroRuntime(info, device, schedule) if pins is None
                                  else KokoroRuntime(info, device, schedule, tuple(pins)))
         return runtime
+
+
+    def parity(self, runtime: VoiceRuntime, threads: int | None) -> ParityCheck:
+        from service.models.kokoro.check import KokoroParity
+        from service.models.kokoro.runtime import KokoroRuntime
+
+        assert isinstance(runtime, KokoroRuntime), "a kokoro voice's runtime"
+        return KokoroParity(runtime, threads)
 
 
 FAMILY = KokoroFamily()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from service.models.family import ChunkSchedule, TextFrontend, VoiceInfo, VoiceRuntime
+from service.models.family import ChunkSchedule, ParityCheck, TextFrontend, VoiceInfo, VoiceRuntime
 from service.models.vits.voice import FAMILY_NAME, Voice, builtin_voice_info, read_piper_voice
 
 
@@ -54,6 +54,14 @@ class VitsFamily:
         given = {k: v for k, v in options.items() if k in accepted}
         runtime: VoiceRuntime = VitsRuntime(voice, create_backend(name, voice, device, **given), schedule)
         return runtime
+
+
+    def parity(self, runtime: VoiceRuntime, threads: int | None) -> ParityCheck:
+        from service.models.vits.check import VitsParity
+        from service.models.vits.runtime import VitsRuntime
+
+        assert isinstance(runtime, VitsRuntime), "a vits voice's runtime"
+        return VitsParity(runtime, threads)
 
 
 FAMILY = VitsFamily()

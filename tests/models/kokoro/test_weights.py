@@ -29,7 +29,7 @@ import torch
 
 from service.audio.quality import psnr_db
 from service.models.kokoro import weights as kw
-from tests.models.kokoro.official import official_kmodel
+from service.models.kokoro.official import official_kmodel
 
 # misaki's phonemes for "Hello world, this is a test of the Kokoro model."
 PHONEMES = "həlˈO wˈɜɹld, ðɪs ɪz ɐ tˈɛst ʌv ðə kəkˈɔɹO mˈɑdᵊl."
