@@ -170,7 +170,7 @@ class SourceSTFT(nn.Module):
         self.register_buffer("window", torch.hann_window(n_fft, periodic=True), persistent=False)
 
     def forward(self, source: torch.Tensor, samples: torch.Tensor | None = None) -> torch.Tensor:
-        source, half = source.float(), self.n_fft // 2
+        dtype, source, half = source.dtype, source.float(), self.n_fft // 2
         window = self.window.float()
         if samples is None:
             spec = torch.stft(source, self.n_fft, self.hop, self.n_fft, window=window, return_complex=True)
@@ -182,7 +182,7 @@ class SourceSTFT(nn.Module):
             padded = padded.scatter(1, ends + half + j, source.gather(1, ends - 2 - j))
             spec = torch.stft(padded, self.n_fft, self.hop, self.n_fft, window=window, center=False,
                               return_complex=True)
-        return torch.cat([spec.abs(), spec.angle()], dim=1)
+        return torch.cat([spec.abs(), spec.angle()], dim=1).to(dtype)
 
 
 class SpectrumHead(nn.Module):
