@@ -469,14 +469,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
     return run_compare(args.precision, voice, voices_dir, _resolved_device(args.device),
-                       Path(args.out) if args.out else None, args.limit)
+                       Path(args.out) if args.out else None, args.limit,
+                       corpus=Path(args.corpus) if args.corpus else None)
 
 
 def _cmd_sensitivity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from service.tools.precision_tools import run_sensitivity
 
     voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
-    return run_sensitivity(voice, voices_dir, _resolved_device(args.device), args.limit, threads=args.threads)
+    return run_sensitivity(voice, voices_dir, _resolved_device(args.device), args.limit, threads=args.threads,
+                           corpus=Path(args.corpus) if args.corpus else None)
 
 
 def _cmd_bench_gpu(args: argparse.Namespace) -> int:
@@ -530,7 +534,7 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
                             api_key=_api_key(args))
     config = LoadConfig(
         target=args.target, sessions=args.sessions, arrival=args.arrival, rate=args.rate, duration_s=args.duration,
-        pace=args.pace, tokens_per_s=args.tokens_per_s, precision=args.precision, seed=args.seed,
+        pace=args.pace, tokens_per_s=args.tokens_per_s, precision=args.precision, voice=args.voice, seed=args.seed,
         connect_timeout_s=args.connect_timeout, procs=args.procs, sessions_per_channel=args.sessions_per_channel,
         sweep_from=args.sweep_from,
     )
@@ -573,7 +577,8 @@ def _add_voice_args(
                    help=f"voice name (see `cadenza voices list`) or path to a Piper .onnx voice "
                         f"(default: the built-in {BUILTIN_VOICE})")
     p.add_argument("--voices", dest="voices_dir", default=None, metavar="DIR",
-                   help="directory of extra Piper voices (NAME.onnx + NAME.onnx.json), used by name (default: none)")
+                   help="directory of extra voices, used by name: Piper's (NAME.onnx + NAME.onnx.json) and "
+                        "Kokoro's (as `cadenza voices install kokoro --dir DIR` puts them) (default: none)")
     p.add_argument("--backend", choices=BACKENDS, default=backend, help=backend_help)
     _add_device_arg(p, device)
     p.add_argument("--threads", type=_positive_int, default=None,
@@ -703,7 +708,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="directory for compare.json and compare.png (default: a new temporary directory, "
                               "printed)")
     compare.add_argument("--limit", type=_positive_int, default=None, metavar="N",
-                         help="only the first N sentences (default: all 12)")
+                         help="only the first N sentences (default: all)")
+    compare.add_argument("--corpus", default=None, metavar="FILE",
+                         help="sentences to compare, one a line (default: the 12-sentence check corpus)")
     compare.set_defaults(func=_cmd_compare)
 
     precision = _subcommand(sub, "precision", "precision tools")
@@ -719,7 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
     sens.add_argument("--voices", dest="voices_dir", default=None, metavar="DIR",
                       help="directory of extra Piper voices, used by name (default: none)")
     sens.add_argument("--limit", type=_positive_int, default=2, metavar="N",
-                      help="sentences of the check corpus to use, up to 12 (more: steadier figures, slower)")
+                      help="sentences of the corpus to use (more: steadier figures, slower)")
+    sens.add_argument("--corpus", default=None, metavar="FILE",
+                      help="sentences, one a line (default: the 12-sentence check corpus)")
     sens.add_argument("--threads", type=_positive_int, default=None,
                       help="CPU threads for torch (default: torch's choice, one per core)")
     sens.set_defaults(func=_cmd_sensitivity)
@@ -796,6 +805,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "until a probe fails, then bisection)")
     bload.add_argument("--precision", choices=("auto", "fp16", "fp32"), default=load("precision"),
                        help="precision each session asks for")
+    bload.add_argument("--voice", default=load("voice"), metavar="NAME",
+                       help="voice each session asks for, e.g. kokoro-af_heart (default: the server's default voice)")
     bload.add_argument("--json", default=None, metavar="FILE",
                        help="write per-session records and the summary here (default: none)")
     bload.add_argument("--png", default=None, metavar="FILE", help="write the TTFA CDF plot here (default: none)")

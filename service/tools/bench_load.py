@@ -87,6 +87,7 @@ class LoadConfig:
     pace: str = "sentence"  # sentence | llm
     tokens_per_s: float = 30.0  # llm pacing
     precision: str = "auto"
+    voice: str = ""  # every session's voice; empty: the server's default
     seed: int = 0
     connect_timeout_s: float = 30.0
     procs: int = 1  # client processes the sessions are spread over (each its own event loop and connections)
@@ -372,7 +373,7 @@ async def _session(stub: pb_grpc.TextToSpeechStub, cfg: LoadConfig, index: int, 
                    start_at: float, t0: float, timeline: Timeline) -> SessionRecord:
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     opened = time.perf_counter()
-    config = pb.SessionConfig(precision=PRECISIONS[cfg.precision], request_id=f"bench-load-{index}")
+    config = pb.SessionConfig(voice=cfg.voice, precision=PRECISIONS[cfg.precision], request_id=f"bench-load-{index}")
     deltas = text_deltas(sentences, cfg.pace, cfg.tokens_per_s)
     ref = first_sentence_delta(deltas, sentences[0])
     marks = dict.fromkeys((0, ref), math.nan)
@@ -674,7 +675,7 @@ async def _drive(channels: Sequence[grpc.aio.Channel], cfg: LoadConfig, sweep: b
     info = await stubs[0].GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     pacing = (f"llm pacing at {cfg.tokens_per_s:g} tokens/s (TTFA from the first sentence's last token)"
               if cfg.pace == "llm" else "sentence pacing")
-    print(f"target {cfg.target}: {info.backend} on {info.device}, voice {info.default_voice}; "
+    print(f"target {cfg.target}: {info.backend} on {info.device}, voice {cfg.voice or info.default_voice}; "
           f"{_arrival_text(cfg)}, {pacing}, precision {cfg.precision}, "
           + (f"{len(channels)} channel(s)" if cfg.procs == 1 else f"{cfg.procs} client processes"), flush=True)
     report: dict[str, Any] = {"config": asdict(cfg)}

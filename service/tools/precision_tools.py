@@ -72,14 +72,28 @@ class ServedVoice:
         self.local.close()
 
 
+def corpus_sentences(corpus: Path | None) -> list[str]:
+    """The check corpus, or a file of one sentence a line (blank lines skipped)."""
+    if corpus is None:
+        return check_sentences()
+    try:
+        lines = corpus.read_text("utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"--corpus {corpus}: {exc.strerror or exc}") from None
+    texts = [line.strip() for line in lines if line.strip()]
+    if not texts:
+        raise ValueError(f"--corpus {corpus} has no sentences (one a line)")
+    return texts
+
+
 def run_compare(
     precision: str, voice: str | None, voices_dir: str | None, device: str, out_dir: Path | None,
-    limit: int | None, seed: int = 1234,
+    limit: int | None, seed: int = 1234, corpus: Path | None = None,
 ) -> int:
-    """FP16 against FP32, both as served, on the check corpus. Writes compare.json, and
-    compare.png where matplotlib is installed, into `out_dir` (default: a fresh temporary
-    directory). Last line: min_psnr_db=."""
-    texts = check_sentences()[:limit] if limit else check_sentences()
+    """FP16 against FP32, both as served, on the check corpus (or `corpus`: one sentence a line).
+    Writes compare.json, and compare.png where matplotlib is installed, into `out_dir` (default: a
+    fresh temporary directory). Last line: min_psnr_db=."""
+    texts = corpus_sentences(corpus)[:limit]
     served = ServedVoice(voice, voices_dir, device)
     try:
         print(f"voice {served.voice} on {device}: {precision} vs fp32, seed {seed} ({SERVED}); FP32 pins: "
@@ -153,12 +167,12 @@ def _plot(
 
 def run_sensitivity(
     voice: str | None, voices_dir: str | None, device: str, limit: int, seed: int = 1234,
-    threads: int | None = None,
+    threads: int | None = None, corpus: Path | None = None,
 ) -> int:
     """What each FP32 pin is worth on the served path: FP16 sessions with the family's pins, with
     each pin taken out, and with each other candidate added, against FP32 sessions of the same
     sentences and seed (waveform PSNR, guard redos, length changes)."""
-    texts = check_sentences()[:limit]
+    texts = corpus_sentences(corpus)[:limit]
     if not texts:
         raise ValueError(f"--limit {limit}: use at least one sentence")
     served = ServedVoice(voice, voices_dir, device, threads)

@@ -5,6 +5,8 @@ generator; `official_noise` replays those draws), so they differ only by the por
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -33,7 +35,7 @@ class KokoroParity:
             torch.set_num_threads(threads)
         self.runtime = runtime
         self.model = runtime.model
-        self.official = official_model(runtime.model.state_dict()).to(runtime.device)
+        self.official: Any = official_model(runtime.model.state_dict()).to(runtime.device)
 
     @torch.inference_mode()
     def pair(self, sentence: PhonemizedSentence) -> tuple[np.ndarray, np.ndarray]:
