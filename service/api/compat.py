@@ -23,6 +23,7 @@ from service.engine.api import (
     MIN_SAMPLE_RATE,
     Engine,
     FailedPrecondition,
+    Gender,
     InvalidArgument,
     NotFound,
     OutOfRange,
@@ -193,15 +194,20 @@ def language_matches(requested: str, voice_language: str) -> bool:
 
 
 def voice_for_language(
-    voices: Sequence[VoiceDescription], language: str, default_voice: str, field: str
+    voices: Sequence[VoiceDescription], language: str, default_voice: str, field: str,
+    gender: Gender = Gender.UNSPECIFIED,
 ) -> VoiceDescription:
-    """The default voice if it speaks `language`, else the first voice that does."""
+    """The default voice if it speaks `language`, else the first voice that does. A `gender` is a
+    preference (Google's ssml_gender): the first such voice of the language, else as without one."""
     if not voices:
         raise FailedPrecondition("this server has no voices loaded")
     ordered = sorted(voices, key=lambda v: v.name != default_voice)  # stable: default first
-    for voice in ordered:
-        if language_matches(language, voice.language):
+    speaking = [v for v in ordered if language_matches(language, v.language)]
+    for voice in speaking:
+        if gender is Gender.UNSPECIFIED or voice.gender is gender:
             return voice
+    if speaking:
+        return speaking[0]
     languages = ", ".join(sorted({v.language for v in voices}))
     raise NotFound(f"{field}: no voice speaks {echo(language)}; languages available: {languages}")
 

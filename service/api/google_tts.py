@@ -5,9 +5,11 @@ and the handlers are registered under Google's method paths, so the official cli
 unchanged. The servicer only translates requests into a `SessionConfig` and events into audio.
 
 Voice names: ``<language>-Cadenza-<short>`` where ``<short>`` is a Piper name without its
-language and quality parts (``en_US-joe-medium`` -> ``en-US-Cadenza-joe``), plus ``-<speaker>``
-for a speaker of a multi-speaker voice. A Cadenza voice name is accepted as is. No name: the
-default voice if it speaks ``language_code``, else the first voice that does.
+language and quality parts (``en_US-joe-medium`` -> ``en-US-Cadenza-joe``) and any other voice's
+name as it is (``en-US-Cadenza-kokoro-af_heart``), plus ``-<speaker>`` for a speaker of a
+multi-speaker voice. A Cadenza voice name is accepted as is. No name: the default voice if it
+speaks ``language_code``, else the first voice that does; ``ssml_gender`` (FEMALE, MALE) is a
+preference among those, as Google treats it: a voice of another gender rather than an error.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from service.audio.wav import wav_header
 from service.engine.api import (
     AudioOut,
     Engine,
+    Gender,
     InvalidArgument,
     NotFound,
     Session,
@@ -74,6 +77,10 @@ StreamingSynthesizeRequest: Any = cloud_tts.StreamingSynthesizeRequest.pb()
 StreamingSynthesizeResponse: Any = cloud_tts.StreamingSynthesizeResponse.pb()
 _GoogleEncoding: Any = cloud_tts.AudioEncoding
 _PhoneticEncoding: Any = cloud_tts.CustomPronunciationParams.PhoneticEncoding
+_SsmlGender: Any = cloud_tts.SsmlVoiceGender
+_GENDERS_OUT = {Gender.FEMALE: _SsmlGender.FEMALE, Gender.MALE: _SsmlGender.MALE,
+                Gender.UNSPECIFIED: _SsmlGender.SSML_VOICE_GENDER_UNSPECIFIED}
+_GENDERS_IN = {_SsmlGender.FEMALE: Gender.FEMALE, _SsmlGender.MALE: Gender.MALE}  # NEUTRAL: no preference
 
 # The RPCs as Google's service defines them (proto-plus builds no service descriptor to read).
 GOOGLE_METHODS = {
@@ -164,7 +171,8 @@ def resolve_voice(
     if params.model_name:
         raise InvalidArgument("voice.model_name", "is not supported; choose a voice by voice.name")
     if not params.name:
-        return voice_for_language(voices, params.language_code, default_voice, "voice.language_code"), None
+        gender = _GENDERS_IN.get(params.ssml_gender, Gender.UNSPECIFIED)
+        return voice_for_language(voices, params.language_code, default_voice, "voice.language_code", gender), None
     by_name = {g.name: g for g in google_voices(voices)}
     by_name.update({v.name: GoogleVoice(v.name, v, None) for v in voices})
     chosen = by_name.get(params.name)
@@ -275,6 +283,7 @@ def list_voices_response(voices: Sequence[VoiceDescription], language_code: str)
             language_codes=[entry.voice.language],
             name=entry.name,
             natural_sample_rate_hertz=entry.voice.sample_rate,
+            ssml_gender=_GENDERS_OUT[entry.voice.gender],
         )
     return response
 

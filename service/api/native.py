@@ -19,12 +19,14 @@ from service.engine.api import (
     AudioOut,
     Engine,
     FailedPrecondition,
+    Gender,
     InvalidArgument,
     Precision,
     Session,
     SessionConfig,
     SessionEvent,
     SessionSummary,
+    VoiceDescription,
 )
 
 _ENCODINGS = {
@@ -41,6 +43,7 @@ _PRECISIONS = {
     pb.FP32: Precision.FP32,
 }
 _PRECISION_OUT = {Precision.AUTO: pb.AUTO, Precision.FP16: pb.FP16, Precision.FP32: pb.FP32}
+_GENDERS = {Gender.FEMALE: pb.FEMALE, Gender.MALE: pb.MALE, Gender.UNSPECIFIED: pb.VOICE_GENDER_UNSPECIFIED}
 
 
 def session_config(msg: pb.SessionConfig) -> SessionConfig:
@@ -93,6 +96,17 @@ def responses(event: SessionEvent) -> list[pb.StreamingSynthesizeResponse]:
         ])))
     out.append(pb.StreamingSynthesizeResponse(audio=_chunk(event)))
     return out
+
+
+def voice_message(v: VoiceDescription) -> pb.Voice:
+    """A voice as ListVoices and GetServerInfo list it."""
+    return pb.Voice(
+        name=v.name, language=v.language, sample_rate_hz=v.sample_rate, loaded=v.loaded,
+        speakers=[pb.Speaker(id=s.id, name=s.name) for s in v.speakers], family=v.family,
+        options=[pb.VoiceOption(name=o.name, default_value=o.default, min_value=o.low, max_value=o.high,
+                                description=o.help) for o in v.options],
+        gender=_GENDERS[v.gender],
+    )
 
 
 def _chunk(a: AudioOut) -> dict[str, object]:
@@ -184,13 +198,7 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
     async def ListVoices(
         self, request: pb.ListVoicesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListVoicesResponse:
-        return pb.ListVoicesResponse(voices=[
-            pb.Voice(name=v.name, language=v.language, sample_rate_hz=v.sample_rate, loaded=v.loaded,
-                     speakers=[pb.Speaker(id=s.id, name=s.name) for s in v.speakers], family=v.family,
-                     options=[pb.VoiceOption(name=o.name, default_value=o.default, min_value=o.low,
-                                             max_value=o.high, description=o.help) for o in v.options])
-            for v in self.engine.voices()
-        ])
+        return pb.ListVoicesResponse(voices=[voice_message(v) for v in self.engine.voices()])
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
@@ -200,6 +208,7 @@ class NativeServicer(pb_grpc.TextToSpeechServicer):
             backend=info.backend, device=info.device, precisions=[_PRECISION_OUT[p] for p in info.precisions],
             default_voice=info.default_voice, fp32_pins=info.fp32_pins, versions=dict(info.versions),
             capacity_streams=info.capacity_streams or 0.0, open_sessions=info.open_sessions,
+            voices=[voice_message(v) for v in self.engine.voices()],
         )
 
 

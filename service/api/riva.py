@@ -201,7 +201,9 @@ def riva_words(words: Sequence[WordTiming], sample_rate: int) -> list[Any]:
 
 
 def config_response(voices: Sequence[VoiceDescription], model_name: str = "") -> Any:
-    """``RivaSynthesisConfigResponse``: one model per voice, parameters as Riva's talk.py reads them."""
+    """``RivaSynthesisConfigResponse``: one model per voice, parameters as Riva's talk.py reads them.
+    Riva has no gender field (its voice names carry it, ``English-US.Female-1``): ``gender`` is an
+    extra parameter here (female, male or unspecified), which Riva's clients pass over."""
     chosen = [v for v in voices if not model_name or v.name == model_name]
     if model_name and not chosen:
         raise NotFound(f"model_name: unknown voice {echo(model_name)}; available: {', '.join(v.name for v in voices)}")
@@ -213,6 +215,7 @@ def config_response(voices: Sequence[VoiceDescription], model_name: str = "") ->
         model.parameters["sample_rate"] = str(voice.sample_rate)
         model.parameters["subvoices"] = ",".join(f"{s.name or s.id}:{s.id}" for s in voice.speakers)
         model.parameters["encodings"] = _SUPPORTED_ENCODINGS
+        model.parameters["gender"] = voice.gender.value
     return response
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.audio.encoding import AudioEncoding
-from service.models.family import OptionSpec, WordTiming
+from service.models.family import Gender, OptionSpec, WordTiming
 
 __all__ = [
     "MAX_ECHO_CHARS",
@@ -26,6 +26,7 @@ __all__ = [
     "Engine",
     "EngineError",
     "FailedPrecondition",
+    "Gender",
     "InvalidArgument",
     "NotFound",
     "OutOfRange",
@@ -192,6 +193,7 @@ class VoiceDescription:
     loaded: bool  # weights in memory now (first session on an unloaded voice pays the load)
     family: str = ""  # its model family (a `service.models.registry` name)
     options: tuple[OptionSpec, ...] = ()  # what SessionConfig.options may set
+    gender: Gender = Gender.UNSPECIFIED  # as its family declares it (voice lists; Google's ssml_gender)
 
 
 @dataclass(frozen=True)

@@ -264,7 +264,7 @@ class TtsEngine:
             names = {i: n for n, i in v.speaker_id_map.items()}
             speakers = [SpeakerInfo(i, names.get(i, "")) for i in range(v.num_speakers)] if v.num_speakers > 1 else []
             out.append(VoiceDescription(v.name, v.language, v.sample_rate, speakers, v.name in self._loaded,
-                                        v.family, v.options))
+                                        v.family, v.options, v.gender))
         return out
 
     def server_info(self) -> ServerInfo:

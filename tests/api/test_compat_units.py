@@ -18,7 +18,15 @@ from service.api.compat import (
     voice_for_language,
 )
 from service.audio.encoding import AudioEncoding
-from service.engine.api import InvalidArgument, NotFound, OutOfRange, SpeakerInfo, VoiceDescription, WordTiming
+from service.engine.api import (
+    Gender,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    SpeakerInfo,
+    VoiceDescription,
+    WordTiming,
+)
 
 JOE = VoiceDescription("en_US-joe-medium", "en-US", 22050, [], loaded=True)
 TINY = VoiceDescription(
@@ -27,6 +35,11 @@ TINY = VoiceDescription(
 GERMAN = VoiceDescription("de_DE-thorsten-medium", "de-DE", 22050, [], loaded=False)
 VOICES = [JOE, TINY, GERMAN]
 DEFAULT = JOE.name
+# Voices of a family that declares gender (Kokoro's packs), beside the Piper ones that do not.
+HEART = VoiceDescription("kokoro-af_heart", "en-US", 24000, [], False, "kokoro", gender=Gender.FEMALE)
+MICHAEL = VoiceDescription("kokoro-am_michael", "en-US", 24000, [], False, "kokoro", gender=Gender.MALE)
+GEORGE = VoiceDescription("kokoro-bm_george", "en-GB", 24000, [], False, "kokoro", gender=Gender.MALE)
+GENDERED = [*VOICES, HEART, MICHAEL, GEORGE]
 
 
 # --- shared ---------------------------------------------------------------------------------------
@@ -70,6 +83,17 @@ def test_language_matching() -> None:
     assert voice_for_language(VOICES, "en-US", DEFAULT, "f") is JOE
     with pytest.raises(NotFound, match="fr-FR"):
         voice_for_language(VOICES, "fr-FR", DEFAULT, "f")
+
+
+def test_a_gender_is_a_preference_within_the_language() -> None:
+    assert voice_for_language(GENDERED, "en-US", DEFAULT, "f", Gender.FEMALE) is HEART
+    assert voice_for_language(GENDERED, "en-US", DEFAULT, "f", Gender.MALE) is MICHAEL
+    assert voice_for_language(GENDERED, "en", DEFAULT, "f", Gender.MALE) is MICHAEL
+    assert voice_for_language(GENDERED, "en-GB", DEFAULT, "f", Gender.MALE) is GEORGE
+    assert voice_for_language(GENDERED, "en-US", DEFAULT, "f") is JOE  # no preference: the default
+    # No voice of that gender speaks it: another voice of the language, not an error.
+    assert voice_for_language(GENDERED, "en-GB", DEFAULT, "f", Gender.FEMALE) is GEORGE
+    assert voice_for_language(GENDERED, "de-DE", DEFAULT, "f", Gender.FEMALE) is GERMAN
 
 
 # --- Riva -----------------------------------------------------------------------------------------
@@ -152,6 +176,17 @@ def test_riva_config_lists_voices_and_subvoices() -> None:
     assert len(riva.config_response(VOICES, "tiny-multi").model_config) == 1
     with pytest.raises(NotFound):
         riva.config_response(VOICES, "nope")
+
+
+def test_riva_config_names_kokoro_voices_with_their_gender() -> None:
+    models = {m.model_name: dict(m.parameters) for m in riva.config_response(GENDERED).model_config}
+    assert models["kokoro-af_heart"] == {
+        "voice_name": "kokoro-af_heart", "language_code": "en-US", "sample_rate": "24000", "subvoices": "",
+        "encodings": "LINEAR_PCM, MULAW, ALAW", "gender": "female"}
+    assert models["kokoro-bm_george"]["gender"] == "male" and models["tiny-multi"]["gender"] == "unspecified"
+    # talk.py --list-voices offers "<voice_name>.<subvoice>": with no subvoices, "kokoro-af_heart.".
+    assert riva.resolve_voice("kokoro-af_heart.", "", GENDERED, DEFAULT) == (HEART, None)
+    assert riva.resolve_voice("kokoro-bm_george", "en-GB", GENDERED, DEFAULT) == (GEORGE, None)
 
 
 # --- Google ---------------------------------------------------------------------------------------
@@ -266,6 +301,28 @@ def test_google_list_voices_filters_by_language() -> None:
     assert [v.name for v in response.voices] == ["de-DE-Cadenza-thorsten"]
     assert response.voices[0].natural_sample_rate_hertz == 22050
     assert len(google_tts.list_voices_response(VOICES, "").voices) == 6
+
+
+def test_google_lists_and_selects_kokoro_voices_by_name_and_gender() -> None:
+    Ssml = cloud_tts.SsmlVoiceGender
+    listed = {v.name: v for v in google_tts.list_voices_response(GENDERED, "en-US").voices}
+    heart = listed["en-US-Cadenza-kokoro-af_heart"]
+    assert (list(heart.language_codes), heart.ssml_gender, heart.natural_sample_rate_hertz) == (
+        ["en-US"], Ssml.FEMALE, 24000)
+    assert listed["en-US-Cadenza-kokoro-am_michael"].ssml_gender == Ssml.MALE
+    assert listed["en-US-Cadenza-joe"].ssml_gender == Ssml.SSML_VOICE_GENDER_UNSPECIFIED
+    pb = cloud_tts.VoiceSelectionParams.pb
+
+    def select(name: str = "", language: str = "en-US", gender: int = 0) -> object:
+        return google_tts.resolve_voice(pb(cloud_tts.VoiceSelectionParams(
+            name=name, language_code=language, ssml_gender=gender)), GENDERED, DEFAULT)
+
+    assert select("kokoro-af_heart") == select("en-US-Cadenza-kokoro-af_heart") == (HEART, None)
+    assert select(gender=Ssml.FEMALE) == (HEART, None)
+    assert select(language="en-GB", gender=Ssml.MALE) == (GEORGE, None)
+    assert select(language="en-GB", gender=Ssml.FEMALE) == (GEORGE, None)  # a preference, not a requirement
+    assert select(gender=Ssml.NEUTRAL) == (JOE, None)
+    assert select("kokoro-am_michael", gender=Ssml.FEMALE) == (MICHAEL, None)  # a name wins over the gender
 
 
 def test_engine_field_names_are_translated_and_digit_speakers_are_indices() -> None:

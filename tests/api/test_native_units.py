@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
-from service.api.native import responses
-from service.engine.api import AudioOut, Precision, WordTiming
+from service.api.native import responses, voice_message
+from service.engine.api import AudioOut, Gender, Precision, VoiceDescription, WordTiming
 
 
 def test_an_audio_event_becomes_its_words_then_its_chunk() -> None:
@@ -19,3 +19,12 @@ def test_an_audio_event_becomes_its_words_then_its_chunk() -> None:
     (plain,) = responses(AudioOut(audio=b"", seq=0, offset_samples=0, num_samples=0, sample_rate=8000,
                                   utterance=-1, precision=Precision.FP32, fallback=False))
     assert plain.WhichOneof("response") == "audio" and plain.audio.precision == pb.FP32
+
+
+def test_a_voice_lists_its_gender() -> None:
+    heart = voice_message(VoiceDescription("kokoro-af_heart", "en-US", 24000, [], False, "kokoro",
+                                           gender=Gender.FEMALE))
+    assert (heart.name, heart.language, heart.sample_rate_hz, heart.family, heart.gender) == (
+        "kokoro-af_heart", "en-US", 24000, "kokoro", pb.FEMALE)
+    assert voice_message(VoiceDescription("m", "en-GB", 24000, [], False, gender=Gender.MALE)).gender == pb.MALE
+    assert voice_message(VoiceDescription("joe", "en-US", 22050, [], True)).gender == pb.VOICE_GENDER_UNSPECIFIED

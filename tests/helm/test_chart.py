@@ -69,9 +69,9 @@ def serve_args(args: list[str]) -> Any:
     return parsed
 
 
-def test_chart_declares_the_four_ci_value_sets() -> None:
+def test_chart_declares_its_ci_value_sets() -> None:
     assert {p.name for p in VALUE_SETS} >= {"cpu-values.yaml", "gpu-values.yaml", "tls-apikeys-values.yaml",
-                                             "autoscaling-values.yaml"}
+                                             "autoscaling-values.yaml", "kokoro-values.yaml"}
 
 
 @pytest.mark.parametrize("values", ALL_SETS, ids=SET_IDS)
@@ -98,6 +98,8 @@ def test_rendered_args_and_probe_commands_are_accepted_by_the_cli(values: Path |
     docs = render(values=values)
     c = container(docs)
     serve_args(c["args"])
+    for init in pod_spec(docs).get("initContainers", []):
+        assert build_parser().parse_args(init["args"]).func.__name__ == "_cmd_voices_install"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         if "exec" in c[probe]:
             command = c[probe]["exec"]["command"]
@@ -148,7 +150,7 @@ def test_pods_run_locked_down(values: Path | None) -> None:
     assert spec["automountServiceAccountToken"] is False
     pods = [spec] + [d["spec"] for d in docs if d["kind"] == "Pod"]  # the helm test pods too
     for p in pods:
-        for c in p["containers"]:
+        for c in p["containers"] + p.get("initContainers", []):
             sc = c["securityContext"]
             assert sc["runAsNonRoot"] is True and sc["readOnlyRootFilesystem"] is True
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
@@ -184,6 +186,32 @@ def test_gpu_mode_switches_the_image_and_asks_for_a_gpu_node() -> None:
     assert container(render("gpu.enabled=true"))["image"] == "cadenza:0.1.0-cuda"
     digest = "sha256:" + "a" * 64
     assert container(render("gpu.enabled=true", f"image.digest={digest}"))["image"] == f"cadenza@{digest}"
+
+
+def test_kokoro_voices_are_fetched_by_an_init_container_into_the_served_voices_volume() -> None:
+    docs = render(values=ci("kokoro"))
+    spec, c = pod_spec(docs), container(docs)
+    (init,) = spec["initContainers"]
+    install = build_parser().parse_args(init["args"])
+    served = serve_args(c["args"])
+    assert (install.family, install.dir) == ("kokoro", "/voices")
+    assert (served.voices_dir, served.voice) == ("/voices", "kokoro-af_heart")
+    # The server's image, security context and writable places ($HOME, $TMPDIR on the /tmp emptyDir).
+    assert (init["image"], init["securityContext"]) == (c["image"], c["securityContext"])
+    server_env, init_env = ({e["name"]: e["value"] for e in x["env"]} for x in (c, init))
+    assert {k: init_env[k] for k in ("HOME", "TMPDIR")} == {k: server_env[k] for k in ("HOME", "TMPDIR")}
+    writes = {m["mountPath"]: m for m in init["volumeMounts"]}
+    reads = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert set(writes) == {"/voices", "/tmp"} and not writes["/voices"].get("readOnly")
+    assert writes["/voices"]["name"] == reads["/voices"]["name"] and reads["/voices"]["readOnly"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[reads["/voices"]["name"]]["emptyDir"] == {"sizeLimit": "512Mi"}
+    assert "initContainers" not in pod_spec(render())  # off by default
+    # Files in a claim are served as they are (installed there once); both at once is refused.
+    claim = render("voices.existingClaim=kokoro-files")
+    assert "initContainers" not in pod_spec(claim) and serve_args(container(claim)["args"]).voices_dir == "/voices"
+    done = helm(*template_args(sets=["voices.kokoro.install=true", "voices.existingClaim=v"]), check=False)
+    assert done.returncode != 0 and "voices.existingClaim" in done.stderr and "cadenza voices install" in done.stderr
 
 
 def test_tls_and_api_keys_mount_the_secrets_and_probe_over_tls() -> None:
@@ -301,6 +329,7 @@ def test_headless_service_and_spread_for_client_side_balancing() -> None:
     (["podDisruptionBudget.maxUnavailable=0"], "/podDisruptionBudget/maxUnavailable"),
     (["autoscaling.targetCPUUtilizationPercentage=150"], "/autoscaling/targetCPUUtilizationPercentage"),
     (["metrics.serviceMonitor.enabled=maybe"], "/metrics/serviceMonitor/enabled"),
+    (["voices.kokoro.install=yes"], "/voices/kokoro/install"),
 ], ids=lambda v: v[0] if isinstance(v, list) else None)
 def test_bad_values_fail_with_a_schema_message_naming_the_value(sets: list[str], message: str) -> None:
     done = helm(*template_args(sets=sets), check=False)

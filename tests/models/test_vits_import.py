@@ -102,3 +102,19 @@ def test_unmappable_voice_names_the_tensors(tiny_voice_path: Path, tmp_path: Pat
         load_vits_from_onnx(bad)
     assert "dec.conv_post.weight" in str(err.value)  # missing
     assert "dec.conv_last.weight" in str(err.value)  # unexpected
+
+
+def test_a_piper_voice_has_a_gender_only_where_its_config_names_one(tiny_voice_path: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from service.models.family import Gender
+    from service.models.vits.voice import builtin_voice_info, read_piper_voice
+
+    assert read_piper_voice(tiny_voice_path).gender is Gender.UNSPECIFIED
+    assert builtin_voice_info().gender is Gender.UNSPECIFIED
+    onnx_path = tmp_path / "en_US-x-low.onnx"
+    shutil.copy(tiny_voice_path, onnx_path)
+    config = json.loads(Path(f"{tiny_voice_path}.json").read_text())
+    Path(f"{onnx_path}.json").write_text(json.dumps({**config, "gender": "Female"}))
+    assert read_piper_voice(onnx_path).gender is Gender.FEMALE

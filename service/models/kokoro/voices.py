@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.models.family import VoiceInfo
+from service.models.family import Gender, VoiceInfo
 
 FAMILY_NAME = "kokoro"
 MODEL_FILE = "kokoro-v1.0.int8.onnx"
@@ -18,6 +18,7 @@ PREFIX = "kokoro-"
 # A pack's first letter is its language, its second the speaker's gender (the official naming).
 LANGUAGES = {"a": "en-US", "b": "en-GB", "e": "es", "f": "fr-FR", "h": "hi", "i": "it", "j": "ja",
              "p": "pt-BR", "z": "zh"}
+GENDERS = {"f": Gender.FEMALE, "m": Gender.MALE}
 
 
 def read_pack(path: Path) -> VoiceInfo | None:
@@ -32,8 +33,14 @@ def read_pack(path: Path) -> VoiceInfo | None:
         name=PREFIX + path.stem, family=FAMILY_NAME, model_path=path, config_path=model,
         frontend_key=f"{FAMILY_NAME}:{language}", sample_rate=SAMPLE_RATE, language=language,
         num_speakers=1, speaker_id_map={}, length_scale=1.0,
+        gender=GENDERS.get(path.stem[1:2], Gender.UNSPECIFIED),
     )
 
 
 def discover(directory: Path) -> list[VoiceInfo]:
-    return [info for p in sorted((directory / "voices").glob("*.bin")) if (info := read_pack(p)) is not None]
+    """The packs in `directory` whose language the frontend speaks: a server lists (and with
+    --preload warms up) only voices that can answer; the others are still recognised by path."""
+    from service.models.kokoro.frontend import SUPPORTED_LANGUAGES
+
+    packs = sorted((directory / "voices").glob("*.bin"))
+    return [info for p in packs if (info := read_pack(p)) is not None and info.language in SUPPORTED_LANGUAGES]

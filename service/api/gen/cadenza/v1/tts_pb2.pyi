@@ -22,6 +22,12 @@ class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUTO: _ClassVar[Precision]
     FP16: _ClassVar[Precision]
     FP32: _ClassVar[Precision]
+
+class VoiceGender(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VOICE_GENDER_UNSPECIFIED: _ClassVar[VoiceGender]
+    FEMALE: _ClassVar[VoiceGender]
+    MALE: _ClassVar[VoiceGender]
 AUDIO_ENCODING_UNSPECIFIED: AudioEncoding
 LINEAR16: AudioEncoding
 MULAW: AudioEncoding
@@ -31,6 +37,9 @@ PRECISION_UNSPECIFIED: Precision
 AUTO: Precision
 FP16: Precision
 FP32: Precision
+VOICE_GENDER_UNSPECIFIED: VoiceGender
+FEMALE: VoiceGender
+MALE: VoiceGender
 
 class SessionConfig(_message.Message):
     __slots__ = ("voice", "speaker", "language", "encoding", "sample_rate_hz", "speaking_rate", "seed", "precision", "first_chunk_frames", "max_chunk_frames", "custom_dictionary", "wav_header", "word_timings", "request_id", "options")
@@ -183,7 +192,7 @@ class Speaker(_message.Message):
     def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Voice(_message.Message):
-    __slots__ = ("name", "language", "sample_rate_hz", "speakers", "loaded", "family", "options")
+    __slots__ = ("name", "language", "sample_rate_hz", "speakers", "loaded", "family", "options", "gender")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +200,7 @@ class Voice(_message.Message):
     LOADED_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    GENDER_FIELD_NUMBER: _ClassVar[int]
     name: str
     language: str
     sample_rate_hz: int
@@ -198,7 +208,8 @@ class Voice(_message.Message):
     loaded: bool
     family: str
     options: _containers.RepeatedCompositeFieldContainer[VoiceOption]
-    def __init__(self, name: _Optional[str] = ..., language: _Optional[str] = ..., sample_rate_hz: _Optional[int] = ..., speakers: _Optional[_Iterable[_Union[Speaker, _Mapping]]] = ..., loaded: _Optional[bool] = ..., family: _Optional[str] = ..., options: _Optional[_Iterable[_Union[VoiceOption, _Mapping]]] = ...) -> None: ...
+    gender: VoiceGender
+    def __init__(self, name: _Optional[str] = ..., language: _Optional[str] = ..., sample_rate_hz: _Optional[int] = ..., speakers: _Optional[_Iterable[_Union[Speaker, _Mapping]]] = ..., loaded: _Optional[bool] = ..., family: _Optional[str] = ..., options: _Optional[_Iterable[_Union[VoiceOption, _Mapping]]] = ..., gender: _Optional[_Union[VoiceGender, str]] = ...) -> None: ...
 
 class VoiceOption(_message.Message):
     __slots__ = ("name", "default_value", "min_value", "max_value", "description")
@@ -225,7 +236,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("backend", "device", "precisions", "default_voice", "fp32_pins", "versions", "capacity_streams", "open_sessions")
+    __slots__ = ("backend", "device", "precisions", "default_voice", "fp32_pins", "versions", "capacity_streams", "open_sessions", "voices")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +252,7 @@ class ServerInfo(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_STREAMS_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    VOICES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     device: str
     precisions: _containers.RepeatedScalarFieldContainer[Precision]
@@ -249,4 +261,5 @@ class ServerInfo(_message.Message):
     versions: _containers.ScalarMap[str, str]
     capacity_streams: float
     open_sessions: int
-    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., default_voice: _Optional[str] = ..., fp32_pins: _Optional[_Iterable[str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., capacity_streams: _Optional[float] = ..., open_sessions: _Optional[int] = ...) -> None: ...
+    voices: _containers.RepeatedCompositeFieldContainer[Voice]
+    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., default_voice: _Optional[str] = ..., fp32_pins: _Optional[_Iterable[str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., capacity_streams: _Optional[float] = ..., open_sessions: _Optional[int] = ..., voices: _Optional[_Iterable[_Union[Voice, _Mapping]]] = ...) -> None: ...

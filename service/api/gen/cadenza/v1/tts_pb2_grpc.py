@@ -82,14 +82,14 @@ class TextToSpeechServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListVoices(self, request, context):
-        """The voices this server can speak with: speakers, languages, sample rates.
+        """The voices this server can speak with: speakers, languages, genders, sample rates.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetServerInfo(self, request, context):
-        """Backend, device, precisions, FP32 pins and versions of this server.
+        """Backend, device, precisions, FP32 pins, versions and voices of this server.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
