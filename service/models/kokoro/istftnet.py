@@ -59,7 +59,7 @@ class SineSource(nn.Module):
         voiced = (f0 > self.voiced_threshold).to(f0.dtype).repeat_interleave(self.upsample, dim=1).unsqueeze(-1)
         noise_amp = voiced * self.voiced_noise + (1 - voiced) * self.amplitude / 3
         excitation = sines * voiced + noise_amp * noise
-        return torch.tanh(self.l_linear(excitation)).squeeze(-1)
+        return torch.tanh(self.l_linear(excitation.to(self.l_linear.weight.dtype))).squeeze(-1)
 
 
 class AdaINResBlock1(nn.Module):
@@ -242,8 +242,9 @@ class Decoder(nn.Module):
         None: no padding). A padded row's audio equals its decode alone, zero past its end."""
         mask = frame_mask(frames, asr.shape[-1])
         mask2 = frame_mask(None if frames is None else 2 * frames, f0.shape[-1])
-        f0_frames = masked(self.F0_conv(f0.unsqueeze(1)), mask)
-        n_frames = masked(self.N_conv(n.unsqueeze(1)), mask)
+        dtype = asr.dtype  # F0 may come in FP32 while the rest runs in FP16: the sine source takes it as given
+        f0_frames = masked(self.F0_conv(f0.unsqueeze(1).to(dtype)), mask)
+        n_frames = masked(self.N_conv(n.unsqueeze(1).to(dtype)), mask)
         x = self.encode(torch.cat([asr, f0_frames, n_frames], dim=1), style, mask)
         skip = torch.cat([masked(self.asr_res(asr), mask), f0_frames, n_frames], dim=1)
         for block in self.decode:

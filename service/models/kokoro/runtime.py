@@ -119,9 +119,11 @@ def decode_priors(model: KokoroModel, priors: list[FrameColumns], device: torch.
     values = values.to(device, non_blocking=True)
     hidden = values.shape[1] - 4
     asr = values[:, :hidden].to(dtype)
-    # F0 and energy: two values per frame, stored as two rows each -> [B, 2T].
-    f0, n = (values[:, row : row + 2].transpose(1, 2).reshape(len(priors), -1).to(dtype)
-             for row in (hidden, hidden + 2))
+    # F0 and energy: two values per frame, stored as two rows each -> [B, 2T]. F0 stays FP32: the
+    # sine source sums it into a phase over the utterance, and FP16 steps of F0 (1/4 Hz at 300 Hz)
+    # drift that phase audibly.
+    f0, n = (values[:, row : row + 2].transpose(1, 2).reshape(len(priors), -1) for row in (hidden, hidden + 2))
+    n = n.to(dtype)
     keys = torch.tensor([p.key for p in priors], dtype=torch.int64, device=device)
     noise = counter_normal(keys, torch.zeros_like(keys), model.source_harmonics, top * model.samples_per_frame)
     style = torch.stack([p.style for p in priors]).to(device, dtype)
