@@ -83,15 +83,39 @@ class KokoroModel(nn.Module):
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
         if ids.shape[0] != 1:
-            raise ValueError("acoustic takes one utterance at a time (its frame count is its own)")
+            raise ValueError("acoustic takes one utterance; acoustic_batch takes several")
+        if style.dim() == 1:
+            style = style.unsqueeze(0)
+        lengths = torch.tensor([ids.shape[1]], device=ids.device)
+        return self.acoustic_batch(ids, lengths, style, torch.tensor([float(speed)], device=ids.device))[0]
+
+    def acoustic_batch(self, ids: torch.Tensor, lengths: torch.Tensor, style: torch.Tensor,
+                       speed: torch.Tensor) -> list[AcousticOutput]:
+        """Utterances padded into ids [B, N] with `lengths` [B], styles [B, 256], speeds [B] ->
+        each one's acoustic output, equal to its run alone (the LSTMs run packed, the convs and
+        norms see each row's own positions)."""
         _, prosody_style = self._halves(style)
-        d = self.predictor.text_encoder(self.bert_encoder(self.bert(ids)), prosody_style)
+        d = self.predictor.text_encoder(self.bert_encoder(self.bert(ids, lengths)), prosody_style, lengths)
         # torch.round is half-to-even, as the official model rounds.
-        durations = torch.round(self.predictor.durations(d, speed)).clamp(min=1).long()[0]
-        frame_src = torch.repeat_interleave(torch.arange(ids.shape[1], device=ids.device), durations)
-        f0, n = self.predictor.curves(d[:, frame_src], prosody_style)
-        asr = self.text_encoder(ids)[:, :, frame_src]
-        return AcousticOutput(durations, asr, f0, n)
+        durations = torch.round(self.predictor.durations(d, speed, lengths)).clamp(min=1).long()
+        rows = [durations[b, : int(n)] for b, n in enumerate(lengths.tolist())]
+        frames = torch.stack([r.sum() for r in rows])
+        top = int(frames.max())
+        # Each row's frame -> its phoneme; padded frames read phoneme 0 and are masked downstream.
+        src = torch.zeros(len(rows), top, dtype=torch.long, device=ids.device)
+        for b, r in enumerate(rows):
+            index = torch.repeat_interleave(torch.arange(r.shape[0], device=ids.device), r)
+            src[b, : index.shape[0]] = index
+        gather = src.unsqueeze(-1)
+        en = torch.gather(d, 1, gather.expand(-1, -1, d.shape[-1]))
+        f0, n = self.predictor.curves(en, prosody_style, frames)
+        text = self.text_encoder(ids, lengths)
+        asr = torch.gather(text, 2, src.unsqueeze(1).expand(-1, text.shape[1], -1))
+        out = []
+        for b, r in enumerate(rows):
+            t = int(r.sum())
+            out.append(AcousticOutput(r, asr[b : b + 1, :, :t], f0[b : b + 1, : 2 * t], n[b : b + 1, : 2 * t]))
+        return out
 
     def source_noise(self, batch: int, frames: int, generator: torch.Generator | None = None,
                      device: torch.device | str | None = None) -> torch.Tensor:

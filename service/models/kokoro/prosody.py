@@ -5,8 +5,10 @@
 * `ProsodyPredictor`: PL-BERT features + the prosody half of the style -> frames per phoneme,
   then, at frame rate, F0 and energy (N) curves at twice the frame rate.
 
-Rows of a batch are unpadded sequences of one length: the official model runs one utterance
-at a time, and its LSTMs over unpadded rows equal the packed runs it makes."""
+A batch holds rows of different lengths padded to the longest, with `lengths` [B]: the LSTMs run
+packed (a row's backward pass starts at its own end), convolutions see zeros past a row's end and
+the norms take each row's own positions, so each row equals its run alone (the official model's
+masking, which it applies to batches as well)."""
 
 from __future__ import annotations
 
@@ -14,11 +16,20 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.models.kokoro.layers import AdainResBlk1d, AdaLayerNorm, ChannelLayerNorm
+from service.models.kokoro.layers import AdainResBlk1d, AdaLayerNorm, ChannelLayerNorm, frame_mask, masked
 
 
 def _bilstm(input_size: int, hidden: int) -> nn.LSTM:
     return nn.LSTM(input_size, hidden // 2, num_layers=1, batch_first=True, bidirectional=True)
+
+
+def run_lstm(lstm: nn.Module, x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """x [B, N, C] -> [B, N, H]; with `lengths`, packed, and zeros past each row's end."""
+    if lengths is None:
+        return lstm(x)[0]
+    packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+    out, _ = nn.utils.rnn.pad_packed_sequence(lstm(packed)[0], batch_first=True, total_length=x.shape[1])
+    return out
 
 
 class TextEncoder(nn.Module):
@@ -34,13 +45,13 @@ class TextEncoder(nn.Module):
         )
         self.lstm = _bilstm(channels, channels)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """ids [B, N] -> features [B, channels, N]."""
-        x = self.embedding(ids).transpose(1, 2)
+        mask = frame_mask(lengths, ids.shape[1])
+        x = masked(self.embedding(ids).transpose(1, 2), mask)
         for block in self.cnn:
-            x = F.leaky_relu(block(x), 0.2)
-        x, _ = self.lstm(x.transpose(1, 2))
-        return x.transpose(1, 2)
+            x = masked(F.leaky_relu(block(x), 0.2), mask)
+        return run_lstm(self.lstm, x.transpose(1, 2), lengths).transpose(1, 2)
 
 
 class DurationEncoder(nn.Module):
@@ -54,12 +65,12 @@ class DurationEncoder(nn.Module):
             self.lstms.append(_bilstm(d_model + style_dim, d_model))
             self.lstms.append(AdaLayerNorm(style_dim, d_model))
 
-    def forward(self, x: torch.Tensor, style: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, style: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, N, d_model], style [B, style_dim] -> [B, N, d_model + style_dim]."""
         s = style.unsqueeze(1).expand(-1, x.shape[1], -1)
         h = torch.cat([x, s], dim=-1)
         for lstm, norm in zip(self.lstms[0::2], self.lstms[1::2], strict=True):
-            h, _ = lstm(h)
+            h = run_lstm(lstm, h, lengths)
             h = torch.cat([norm(h, style), s], dim=-1)
         return h
 
@@ -97,21 +108,31 @@ class ProsodyPredictor(nn.Module):
             AdainResBlk1d(half, half, style_dim),
         ])
 
-    def durations(self, d: torch.Tensor, speed: torch.Tensor | float) -> torch.Tensor:
+    def durations(self, d: torch.Tensor, speed: torch.Tensor | float,
+                  lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Duration-encoder output [B, N, C] -> frames per phoneme [B, N] (float, before rounding).
 
         The projection gives `max_dur` logits per phoneme; the expected duration is the sum of
-        their sigmoids (an ordinal code: how many of the thresholds 1..max_dur it passes)."""
-        h, _ = self.lstm(d)
+        their sigmoids (an ordinal code: how many of the thresholds 1..max_dur it passes).
+        `speed`: a number, or [B] (one per row)."""
+        h = run_lstm(self.lstm, d, lengths)
+        if isinstance(speed, torch.Tensor):
+            speed = speed.view(-1, 1)
         return torch.sigmoid(self.duration_proj(h)).sum(dim=-1) / speed
 
-    def curves(self, en: torch.Tensor, style: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Frame-rate features [B, T, C] -> F0 and energy [B, 2T]."""
-        h, _ = self.shared(en)
-        h = h.transpose(1, 2)
-        f0, n = h, h
-        for block in self.F0:
-            f0 = block(f0, style)
-        for block in self.N:
-            n = block(n, style)
+    def curves(self, en: torch.Tensor, style: torch.Tensor,
+               frames: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Frame-rate features [B, T, C] -> F0 and energy [B, 2T] (`frames` [B]: rows padded to T)."""
+        h = run_lstm(self.shared, en, frames).transpose(1, 2)
+        mask = frame_mask(frames, h.shape[-1])
+        mask2 = frame_mask(None if frames is None else 2 * frames, 2 * h.shape[-1])
+
+        def run(blocks: nn.ModuleList) -> torch.Tensor:
+            x, m = h, mask
+            for block in blocks:
+                x = block(x, style, m, mask2 if block.upsample else None)
+                m = mask2 if block.upsample else m
+            return x
+
+        f0, n = run(self.F0), run(self.N)
         return self.F0_proj(f0).squeeze(1), self.N_proj(n).squeeze(1)

@@ -38,7 +38,7 @@ from service.models.family import (
     UtteranceDecoder,
     VoiceInfo,
 )
-from service.models.kokoro.model import KokoroModel
+from service.models.kokoro.model import AcousticOutput, KokoroModel
 from service.models.kokoro.voices import VOICE_ROWS
 from service.models.noise import counter_normal
 
@@ -259,25 +259,34 @@ class KokoroRuntime:
 
     @torch.inference_mode()
     def acoustic_batch(self, jobs: list[AcousticJob]) -> list[KokoroUtterance]:
-        """One sentence at a time: each has its own frame count and style row."""
-        return [self._acoustic(job) for job in jobs]
+        """The sentences padded into one batch (`KokoroModel.acoustic_batch`: each row as alone).
+        The ids hold the boundary tokens already (the frontend adds them); each style row is the
+        pack's row for the sentence's phoneme count less one, as the official pipeline picks it."""
+        if not jobs:
+            return []
+        top = max(len(job.sentence.phoneme_ids) for job in jobs)
+        ids = torch.zeros(len(jobs), top, dtype=torch.long)
+        for b, job in enumerate(jobs):
+            ids[b, : len(job.sentence.phoneme_ids)] = torch.tensor(job.sentence.phoneme_ids)
+        lengths = torch.tensor([len(job.sentence.phoneme_ids) for job in jobs])
+        styles = torch.stack([self.pack[min(max(len(job.sentence.phonemes) - 1, 0), VOICE_ROWS - 1), 0]
+                              for job in jobs])
+        scales = [self.info.length_scale if job.params.length_scale is None else job.params.length_scale
+                  for job in jobs]
+        speeds = torch.tensor([1.0 / s for s in scales])
+        outs = self.model.acoustic_batch(ids.to(self.device), lengths.to(self.device), styles,
+                                         speeds.to(self.device))
+        return [self._utterance(job, out, style) for job, out, style in zip(jobs, outs, styles, strict=True)]
 
-    def _acoustic(self, job: AcousticJob) -> KokoroUtterance:
-        """The sentence's ids hold the boundary tokens already (the frontend adds them); the
-        style row is picked by its phoneme count less one, as the official pipeline does."""
-        ids = list(job.sentence.phoneme_ids)
-        style = self.pack[min(max(len(job.sentence.phonemes) - 1, 0), VOICE_ROWS - 1), 0]
-        length_scale = self.info.length_scale if job.params.length_scale is None else job.params.length_scale
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-        out = self.model.acoustic(tokens, style[None], speed=1.0 / length_scale)
+    def _utterance(self, job: AcousticJob, out: AcousticOutput, style: torch.Tensor) -> KokoroUtterance:
         frames = out.asr.shape[-1]
         values = torch.cat([out.asr[0], out.f0[0].view(frames, 2).T, out.n[0].view(frames, 2).T])
         durations = out.durations.cpu().numpy()
         ends = np.concatenate([[0], np.cumsum(durations)]) * self.hop  # token k starts at ends[k]
         words = [(w.text, int(ends[w.start_id]), int(ends[w.end_id])) for w in job.sentence.words]
         key = int(job.rng.integers(0, 1 << 63))
-        return KokoroUtterance(job.sentence.text, ids, FrameColumns(values.float().cpu().numpy(), key, style),
-                               durations, words)
+        return KokoroUtterance(job.sentence.text, list(job.sentence.phoneme_ids),
+                               FrameColumns(values.float().cpu().numpy(), key, style), durations, words)
 
     def utterance_decoder(self, utt: DecoderInput) -> UtteranceDecoder:
         raise ValueError("Kokoro voices decode through their slot decoder (--decoder auto or slots)")

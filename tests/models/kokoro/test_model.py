@@ -191,3 +191,25 @@ def test_padded_rows_decode_as_alone(models: tuple[Any, KokoroModel]) -> None:
             t = lengths[b] * 600
             torch.testing.assert_close(batch[b, :t], alone, rtol=0, atol=1e-4)
             assert torch.count_nonzero(batch[b, t:]) == 0
+
+
+def test_padded_rows_acoustic_as_alone(models: tuple[Any, KokoroModel]) -> None:
+    """Sentences of different lengths padded into one acoustic batch (what the engine's acoustic
+    stage runs), each with its own style and speed, give each its run alone: same durations, and
+    features, F0 and energy within float rounding."""
+    _, ours = models
+    rows = [(_ids(12, 1), _style(1), 1.0), (_ids(5, 2), _style(2), 1.3), (_ids(20, 3), _style(3), 0.8)]
+    top = max(ids.shape[1] for ids, _, _ in rows)
+    ids = torch.zeros(len(rows), top, dtype=torch.long)
+    for b, (row, _, _) in enumerate(rows):
+        ids[b, : row.shape[1]] = row[0]
+    lengths = torch.tensor([row.shape[1] for row, _, _ in rows])
+    styles = torch.cat([style for _, style, _ in rows])
+    speeds = torch.tensor([speed for _, _, speed in rows])
+    with torch.no_grad():
+        batch = ours.acoustic_batch(ids, lengths, styles, speeds)
+        for got, (row, style, speed) in zip(batch, rows, strict=True):
+            alone = ours.acoustic(row, style, speed)
+            assert torch.equal(got.durations, alone.durations)
+            for name in ("asr", "f0", "n"):
+                torch.testing.assert_close(getattr(got, name), getattr(alone, name), rtol=1e-4, atol=1e-4, msg=name)
