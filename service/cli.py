@@ -324,8 +324,9 @@ def _cmd_bench_cpu(args: argparse.Namespace) -> int:
 
     from service.tools.bench_cpu import run_cpu_bench
 
+    voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
     return run_cpu_bench(Path(args.corpus) if args.corpus else None, args.threads, args.repeats, args.backend,
-                         args.settle_ms / 1000, args.stat)
+                         args.settle_ms / 1000, args.stat, voice, Path(voices_dir) if voices_dir else None)
 
 
 def _serve_precheck(args: argparse.Namespace) -> None:
@@ -735,7 +736,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = _subcommand(sub, "bench", "benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
-    bcpu = _subcommand(bsub, "cpu", "Cadenza vs piper-tts on this CPU: TTFA and RTF ratios")
+    bcpu = _subcommand(bsub, "cpu", "Cadenza vs piper-tts (Piper voices) or kokoro-onnx (Kokoro voices) on this "
+                                    "CPU: TTFA, RTF and total time ratios")
+    bcpu.add_argument("--voice", default=None,
+                      help=f"voice name or path to a Piper .onnx voice; its family picks the peer: piper-tts for "
+                           f"Piper, kokoro-onnx for Kokoro (default: the built-in {BUILTIN_VOICE})")
+    bcpu.add_argument("--voices", dest="voices_dir", default=None, metavar="DIR",
+                      help="directory of extra voices, used by name (e.g. ~/.cache/cadenza/kokoro for "
+                           "kokoro-af_heart) (default: none)")
     bcpu.add_argument("--corpus", default=None, metavar="FILE",
                       help="texts to time, one per line, '#' comments (default: the packaged corpus)")
     bcpu.add_argument("--threads", type=_positive_int, default=2, help="CPU threads, for both engines")
@@ -744,7 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="idle pause before every timed run, so no run inherits another's spinning threads")
     bcpu.add_argument("--stat", choices=("median", "min"), default="median",
                       help="summarise each text's repeats by their median or their fastest run")
-    bcpu.add_argument("--backend", choices=BACKENDS, default="onnxruntime", help="Cadenza's backend")
+    bcpu.add_argument("--backend", choices=BACKENDS, default="auto",
+                      help="Cadenza's backend; auto: the voice family's CPU choice (onnxruntime for Piper, torch "
+                           "for Kokoro)")
     bcpu.set_defaults(func=_cmd_bench_cpu)
     bgpu = _subcommand(bsub, "gpu", "FP16 vs FP32 on a CUDA GPU: decoder step time by rows, memory, TTFA")
     _add_device_arg(bgpu, "cuda")

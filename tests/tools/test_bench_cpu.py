@@ -1,7 +1,8 @@
-"""`cadenza bench cpu` end to end on a two-line corpus: real voice, real piper-tts."""
+"""`cadenza bench cpu` end to end on short corpora: real voices, real piper-tts and kokoro-onnx."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -11,7 +12,9 @@ from service.engine.config import EngineConfig
 from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine
 from service.models.family import SynthesisParams, VoiceRuntime
-from service.tools.bench_cpu import load_corpus, run_cpu_bench, time_cadenza
+from service.models.kokoro import weights as kw
+from service.models.vits.voice import builtin_voice_info
+from service.tools.bench_cpu import load_corpus, open_peer, run_cpu_bench, time_cadenza
 from tests.engine.conftest import prepare
 
 
@@ -25,7 +28,8 @@ def test_bench_reports_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert len(rows) == 2 and all(len(r.split()) >= 9 for r in rows)
     overall = next(ln for ln in lines if ln.startswith("ttfa, all 2 texts: cadenza median"))
     assert "piper median" in overall and "highest ratio" in overall
-    last = re.fullmatch(r"ttfa_ratio=(\S+) rtf_ratio=(\d+\.\d+) ttfa_ratio_all=(\d+\.\d+)", lines[-1])
+    last = re.fullmatch(r"ttfa_ratio=(\S+) rtf_ratio=(\d+\.\d+) ttfa_ratio_all=(\d+\.\d+) total_ratio=\d+\.\d+",
+                        lines[-1])
     assert last is not None and float(last.group(2)) > 0
     assert last.group(1) == "nan"  # no text of 150+ characters in this corpus
     # TTFA over all texts is still there: the median of the rows' TTFA ratios.
@@ -56,3 +60,35 @@ def test_the_timed_stream_gives_the_whole_utterance_audio(builtin_ort: VoiceRunt
     whole = len(builtin_ort.reference(utt)) / builtin_ort.sample_rate
     assert streamed.audio_seconds == pytest.approx(whole, abs=1e-9)
     assert streamed.ttfa <= streamed.total and whole > 3.0
+
+
+def test_kokoro_voice_is_benched_against_kokoro_onnx(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Kokoro voice's peer is kokoro-onnx, fed our phonemes (it checks its tokens are ours):
+    both sides make the same audio length of the same sentences."""
+    home = kw.default_cache_dir()
+    kw.fetch_model(home)
+    kw.fetch_voices(home)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Thank you for calling. One moment, please.\n", "utf-8")
+    assert run_cpu_bench(corpus, threads=2, repeats=1, backend="auto", settle_s=0.0,
+                         voice="kokoro-af_heart", voices_dir=home) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("cadenza (kokoro-af_heart: torch") and " vs kokoro-onnx, 1 runs" in lines[0]
+    (row,) = [ln for ln in lines if re.match(r"\s*\d+ ", ln)]
+    fields = row.split()
+    assert fields[0] == "42" and len(fields) >= 9 and all(float(f.removesuffix("ms")) > 0 for f in fields[1:7])
+    assert any(ln.startswith("ttfa, all 1 texts: cadenza median") and "kokoro-onnx median" in ln for ln in lines)
+    audio = next(re.search(r"cadenza (\d+\.\d+) s, kokoro-onnx (\d+\.\d+) s", ln) for ln in lines
+                 if ln.startswith("total time, median ratio"))
+    assert audio is not None
+    ours, theirs = float(audio.group(1)), float(audio.group(2))
+    assert ours > 1.5 and ours == pytest.approx(theirs, rel=0.03)
+    assert any(ln.startswith("kokoro-onnx 0.6.1:") and "G2P" in ln for ln in lines)
+    assert re.fullmatch(r"ttfa_ratio=nan rtf_ratio=\d+\.\d+ ttfa_ratio_all=\d+\.\d+ total_ratio=\d+\.\d+",
+                        lines[-1])
+
+
+def test_a_family_without_a_peer_is_refused() -> None:
+    info = dataclasses.replace(builtin_voice_info(), family="other")
+    with pytest.raises(ValueError, match="no peer engine for other voices"):
+        open_peer(info, 1)
