@@ -23,5 +23,7 @@ def test_fp16_with_pins_against_fp32(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["compare", "--device", "cuda", "--voices", str(home), "--voice", "kokoro-af_heart",
                  "--corpus", str(CORPUS), "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
+    with capsys.disabled():  # the per-sentence figures, for the report (pytest -s)
+        print("\n".join(lines))
     assert len([ln for ln in lines if "psnr_db=" in ln and not ln.startswith("min_")]) == 20, "\n".join(lines)
     assert float(lines[-1].split("=")[1]) >= FLOOR_DB, "\n".join(lines)
