@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from service.cli import main
-from service.models.kokoro import weights as kw
 
 
-def test_voices_check_kokoro_af_heart(capsys: pytest.CaptureFixture[str]) -> None:
-    home = kw.default_cache_dir()
-    kw.fetch_model(home)
-    kw.fetch_voices(home)
-    assert main(["voices", "check", "--voices", str(home), "--voice", "kokoro-af_heart", "--limit", "3"]) == 0
+def test_voices_check_kokoro_af_heart(kokoro_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["voices", "check", "--voices", str(kokoro_home), "--voice", "kokoro-af_heart", "--limit", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "official KModel" in lines[0] and len(lines) == 5
     assert lines[-1].startswith("min_psnr_db=")

@@ -90,11 +90,8 @@ def corpus() -> Corpus:
 
 
 @pytest.fixture(scope="module")
-def home() -> Path:
-    cache = kw.default_cache_dir()
-    kw.fetch_model(cache)
-    kw.fetch_voices(cache)
-    return cache
+def home(kokoro_home: Path) -> Path:
+    return kokoro_home
 
 
 def scored(voice: str, path: str, corpus: Corpus, audio: list[np.ndarray], rate: int, synth_s: float) -> Score:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from service.models.family import AcousticJob, Gender, StepRows, SynthesisParams, utterance_rng
-from service.models.kokoro import weights as kw
 from service.models.kokoro.runtime import KokoroRuntime, KokoroUtterance
 from service.models.registry import discover, open_frontend, open_voice, recognise
 from service.text.frontend import PhonemizedSentence
@@ -21,11 +20,8 @@ WORDS = ["hello", "world", "this", "is", "a", "test", "of", "the", "kokoro", "mo
 
 
 @pytest.fixture(scope="module")
-def home() -> Path:
-    cache = kw.default_cache_dir()
-    kw.fetch_model(cache)
-    kw.fetch_voices(cache)
-    return cache
+def home(kokoro_home: Path) -> Path:
+    return kokoro_home
 
 
 @pytest.fixture(scope="module")

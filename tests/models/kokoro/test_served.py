@@ -4,6 +4,7 @@ in this process: speech with word timings, the same audio for the same seed, 24 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,18 +14,14 @@ from service.engine.api import AudioOut, SessionConfig
 from service.engine.config import EngineConfig
 from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine
-from service.models.kokoro import weights as kw
 from tests.asr import transcribe
 
 TEXT = "Thank you for calling. How can I help you today?"
 
 
 @pytest.fixture(scope="module")
-def local() -> Iterator[LocalEngine]:
-    home = kw.default_cache_dir()
-    kw.fetch_model(home)
-    kw.fetch_voices(home)
-    config = EngineConfig(voice="kokoro-af_heart", voices_dir=home, device="cpu", threads=2, core="thread",
+def local(kokoro_home: Path) -> Iterator[LocalEngine]:
+    config = EngineConfig(voice="kokoro-af_heart", voices_dir=kokoro_home, device="cpu", threads=2, core="thread",
                           cache_bytes=0, frontend=FrontendPoolConfig(workers=0), warmup_text="Hello.")
     with LocalEngine(config) as engine:
         yield engine
