@@ -298,7 +298,11 @@ def read_onnx_kokoro(onnx_path: str | Path) -> KokoroWeights:
     import onnx
     from onnx import numpy_helper
 
-    graph = onnx.load(str(onnx_path)).graph
+    try:
+        graph = onnx.load(str(onnx_path)).graph
+    except Exception as exc:  # protobuf's DecodeError and friends: a truncated or corrupt download
+        raise ValueError(f"{onnx_path} is not a readable ONNX model ({type(exc).__name__}); fetch it again with "
+                         "`cadenza voices install kokoro`") from None
     inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
     consumers: dict[str, list[tuple[Any, int]]] = defaultdict(list)
     producer: dict[str, Any] = {}

@@ -213,3 +213,10 @@ def test_kmodel_with_dequantised_weights_tracks_the_int8_graph(
     assert len(decoded["audio"]) == len(graph["audio"])
     assert f0_db >= 38.0 and energy_db >= 38.0
     assert wave_db >= 20.0
+
+
+def test_a_corrupt_model_file_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "kokoro-v1.0.int8.onnx"
+    bad.write_bytes(b"\x08\x07not an onnx model" * 100)
+    with pytest.raises(ValueError, match=r"not a readable ONNX model.*cadenza voices install kokoro"):
+        kw.read_onnx_kokoro(bad)
