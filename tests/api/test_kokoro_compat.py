@@ -18,7 +18,6 @@ import pytest
 import riva.client
 import riva.client.proto.riva_tts_pb2 as rtts
 from google.cloud import texttospeech
-from google.cloud.texttospeech_v1.services.text_to_speech.transports import TextToSpeechGrpcTransport
 from riva.client.proto.riva_audio_pb2 import AudioEncoding as RivaEncoding
 
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
@@ -47,18 +46,6 @@ def address() -> Iterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         stop_process(server)
-
-
-@pytest.fixture(scope="module")
-def tts(address: str) -> riva.client.SpeechSynthesisService:
-    return riva.client.SpeechSynthesisService(riva.client.Auth(uri=address, use_ssl=False))
-
-
-@pytest.fixture(scope="module")
-def google(address: str) -> Iterator[texttospeech.TextToSpeechClient]:
-    channel = grpc.insecure_channel(address)
-    yield texttospeech.TextToSpeechClient(transport=TextToSpeechGrpcTransport(channel=channel))
-    channel.close()
 
 
 def assert_speech(audio: np.ndarray, rate: int) -> None:

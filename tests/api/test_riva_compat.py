@@ -13,11 +13,6 @@ from tests.api.compat_server import TIMEOUT_S, TINY, Native
 TEXT = "Hello there. How are you today?"
 
 
-@pytest.fixture(scope="module")
-def tts(address: str) -> riva.client.SpeechSynthesisService:
-    return riva.client.SpeechSynthesisService(riva.client.Auth(uri=address, use_ssl=False))
-
-
 def test_synthesize_equals_native(tts: riva.client.SpeechSynthesisService, native: Native) -> None:
     response = tts.synthesize(TEXT, voice_name=f"{TINY}.bob", sample_rate_hz=16000)
     assert len(response.audio) > 16000

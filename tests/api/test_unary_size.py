@@ -3,32 +3,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import pytest
 import riva.client
 from google.api_core import exceptions as gexc
 from google.cloud import texttospeech
-from google.cloud.texttospeech_v1.services.text_to_speech.transports import TextToSpeechGrpcTransport
 
 from tests.api.compat_server import TIMEOUT_S, TINY
 
 MARKS = "a" + "\u0301" * 1000  # one letter, 1000 combining acute accents: well under a second of audio
 TOO_LONG = "Plenty of words to read out loud. " * 300  # about 10 000 characters: minutes of audio
 RATE = 22050
-
-
-@pytest.fixture(scope="module")
-def riva_tts(address: str) -> riva.client.SpeechSynthesisService:
-    return riva.client.SpeechSynthesisService(riva.client.Auth(uri=address, use_ssl=False))
-
-
-@pytest.fixture(scope="module")
-def google(address: str) -> Iterator[texttospeech.TextToSpeechClient]:
-    channel = grpc.insecure_channel(address)
-    yield texttospeech.TextToSpeechClient(transport=TextToSpeechGrpcTransport(channel=channel))
-    channel.close()
 
 
 def _google(client: texttospeech.TextToSpeechClient, text: str) -> bytes:
@@ -43,18 +28,18 @@ def _google(client: texttospeech.TextToSpeechClient, text: str) -> bytes:
 
 
 def test_combining_marks_are_not_counted_as_audio(
-    riva_tts: riva.client.SpeechSynthesisService, google: texttospeech.TextToSpeechClient
+    tts: riva.client.SpeechSynthesisService, google: texttospeech.TextToSpeechClient
 ) -> None:
-    audio = riva_tts.synthesize(MARKS, voice_name=TINY, sample_rate_hz=RATE).audio
+    audio = tts.synthesize(MARKS, voice_name=TINY, sample_rate_hz=RATE).audio
     assert 0 < len(audio) < 5 * RATE * 2
     assert 44 < len(_google(google, MARKS)) < 5 * RATE * 2 + 44
 
 
 def test_a_text_too_long_is_still_refused_up_front(
-    riva_tts: riva.client.SpeechSynthesisService, google: texttospeech.TextToSpeechClient
+    tts: riva.client.SpeechSynthesisService, google: texttospeech.TextToSpeechClient
 ) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        riva_tts.synthesize(TOO_LONG, voice_name=TINY, sample_rate_hz=RATE)
+        tts.synthesize(TOO_LONG, voice_name=TINY, sample_rate_hz=RATE)
     assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
     assert "makes about" in info.value.details() and "SynthesizeOnline" in info.value.details()  # before synthesis
     with pytest.raises(gexc.GoogleAPICallError, match=r"makes about .*StreamingSynthesize") as refused:

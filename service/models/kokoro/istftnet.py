@@ -156,11 +156,8 @@ class Generator(nn.Module):
         return self.head(spec, stft_frames)
 
 
-class SourceSTFT(nn.Module):
-    """The excitation's STFT as magnitude and phase [B, n_fft + 2, frames] (centred, reflect
-    padded as `torch.stft` pads). Computed in FP32: cuFFT has no half-precision transform of
-    this size. With `samples` [B], row b's signal ends at samples[b] and is reflected there, as
-    it would be alone."""
+class _STFTStage(nn.Module):
+    """An STFT-domain stage: its size, hop and periodic Hann window (not saved with the weights)."""
 
     window: torch.Tensor
 
@@ -168,6 +165,13 @@ class SourceSTFT(nn.Module):
         super().__init__()
         self.n_fft, self.hop = n_fft, hop
         self.register_buffer("window", torch.hann_window(n_fft, periodic=True), persistent=False)
+
+
+class SourceSTFT(_STFTStage):
+    """The excitation's STFT as magnitude and phase [B, n_fft + 2, frames] (centred, reflect
+    padded as `torch.stft` pads). Computed in FP32: cuFFT has no half-precision transform of
+    this size. With `samples` [B], row b's signal ends at samples[b] and is reflected there, as
+    it would be alone."""
 
     def forward(self, source: torch.Tensor, samples: torch.Tensor | None = None) -> torch.Tensor:
         dtype, source, half = source.dtype, source.float(), self.n_fft // 2
@@ -185,17 +189,10 @@ class SourceSTFT(nn.Module):
         return torch.cat([spec.abs(), spec.angle()], dim=1).to(dtype)
 
 
-class SpectrumHead(nn.Module):
+class SpectrumHead(_STFTStage):
     """conv_post's output -> audio: log-magnitude and phase, then the inverse STFT (in FP32, as
     the STFT). With `frames` [B], each row's spectrum ends at frames[b] and its overlap-add is
     normalised by its own frames' windows, as `torch.istft` of that row alone would be."""
-
-    window: torch.Tensor
-
-    def __init__(self, n_fft: int, hop: int) -> None:
-        super().__init__()
-        self.n_fft, self.hop = n_fft, hop
-        self.register_buffer("window", torch.hann_window(n_fft, periodic=True), persistent=False)
 
     def forward(self, spec: torch.Tensor, frames: torch.Tensor | None = None) -> torch.Tensor:
         spec, bins, window = spec.float(), self.n_fft // 2 + 1, self.window.float()
