@@ -81,10 +81,23 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class _Subcommands(argparse._SubParsersAction):
+    """An unknown option after a subcommand is that subcommand's error, with its usage (argparse
+    hands it up to the top-level parser, whose usage says nothing about the subcommand's options)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        extras = getattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        if extras:
+            self._name_parser_map[values[0]].error(f"unrecognized arguments: {' '.join(extras)}")
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Subcommands)
 
 
 def _subcommand(sub: Any, name: str, text: str, **kwargs: Any) -> argparse.ArgumentParser:

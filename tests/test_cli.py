@@ -125,6 +125,16 @@ def test_bad_backend_is_a_usage_error() -> None:
     assert "argument --backend: invalid choice: 'bogus'" in err
 
 
+@pytest.mark.parametrize("command", [["say"], ["voices", "list"], ["bench", "load"]])
+def test_an_unknown_option_shows_its_subcommands_usage(command: list[str]) -> None:
+    code, out, err, _ = _cadenza(*command, "--bogus")
+    assert code == 2 and not out
+    _no_traceback(err)
+    name = f"cadenza {' '.join(command)}"
+    assert err.startswith(f"usage: {name} [-h]"), err
+    assert err.strip().splitlines()[-1] == f"{name}: error: unrecognized arguments: --bogus", err
+
+
 def test_every_option_has_help() -> None:
     import argparse
 
@@ -208,6 +218,24 @@ def test_serve_start_up_errors_are_one_line(args: list[str]) -> None:
     assert len(errors) == 1 and errors[0].startswith("cadenza: error: "), err
     if args[0] == "--voice":
         assert "'nosuch'" in errors[0]
+
+
+@pytest.mark.parametrize("args", [["--device", "cuda"], ["--backend", "tensorrt"]],
+                         ids=["cuda-without-gpu", "tensorrt-here"])
+def test_say_start_up_errors_are_one_line(args: list[str]) -> None:
+    """A backend or device that cannot start here is one line saying what to use instead; the
+    engine's clean-up after the failed start (its core never started) adds nothing."""
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available() and (args[1] == "cuda" or importlib.util.find_spec("tensorrt")):
+        pytest.skip("this machine can run it")
+    code, out, err, _ = _cadenza("say", "Hi", "-o", "-", *args)
+    assert code == 1 and not out
+    _no_traceback(err)
+    assert len(err.strip().splitlines()) == 1 and err.startswith("cadenza: error: "), err
+    assert "--device cpu" in err or "--backend onnxruntime" in err, err
 
 
 @pytest.mark.slow

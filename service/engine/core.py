@@ -101,7 +101,8 @@ class EngineCore:
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # a start-up that failed before it (a voice that would not load)
+            self._thread.join(timeout)
         if self._frontend is not None:
             self._frontend.close()
 

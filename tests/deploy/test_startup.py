@@ -56,6 +56,21 @@ def test_unwritable_cache_falls_back_to_a_temp_dir_with_a_warning(
     assert again == paths and all(p.stat().st_mtime == again[k].stat().st_mtime for k, p in paths.items())
 
 
+def test_the_first_export_promises_no_time_and_reports_the_time_it_took(
+    tiny: Voice, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """How long an export takes depends on the machine and the voice: the line before it says
+    only that it happens once; the line after it gives the measured time."""
+    import re
+
+    with caplog.at_level(logging.INFO, logger="service.models.vits.backends.stage_export"):
+        cached_stage_exports(tiny.model, TINY, tmp_path / "onnx", prebuilt=())
+    before, after = (r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+    assert before.startswith("exporting ONNX stages for voice tiny-multi") and "once" in before
+    assert not re.search(r"\d", before.replace(str(tmp_path / "onnx" / export_dir_name(TINY)), "")), before
+    assert re.search(r" in \d+\.\d s ", after), after
+
+
 def test_prebuilt_read_only_exports_are_used_before_the_cache(tiny: Voice, tmp_path: Path, temp_root: Path) -> None:
     prebuilt = tmp_path / "image"
     built = cached_stage_exports(tiny.model, TINY, prebuilt, prebuilt=())  # what the image build does

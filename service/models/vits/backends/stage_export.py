@@ -208,8 +208,10 @@ def cached_stage_exports(
     if all(p.is_file() for p in paths.values()):  # the fallback dir already has them
         return paths
     voice = onnx_path.name.removesuffix(".onnx")
-    # The one slow step of a first run (tens of seconds on a laptop CPU): say so, and how long it took.
-    log.info("exporting ONNX stages for voice %s (first run only, ~30 s) into %s ...", voice, out_dir)
+    # The one slow step of a first run: say that it happens once, then how long it took (its time
+    # depends on the machine and the voice, so none is promised beforehand).
+    log.info("exporting ONNX stages for voice %s into %s (once: later runs load them from there) ...", voice,
+             out_dir)
     start = time.perf_counter()
     # A private temporary dir next to the target: concurrent exporters never mix their files.
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out_dir.parent))
