@@ -413,6 +413,9 @@ class TtsEngine:
     def _resolve_speaker(info: VoiceInfo, speaker: int | str | None) -> int | None:
         """A speaker index or name; any other string (non-ASCII digits such as "²", a too long
         number) is NOT_FOUND with the input clipped, never a Python error."""
+        if info.num_speakers <= 1 and speaker not in (None, "", 0, "0"):  # nothing to choose between
+            shown = echo(speaker) if isinstance(speaker, str) else speaker
+            raise NotFound(f"config.speaker: voice {info.name} has one speaker; leave speaker unset (got {shown})")
         if isinstance(speaker, str) and speaker:
             if _SPEAKER_INDEX.fullmatch(speaker):
                 speaker = int(speaker)

@@ -319,6 +319,21 @@ def test_bad_configs_are_rejected(harness: EngineHarness, cfg: SessionConfig, er
     assert harness.engine.live_sessions == 0
 
 
+@pytest.mark.parametrize("speaker", ["bob", "2", 2])
+def test_a_speaker_for_a_single_speaker_voice_says_to_leave_it_unset(speaker: int | str) -> None:
+    from service.engine.engine import TtsEngine
+    from service.voices import builtin_voice_info
+
+    info = builtin_voice_info()
+    assert info.num_speakers == 1
+    with pytest.raises(NotFound) as caught:
+        TtsEngine._resolve_speaker(info, speaker)
+    assert str(caught.value) == (f"config.speaker: voice {info.name} has one speaker; leave speaker unset "
+                                 f"(got {speaker!r})")
+    for unset in (None, "", 0, "0"):  # the one speaker, however it is named
+        assert TtsEngine._resolve_speaker(info, unset) is None
+
+
 def test_family_options_are_checked_by_name_and_range_and_reach_the_voice(harness: EngineHarness) -> None:
     """`SessionConfig.options` carries the family's options: a bad one is refused naming it and
     what it takes; good ones change the audio (both noise scales at 0: the seed no longer matters)."""
