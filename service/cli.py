@@ -11,17 +11,18 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from service.api.ports import DEFAULT_HOST, DEFAULT_PORT
 from service.models.registry import backend_names
-from service.voices import BUILTIN_VOICE, VoiceNotFoundError
+from service.voices import BUILTIN_VOICE, VoiceNotFoundError, check_voices_dir
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from service.engine.config import BatchConfig
+    from service.voices import VoiceInfo
 
 EPILOG = "Errors are one line (exit 1; 2 for usage errors). Set CADENZA_DEBUG=1 to see the traceback instead."
 BACKENDS = ("auto", *backend_names())
@@ -185,11 +186,12 @@ def _stdout_reserved_for_data() -> Iterator[IO[bytes]]:
     previous, sys.stdout = sys.stdout, sys.stderr
     try:
         yield data
-    finally:
         data.flush()
+    finally:
         sys.stdout = previous
         os.dup2(saved, 1)
-        data.close()
+        with suppress(BrokenPipeError):  # already raised above, or the block failed anyway
+            data.close()
 
 
 def _read_stdin_text() -> str:
@@ -212,6 +214,7 @@ def _voice_and_dir(voice: str | None, voices_dir: str | None) -> tuple[str | Non
     """--voice PATH.onnx serves that file by its name, from its folder."""
     from pathlib import Path
 
+    check_voices_dir(voices_dir)
     if voice is None or Path(voice).suffix != ".onnx":
         return voice, voices_dir
     path = Path(voice).resolve()
@@ -230,6 +233,8 @@ def _cmd_say(args: argparse.Namespace) -> int:
     text = _read_stdin_text() if args.text in (None, "-") else args.text
     if not text.strip():
         raise UsageError("no text to speak: give it as an argument, or on stdin")
+    if not re.search(r"[^\W_]", text):  # no letter or digit: nothing the voice would say
+        raise UsageError("nothing to say: the text has no words")
     to_stdout = args.output == "-"
     if to_stdout:
         _check_stdout_for_wav()
@@ -237,7 +242,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
     import numpy as np
 
     from service.audio.encoding import AudioEncoding, encode_linear16
-    from service.audio.wav import wav_header, write_wav
+    from service.audio.wav import WavStream, write_wav
     from service.engine.api import AudioOut, SessionConfig
     from service.engine.config import EngineConfig
     from service.engine.frontend_pool import FrontendPoolConfig
@@ -246,6 +251,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
 
     voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
     info = find_voice(args.voice, Path(voices_dir) if voices_dir else None)
+    speaking_rate = 1.0 if args.length_scale is None else _length_scale_rate(args.length_scale, info)
     config = EngineConfig(
         voice=voice and info.name, voices_dir=Path(voices_dir) if voices_dir else None, backend=args.backend,
         device=args.device, threads=args.threads, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
@@ -254,40 +260,62 @@ def _cmd_say(args: argparse.Namespace) -> int:
     )
     session = SessionConfig(
         speaker=args.speaker, seed=args.seed, options=dict(args.option) or None,
-        speaking_rate=info.length_scale / args.length_scale if args.length_scale else 1.0,
-        encoding=AudioEncoding.FLOAT32, word_timings=True,
+        speaking_rate=speaking_rate, encoding=AudioEncoding.FLOAT32, word_timings=True,
     )
-    with LocalEngine(config) as local:
+    rate = info.sample_rate
+    pieces: list[np.ndarray] = []
+    words, ttfa, samples = [], None, 0
+    with ExitStack() as stack:
+        # -o -: each chunk goes out the moment it is made (a player on the pipe starts at once)
+        wav = WavStream(stack.enter_context(_stdout_reserved_for_data()), AudioEncoding.LINEAR16) if to_stdout \
+            else None
+        local = stack.enter_context(LocalEngine(config))
         start = time.perf_counter()
-        pieces, words, ttfa = [], [], None
         for event in local.stream(text, session):
             if not isinstance(event, AudioOut):
                 continue
             if ttfa is None:
                 ttfa = time.perf_counter() - start
-            pieces.append(np.frombuffer(event.audio, dtype="<f4"))
+            chunk = np.frombuffer(event.audio, dtype="<f4")
+            samples += len(chunk)
+            if wav is not None:
+                wav.write(encode_linear16(chunk), rate)
+            else:
+                pieces.append(chunk)
             words.extend(event.words)
         elapsed = time.perf_counter() - start
         backend, device = local.engine.backend_name, local.engine.device
-    audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
-    rate = info.sample_rate
+        if not samples:
+            raise UsageError("nothing to say: the voice made no sound for this text (it has no words it can speak)")
+        if wav is not None:
+            wav.close()
     out: TextIO = sys.stderr if to_stdout else sys.stdout
-    if to_stdout:
-        data = encode_linear16(audio)
-        with _stdout_reserved_for_data() as stream:
-            stream.write(wav_header(rate, AudioEncoding.LINEAR16, len(data) // 2) + data)
-    else:
-        write_wav(args.output, audio, rate)
-    seconds = len(audio) / rate
+    if not to_stdout:
+        write_wav(args.output, np.concatenate(pieces), rate)
+    seconds = samples / rate
     where = "a WAV to stdout" if to_stdout else args.output
     print(f"wrote {where}: {seconds:.2f} s of audio at {rate} Hz "
-          f"({backend} on {device}, {elapsed:.3f} s compute, RTF {elapsed / max(seconds, 1e-9):.3f})", file=out)
+          f"({backend} on {device}, {elapsed:.3f} s compute, RTF {elapsed / seconds:.3f})", file=out)
     if args.stream and ttfa is not None:
         print(f"time to first audio: {ttfa * 1000:.1f} ms", file=out)
     if args.words:
         for w in words:
             print(f"  {w.start / rate:7.3f} {w.end / rate:7.3f}  {w.word}", file=out)
     return 0
+
+
+def _length_scale_rate(length_scale: float, info: VoiceInfo) -> float:
+    """--length-scale as the session's speaking rate, refused (with the range it may take for
+    this voice) where the engine's speaking-rate bounds would refuse it."""
+    import math
+
+    from service.engine.api import MAX_SPEAKING_RATE, MIN_SPEAKING_RATE
+
+    low, high = info.length_scale / MAX_SPEAKING_RATE, info.length_scale / MIN_SPEAKING_RATE
+    if not (math.isfinite(length_scale) and low <= length_scale <= high):
+        raise UsageError(f"--length-scale {length_scale:g} is outside {low:g}..{high:g} for voice {info.name} "
+                         f"(its own: {info.length_scale:g}; larger is slower)")
+    return min(max(info.length_scale / length_scale, MIN_SPEAKING_RATE), MAX_SPEAKING_RATE)
 
 
 def _option(text: str) -> tuple[str, float]:
@@ -343,10 +371,12 @@ def _cmd_bench_cpu(args: argparse.Namespace) -> int:
 
 
 def _serve_precheck(args: argparse.Namespace) -> None:
-    """Before anything slow: refuse a port that is taken (the server binds it again, first thing)."""
+    """Before anything slow: refuse a port that is taken (the server binds it again, first thing),
+    and voices that are not there."""
     from service.api.ports import check_port_free
 
     check_port_free(args.host, args.port)
+    _voice_and_dir(args.voice, args.voices_dir)
 
 
 def _log_config(args: argparse.Namespace) -> Any:
@@ -430,7 +460,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
     from service.api.client import connect, stream
     from service.api.gen.cadenza.v1 import tts_pb2 as pb
     from service.audio.encoding import AudioEncoding
-    from service.audio.wav import wav_header
+    from service.audio.wav import WavStream, wav_header
 
     encoding = AudioEncoding(args.encoding)
     config = pb.SessionConfig(
@@ -449,24 +479,22 @@ def _cmd_client(args: argparse.Namespace) -> int:
 
         metadata.append(bearer_metadata(api_key))
     channel, stub = connect(args.addr, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
-    try:
-        result = stream(stub, config, pieces, flush_each=args.stdin, metadata=metadata or None)
-    finally:
-        channel.close()
+    with ExitStack() as stack:
+        stack.callback(channel.close)
+        # -o -: each chunk goes out the moment it arrives (a player on the pipe starts at once)
+        wav = WavStream(stack.enter_context(_stdout_reserved_for_data()), encoding) if to_stdout else None
+        result = stream(stub, config, pieces, flush_each=args.stdin, metadata=metadata or None,
+                        on_audio=None if wav is None else lambda chunk: wav.write(chunk.audio, chunk.sample_rate_hz))
+        if wav is not None:
+            wav.close()
     rate = result.sample_rate
     n = len(result.audio) // encoding.bytes_per_sample
-    wav = wav_header(rate, encoding, n) + result.audio if rate else b""
     out: TextIO = sys.stderr if to_stdout else sys.stdout
-    if to_stdout:
-        with _stdout_reserved_for_data() as data:
-            data.write(wav)
-    else:
+    if not to_stdout:
         with open(args.output, "wb") as f:
-            f.write(wav)
+            f.write(wav_header(rate, encoding, n) + result.audio if rate else b"")
     for chunk, at in zip(result.chunks, result.arrivals_s, strict=True):
-        note = ", fallback" if chunk.fallback else ""
-        print(f"  chunk {chunk.seq:3d} at {at * 1000:8.1f} ms: {chunk.duration_seconds * 1000:7.1f} ms of audio "
-              f"(utterance {chunk.utterance}, {pb.Precision.Name(chunk.precision)}{note})", file=out)
+        print(_chunk_line(chunk, at), file=out)
     for w in result.words:
         print(f"  {w.start_sample / rate:7.3f} {w.end_sample / rate:7.3f}  {w.word}", file=out)
     ttfa = f"{result.ttfa_s * 1000:.1f} ms" if result.ttfa_s is not None else "n/a"
@@ -474,6 +502,18 @@ def _cmd_client(args: argparse.Namespace) -> int:
     print(f"wrote {where}: {n / max(rate, 1):.2f} s at {rate} Hz {encoding.value}; time to first audio: {ttfa}",
           file=out)
     return 0
+
+
+def _chunk_line(chunk: Any, at_s: float) -> str:
+    """`cadenza client`'s line for one received chunk (a native AudioChunk). Utterance -1 is the
+    stream's last piece: the resampler's tail, after every sentence (made by no model run)."""
+    head = f"  chunk {chunk.seq:3d} at {at_s * 1000:8.1f} ms: {chunk.duration_seconds * 1000:7.1f} ms of audio"
+    if chunk.utterance < 0:
+        return f"{head} (end of stream: the resampler's last samples)"
+    from service.api.gen.cadenza.v1 import tts_pb2 as pb
+
+    note = ", fallback" if chunk.fallback else ""
+    return f"{head} (utterance {chunk.utterance}, {pb.Precision.Name(chunk.precision)}{note})"
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -670,13 +710,16 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("text", nargs="?", default=None,
                      help="the text to speak; '-' or none: read it from stdin")
     say.add_argument("-o", "--output", default="out.wav", metavar="FILE",
-                     help="WAV file to write (16-bit PCM); '-' writes it to stdout, and the messages to stderr")
+                     help="WAV file to write (16-bit PCM); '-' streams it to stdout as each chunk is made (a WAV "
+                          "header whose sizes say 'unknown, read to the end' (0xFFFFFFFF), then the samples; the "
+                          "sizes are filled in when stdout is a file), and the messages go to stderr")
     say.add_argument("--speaker", default=None,
                      help="speaker id or name, for multi-speaker voices (default: the voice's first)")
     say.add_argument("--seed", type=int, default=None,
                      help="noise seed: the same seed gives the same audio (default: random)")
     say.add_argument("--length-scale", type=float, default=None,
-                     help="> 1 speaks slower, < 1 faster (default: the voice's own)")
+                     help="larger speaks slower, smaller faster, within a range around the voice's own that an "
+                          "error names (default: the voice's own)")
     say.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", type=_option,
                      help="an option of the voice's model family, e.g. noise_scale=0.3 for a Piper voice "
                           "(`cadenza voices list` shows each voice's); repeat for several")
@@ -960,7 +1003,9 @@ def build_parser() -> argparse.ArgumentParser:
     client = _subcommand(sub, "client", "stream text to a server, write a WAV, print TTFA and chunk timings")
     client.add_argument("text", nargs="?", default=None, help="the text to send (or --stdin)")
     client.add_argument("-o", "--output", default="out.wav", metavar="FILE",
-                        help="WAV file to write; '-' writes it to stdout, and the messages to stderr")
+                        help="WAV file to write; '-' streams it to stdout as each chunk arrives (a WAV header "
+                             "whose sizes say 'unknown, read to the end' (0xFFFFFFFF), then the audio in --encoding; "
+                             "the sizes are filled in when stdout is a file), and the messages go to stderr")
     client.add_argument("--addr", default=f"localhost:{DEFAULT_PORT}", metavar="HOST:PORT", help="the server")
     client.add_argument("--stdin", action="store_true", help="stream stdin line by line (each line flushed)")
     client.add_argument("--encoding", default="linear16", choices=["linear16", "mulaw", "alaw", "float32"],
@@ -1028,6 +1073,8 @@ def _error_message(exc: BaseException) -> str:
     grpc = sys.modules.get("grpc")
     if grpc is not None and isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, BrokenPipeError):
+        return "stdout was closed before all the audio was written (its reader stopped reading)"
     if isinstance(exc, OSError) and exc.strerror and exc.filename:
         return f"{exc.filename}: {exc.strerror}"
     return str(exc) or type(exc).__name__

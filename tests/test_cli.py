@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import struct
 import wave
 from pathlib import Path
 
 import pytest
 
+from service.audio.wav import UNKNOWN_SIZE
 from service.cli import main
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -174,8 +176,9 @@ def test_say_reads_stdin_and_writes_a_wav_to_stdout(text_arg: list[str]) -> None
     assert "wrote a WAV to stdout" in err  # the messages go to stderr: stdout is the WAV alone
     with wave.open(io.BytesIO(out)) as wav:
         assert wav.getframerate() == 16000 and wav.getsampwidth() == 2 and wav.getnchannels() == 1
-        frames = wav.getnframes()
-        assert frames > 1000 and len(out) == 44 + 2 * frames
+    # A pipe: written as it was made, so the sizes are the streaming placeholder ("read to the end").
+    assert out[4:8] == out[40:44] == struct.pack("<I", UNKNOWN_SIZE)
+    assert len(out) > 44 + 2 * 1000 and len(out) % 2 == 0
 
 
 def test_say_without_any_text_is_a_usage_error() -> None:
@@ -183,6 +186,95 @@ def test_say_without_any_text_is_a_usage_error() -> None:
     assert code == 2
     _no_traceback(err)
     assert err.strip() == "cadenza: error: no text to speak: give it as an argument, or on stdin"
+
+
+# A prelude for `_cadenza`: the engine stops after its first audio chunk until a line comes on stdin.
+_HOLD_AFTER_FIRST_CHUNK = """
+from service.engine import local as _local
+from service.engine.api import AudioOut as _AudioOut
+_stream = _local.LocalEngine.stream
+def _held(self, text, config):
+    held = False
+    for event in _stream(self, text, config):
+        yield event
+        if not held and isinstance(event, _AudioOut):
+            held = True
+            sys.stdin.readline()
+_local.LocalEngine.stream = _held
+"""
+
+
+def test_say_to_stdout_writes_each_chunk_as_it_is_made() -> None:
+    """`say -o -` into a pipe: the WAV header and the first chunk's samples reach the reader while
+    the engine is still held after that chunk (so before the rest is made), not at the end."""
+    import os
+    import select
+    import subprocess
+    import sys
+
+    code = f"import sys\n{_HOLD_AFTER_FIRST_CHUNK}\nfrom service.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    text = "The first sentence comes out at once. The second one follows it, and a third one ends the text."
+    proc = subprocess.Popen([sys.executable, "-c", code, "say", text, "-o", "-", "--voice", str(_TINY_VOICE),
+                             "--seed", "1", "--threads", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(_ROOT)}, cwd=_ROOT)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        first = b""
+        while len(first) <= 44:  # the header, then samples
+            ready, _, _ = select.select([proc.stdout], [], [], 180)
+            assert ready, "no audio on stdout while the engine waits after its first chunk"
+            piece = os.read(proc.stdout.fileno(), 1 << 16)
+            assert piece, proc.stderr.read().decode() if proc.stderr else ""
+            first += piece
+        assert proc.poll() is None  # still held: these bytes came before the rest was made
+        rest, err = proc.communicate(b"go on\n", timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err.decode()
+    _no_traceback(err.decode())
+    out = first + rest
+    assert out[:4] == b"RIFF" and out[4:8] == out[40:44] == struct.pack("<I", UNKNOWN_SIZE)
+    assert len(rest) > len(first) - 44 and len(out) % 2 == 0
+
+
+@pytest.mark.parametrize("text", ["...", "?!", " -- ", "___"])
+def test_say_text_without_words_is_a_usage_error(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["say", text, "-o", "/dev/null"]) == 2
+    assert capsys.readouterr().err.strip() == "cadenza: error: nothing to say: the text has no words"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "100", "nan"])
+def test_say_length_scale_outside_the_voices_range_is_a_usage_error(
+    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The range is the engine's speaking-rate bounds around the voice's own length scale."""
+    from service.engine.api import MAX_SPEAKING_RATE, MIN_SPEAKING_RATE
+    from service.voices import builtin_voice_info
+
+    own = builtin_voice_info().length_scale
+    assert main(["say", "Hi there.", "--length-scale", value, "-o", str(tmp_path / "x.wav")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"cadenza: error: --length-scale {float(value):g} is outside "
+                          f"{own / MAX_SPEAKING_RATE:g}..{own / MIN_SPEAKING_RATE:g} for voice "), err
+    assert not (tmp_path / "x.wav").exists()
+
+
+@pytest.mark.parametrize("command", [["say", "hi", "-o", "/dev/null"], ["voices", "list"]])
+def test_a_missing_voices_directory_is_a_usage_error(command: list[str], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nonexistent"
+    assert main([*command, "--voices", str(missing)]) == 2
+    assert capsys.readouterr().err.strip() == f"cadenza: error: voices directory {missing} does not exist (--voices)"
+
+
+def test_serve_refuses_a_missing_voices_directory_at_once(tmp_path: Path) -> None:
+    code, out, err, _ = _cadenza("serve", "--host", "127.0.0.1", "--port", "0", "--voices", str(tmp_path / "none"),
+                                 timeout=60)
+    assert code == 2 and not out
+    _no_traceback(err)
+    assert err.strip() == f"cadenza: error: voices directory {tmp_path / 'none'} does not exist (--voices)"
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", None], ids=["loopback", "default-host"])

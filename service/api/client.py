@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +43,10 @@ def requests(config: pb.SessionConfig, pieces: Iterable[str], clock: list[float]
     yield pb.StreamingSynthesizeRequest(end_input=True)
 
 
-def collect(responses: Iterable[pb.StreamingSynthesizeResponse], clock: list[float]) -> StreamResult:
+def collect(responses: Iterable[pb.StreamingSynthesizeResponse], clock: list[float],
+            on_audio: Callable[[pb.AudioChunk], None] | None = None) -> StreamResult:
+    """Everything the stream returns; `on_audio` also sees each chunk the moment it arrives
+    (to play or write it while the rest is still being made)."""
     out = StreamResult()
     pieces = []
     for msg in responses:
@@ -55,6 +58,8 @@ def collect(responses: Iterable[pb.StreamingSynthesizeResponse], clock: list[flo
             out.arrivals_s.append(now)
             out.chunks.append(msg.audio)
             pieces.append(msg.audio.audio)
+            if on_audio is not None:
+                on_audio(msg.audio)
         elif kind == "words":
             out.words.extend(msg.words.words)
         elif kind == "summary":
@@ -65,13 +70,15 @@ def collect(responses: Iterable[pb.StreamingSynthesizeResponse], clock: list[flo
 
 def stream(stub: pb_grpc.TextToSpeechStub, config: pb.SessionConfig, pieces: Iterable[str],
            flush_each: bool = False, timeout: float | None = None,
-           metadata: Sequence[tuple[str, str | bytes]] | None = None) -> StreamResult:
+           metadata: Sequence[tuple[str, str | bytes]] | None = None,
+           on_audio: Callable[[pb.AudioChunk], None] | None = None) -> StreamResult:
     """One StreamingSynthesize session: send `pieces` as text deltas, collect everything.
-    `metadata`: (key, value) pairs sent with the call (keys lower case; `-bin` keys take bytes)."""
+    `metadata`: (key, value) pairs sent with the call (keys lower case; `-bin` keys take bytes);
+    `on_audio`: called with each audio chunk as it arrives."""
     clock: list[float] = []
     responses = stub.StreamingSynthesize(requests(config, pieces, clock, flush_each), timeout=timeout,
                                          metadata=tuple(metadata) if metadata else None)
-    return collect(responses, clock)
+    return collect(responses, clock, on_audio)
 
 
 def channel_credentials(tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,

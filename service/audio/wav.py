@@ -6,8 +6,11 @@ Streaming clients get the header before the length is known, so sizes are writte
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import struct
+from typing import IO
 
 import numpy.typing as npt
 
@@ -80,3 +83,53 @@ def write_wav(path: str | os.PathLike[str], samples: npt.ArrayLike, sample_rate:
     with open(path, "wb") as f:
         f.write(header)
         f.write(data)
+
+
+class WavStream:
+    """A WAV written as its audio arrives, so a player reading a pipe starts at the first chunk:
+    the header goes first with its sizes unknown (UNKNOWN_SIZE: "until the stream ends"), and
+    every piece is flushed as it is written. Where the output can be rewritten in place (a
+    redirected file), `close` fills the real sizes in."""
+
+    def __init__(self, out: IO[bytes], encoding: AudioEncoding) -> None:
+        self.out = out
+        self.encoding = encoding
+        self.sample_rate = 0  # known with the first piece
+        self.samples = 0
+        self._start: int | None = None  # where the header is, if it can be rewritten
+
+    def write(self, audio: bytes, sample_rate: int) -> None:
+        if not self.sample_rate:
+            self.sample_rate = sample_rate
+            self._start = _rewritable_offset(self.out)
+            self.out.write(wav_header(sample_rate, self.encoding, None))
+        self.out.write(audio)
+        self.out.flush()
+        self.samples += len(audio) // self.encoding.bytes_per_sample
+
+    def close(self) -> None:
+        """The stream is complete: where possible, the header's sizes become the real ones."""
+        if not self.sample_rate or self._start is None:
+            return
+        if self.samples * self.encoding.bytes_per_sample & 1:
+            self.out.write(b"\0")  # RIFF pads an odd-sized data chunk
+        end = self.out.tell()
+        self.out.seek(self._start)
+        self.out.write(wav_header(self.sample_rate, self.encoding, self.samples))
+        self.out.seek(end)
+        self.out.flush()
+
+
+def _rewritable_offset(out: IO[bytes]) -> int | None:
+    """Where the next write lands, if the output can seek back there later (a file opened for
+    appending cannot: its writes all go to its end); None for pipes and terminals."""
+    with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+        if not out.seekable():
+            return None
+        with contextlib.suppress(ImportError, OSError, ValueError, io.UnsupportedOperation):
+            import fcntl
+
+            if fcntl.fcntl(out.fileno(), fcntl.F_GETFL) & os.O_APPEND:
+                return None
+        return out.tell()
+    return None

@@ -87,3 +87,66 @@ def test_ctrl_c_stops_the_server_and_its_core_process_quietly() -> None:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+class _HeldServer(pb_grpc.TextToSpeechServicer):
+    """Sends an utterance's chunk, waits until the test lets it go on, then the stream's tail
+    (utterance -1) and the summary."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.go_on = threading.Event()
+
+    def StreamingSynthesize(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        next(request_iterator)  # the config
+        chunk = dict(sample_rate_hz=8000, precision=pb.Precision.FP32)
+        yield pb.StreamingSynthesizeResponse(audio=pb.AudioChunk(
+            audio=b"\x01\x02" * 800, seq=0, num_samples=800, duration_seconds=0.1, utterance=0, **chunk))
+        assert self.go_on.wait(180)
+        yield pb.StreamingSynthesizeResponse(audio=pb.AudioChunk(
+            audio=b"\x03\x04" * 40, seq=1, offset_samples=800, num_samples=40, duration_seconds=0.005, utterance=-1,
+            **chunk))
+        yield pb.StreamingSynthesizeResponse(summary=pb.SessionSummary(chunks=2, utterances=1))
+
+
+def test_client_to_stdout_writes_each_chunk_as_it_arrives_and_names_the_tail() -> None:
+    """`client -o -` into a pipe: the first chunk reaches the reader while the server still
+    holds the rest back; the last chunk (utterance -1) is printed as the stream's end."""
+    import select
+    import struct
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service.audio.wav import UNKNOWN_SIZE
+
+    servicer = _HeldServer()
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_TextToSpeechServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = subprocess.Popen([*CLI, "client", "Hello.", "-o", "-", "--addr", f"127.0.0.1:{port}"], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    assert client.stdout is not None
+    try:
+        first = b""
+        while len(first) < 44 + 1600:  # the header and the first chunk
+            ready, _, _ = select.select([client.stdout], [], [], 120)
+            assert ready, "nothing on stdout while the server holds back the rest of the stream"
+            piece = os.read(client.stdout.fileno(), 1 << 16)
+            assert piece, client.stderr.read().decode() if client.stderr else ""
+            first += piece
+        servicer.go_on.set()
+        rest, err = client.communicate(timeout=120)
+    finally:
+        servicer.go_on.set()
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+        server.stop(None)
+    assert client.returncode == 0, err.decode()
+    assert first[:4] == b"RIFF" and first[4:8] == first[40:44] == struct.pack("<I", UNKNOWN_SIZE)
+    assert first[44:] == b"\x01\x02" * 800 and rest == b"\x03\x04" * 40
+    lines = err.decode().splitlines()
+    assert "utterance 0, FP32" in lines[0], lines
+    assert "end of stream" in lines[1] and "utterance -1" not in lines[1], lines

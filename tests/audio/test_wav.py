@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from service.audio.encoding import AudioEncoding, encode
-from service.audio.wav import UNKNOWN_SIZE, wav_header, write_wav
+from service.audio.wav import UNKNOWN_SIZE, WavStream, wav_header, write_wav
 from tests.audio.conftest import speech_like
 
 FORMAT_TAGS = {
@@ -98,3 +98,47 @@ def test_rejects_bad_arguments() -> None:
         wav_header(16000, AudioEncoding.LINEAR16, -1)
     with pytest.raises(ValueError):
         wav_header(16000, AudioEncoding.FLOAT32, 2**30)
+
+
+class _Pipe(io.BytesIO):
+    """What a pipe offers a writer: no seeking back."""
+
+    def seekable(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("encoding", [AudioEncoding.LINEAR16, AudioEncoding.MULAW])
+def test_wav_stream_into_a_pipe_keeps_the_unknown_sizes_and_flushes_each_piece(encoding: AudioEncoding) -> None:
+    out = _Pipe()
+    flushed: list[int] = []
+    out.flush = lambda: flushed.append(len(out.getvalue()))  # type: ignore[method-assign]
+    stream = WavStream(out, encoding)
+    pieces = [encode(speech_like(8000, 0.05, seed=k), encoding)[:101 * encoding.bytes_per_sample]
+              for k in range(3)]  # 101 samples each
+    for piece in pieces:
+        stream.write(piece, 8000)
+    stream.close()
+    header = wav_header(8000, encoding, None)
+    assert out.getvalue() == header + b"".join(pieces)
+    assert flushed[:3] == [len(header) + len(b"".join(pieces[:k + 1])) for k in range(3)]  # each as written
+
+
+@pytest.mark.parametrize("encoding", [AudioEncoding.LINEAR16, AudioEncoding.MULAW])
+def test_wav_stream_into_a_file_gets_its_real_sizes_at_the_end(encoding: AudioEncoding, tmp_path: Path) -> None:
+    path = tmp_path / "out.wav"
+    pieces = [encode(speech_like(8000, 0.05, seed=k), encoding)[:202] for k in range(2)]
+    pieces.append(pieces[0][:1 if encoding is AudioEncoding.MULAW else 2])  # an odd total for 8-bit samples
+    with open(path, "wb") as f:
+        stream = WavStream(f, encoding)
+        for piece in pieces:
+            stream.write(piece, 8000)
+        stream.close()
+    data = b"".join(pieces)
+    samples = len(data) // encoding.bytes_per_sample
+    assert path.read_bytes() == wav_header(8000, encoding, samples) + data + b"\0" * (len(data) & 1)
+    # Appending to a file: its writes cannot go back to the header, which keeps the unknown sizes.
+    with open(path, "ab") as f:
+        stream = WavStream(f, encoding)
+        stream.write(data, 8000)
+        stream.close()
+    assert path.read_bytes().endswith(wav_header(8000, encoding, None) + data)
