@@ -367,7 +367,7 @@ class TtsEngine:
             session_id=next(self._ids), config=config, in_rate=info.sample_rate,
             out_rate=config.sample_rate or info.sample_rate, precision=precision,
             precision_reason=decision.reason,
-            segmenter=self.config.segmenter,
+            segmenter=self.config.segmenter, pieces=info.decodes_whole_utterances,
             max_text_chars=len(self.config.warmup_text) if internal else self.config.limits.max_text_chars,
             max_audio_bytes=max(1024, self.config.limits.max_message_bytes - 1024),
             max_ahead_s=self.config.batch.max_ahead_s,

@@ -44,6 +44,7 @@ class SessionSetup:
     out_rate: int
     precision: Precision
     segmenter: SegmenterConfig
+    pieces: bool  # the voice decodes whole utterances: its stream is cut in growing pieces
     max_text_chars: int
     max_audio_bytes: int = 1 << 20  # larger chunks are split (they must fit one gRPC message)
     precision_reason: str = ""
@@ -132,7 +133,7 @@ class EngineSession:
         self._aloop = asyncio.get_running_loop()
         self._queue = _EventQueue(setup.max_audio_bytes)
         self._interrupt: BaseException | None = None  # see interrupt()
-        self._segmenter = IncrementalSegmenter(setup.segmenter)
+        self._segmenter = IncrementalSegmenter(setup.segmenter, pieces=setup.pieces)
         cfg = setup.config
         self._output = AudioOutput(setup.in_rate, setup.out_rate, cfg.encoding, cfg.wav_header)
         self._state = "open"  # open -> ending (end_input) -> closed

@@ -90,6 +90,9 @@ class VoiceInfo:
     length_scale: float  # the voice's default pace (1 / speaking rate)
     options: tuple[OptionSpec, ...] = ()
     gender: Gender = Gender.UNSPECIFIED
+    # Its first audio waits for a whole utterance (the decoder cannot start on part of one): the
+    # segmenter cuts its streams into growing pieces (`service.text.segment`).
+    decodes_whole_utterances: bool = False
 
     def option(self, name: str) -> OptionSpec:
         for spec in self.options:

@@ -21,6 +21,13 @@ Rules (documented simplifications):
   tail (", please?") stays with its sentence. Decided from those characters alone.
 - Text reaching ``max_chars`` without a cut is split at its last clause boundary, else its
   last whitespace, else hard at ``max_chars``.
+- A voice that decodes whole utterances (its first audio waits for the whole utterance, e.g.
+  Kokoro) gets its stream in growing pieces: utterance k ends by ``piece_chars * piece_growth**k``
+  characters, and by ``piece_growth`` times all the text before it (at least ``piece_chars``),
+  while that is below ``max_chars``: at its last clause mark, else before its last
+  phrase-starting word ("and", "that", "with", ...), else at its last space, never before
+  ``piece_min_chars``. A sentence (or early clause) ending within ``piece_tail_chars`` past the
+  limit is kept whole. Growing: each piece is decoded while the one before it plays.
 - Text no rule cut is released whole when no delta came for a while (see `SegmenterConfig`):
   sooner when it ends at a word boundary, later when it ends inside a word that the next
   delta may continue, so a slow stream is not spoken in fragments of words.
@@ -59,6 +66,10 @@ class SegmenterConfig:
     word_timeout_s: float = 3.0
     first_min_clause_chars: int | None = 20  # None: the first utterance cuts like the rest
     first_clause_lookahead_chars: int = 40
+    piece_chars: int = 40  # pieces: voices that decode whole utterances (see the module docstring)
+    piece_growth: float = 1.5
+    piece_tail_chars: int = 20
+    piece_min_chars: int = 16
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -78,6 +89,11 @@ def _period_ends_sentence(text: str, start: int, next_char: str) -> bool:
     if "." in word or word.lower() in _ABBREVIATIONS:
         return False
     return not (len(word) == 1 and word.isalpha())
+
+
+def ends_sentence(text: str) -> bool:
+    """Does the text end with a sentence's closing punctuation (quotes and spaces aside)?"""
+    return _FINAL_END.search(text.rstrip()) is not None
 
 
 def find_cut(
@@ -119,6 +135,41 @@ def find_cut(
     return None
 
 
+# Words a phrase may start with: a piece cut before one of them keeps the phrase whole.
+_PHRASE_STARTS = frozenset(
+    "and but or nor so yet because that which who whom whose when where while if unless until "
+    "although though since before after as than with without for from in on at by about during "
+    "into through over under between against".split()
+)
+_WORD = re.compile(r"\S+")
+
+
+def _starts_phrase(word: str) -> bool:
+    return word.strip(_OPENERS).lower() in _PHRASE_STARTS
+
+
+def piece_cut(text: str, limit: int, min_chars: int) -> int:
+    """Where to end a piece of a whole-utterance voice that must end by ``limit`` (see the
+    module docstring): its last clause mark, else before its last phrase-starting word (in its
+    second half), else at its last space, each at ``min_chars`` or later; else `force_cut`. ``text`` may run past
+    ``limit``: a word starting at the limit is still read whole."""
+    window = text[:limit]
+    clause = [m.end() for m in _CLAUSE_BOUNDARY.finditer(window)
+              if m.end() >= min_chars and m.group(0) != m.group(0).rstrip()]
+    if clause:
+        return clause[-1]
+    words = [(m.start(), m.group(0)) for m in _WORD.finditer(text) if min_chars <= m.start() <= limit]
+    # Before the first of a run of them ("so that", "and if"): the run starts the phrase. Not
+    # in the piece's first half: a longer piece cut at a space reads better than a stub.
+    starts = [at for i, (at, word) in enumerate(words) if _starts_phrase(word) and at >= limit // 2
+              and not (i > 0 and _starts_phrase(words[i - 1][1]))]
+    if starts:
+        return starts[-1]
+    if words:
+        return words[-1][0]
+    return force_cut(window)
+
+
 def force_cut(window: str) -> int:
     """Where to split text that reached the length limit without a natural cut."""
     best = 0
@@ -136,11 +187,19 @@ def force_cut(window: str) -> int:
 class IncrementalSegmenter:
     """Buffers streamed text deltas and releases utterances ready to speak. Not thread safe."""
 
-    def __init__(self, config: SegmenterConfig | None = None) -> None:
+    def __init__(self, config: SegmenterConfig | None = None, pieces: bool = False) -> None:
+        """``pieces``: the voice decodes whole utterances; cut the stream in growing pieces."""
         self.config = config or SegmenterConfig()
+        self._pieces = pieces
         self._buffer = ""
         self._last_push: float | None = None
-        self._released = False  # the stream's first utterance is out
+        self._count = 0  # utterances released
+        self._chars_out = 0  # their characters
+
+    @property
+    def _released(self) -> bool:
+        """The stream's first utterance is out."""
+        return self._count > 0
 
     @property
     def pending(self) -> str:
@@ -157,7 +216,8 @@ class IncrementalSegmenter:
         """Release everything buffered (end of input or explicit flush)."""
         out = [self._buffer] if self._buffer else []
         self._buffer = ""
-        self._released = self._released or bool(out)
+        self._count += len(out)
+        self._chars_out += sum(map(len, out))
         return out
 
     def poll(self, now: float) -> list[str]:
@@ -183,15 +243,35 @@ class IncrementalSegmenter:
             window = self._buffer[:max_chars]
             first = self.config.first_min_clause_chars
             early = None if self._released or first is None else (first, self.config.first_clause_lookahead_chars)
-            cut = find_cut(window, self.config.min_clause_chars, early=early)
+            limit = self._piece_limit()
+            if limit is not None:
+                # Decided from the first limit + tail characters alone (the same for any deltas).
+                head = window[: limit + self.config.piece_tail_chars]
+                cut = find_cut(head, self.config.min_clause_chars, early=early)
+                if cut is None:
+                    if len(head) < limit + self.config.piece_tail_chars:
+                        break
+                    cut = piece_cut(head, limit, self.config.piece_min_chars)
+            else:
+                cut = find_cut(window, self.config.min_clause_chars, early=early)
             if cut is None:
                 if len(self._buffer) < max_chars:
                     break
                 cut = force_cut(window)
             out.append(self._buffer[:cut])
             self._buffer = self._buffer[cut:]
-            self._released = True
+            self._count += 1
+            self._chars_out += cut
         return out
+
+    def _piece_limit(self) -> int | None:
+        """The next piece's length limit, or None once pieces reach ``max_chars`` (or are off)."""
+        if not self._pieces:
+            return None
+        c = self.config
+        limit = int(min(c.piece_chars * c.piece_growth ** min(self._count, 32),
+                        max(c.piece_chars, c.piece_growth * self._chars_out)))
+        return limit if limit < c.max_chars else None
 
 
 def split_sentences(text: str, max_chars: int = 300) -> list[str]:

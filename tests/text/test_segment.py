@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from service.text.segment import IncrementalSegmenter, SegmenterConfig, split_sentences
+from service.text.segment import IncrementalSegmenter, SegmenterConfig, piece_cut, split_sentences
 
 TEXT = (
     'Dr. Smith went to the U.S. Army base at 3.14 p.m. today. He said "hi." Then left! '
@@ -238,3 +238,61 @@ def test_early_clause_invariants_random_splits() -> None:
             for _ in range(40):
                 cuts = rng.sample(range(1, len(text)), k=rng.randint(1, len(text) - 1))
                 assert _push_all(text, cuts, config) == (at_once, pending_once)
+
+
+LONG = ("Our records show that the last payment on your account was received on the fourteenth of March, "
+        "and that the next statement will be issued at the end of the current billing cycle. "
+        "I have gone ahead and moved your delivery to the morning slot on Thursday so that someone "
+        "will be at home to sign for the package when the courier arrives at your door.")
+
+
+def _pieces(text: str, config: SegmenterConfig, cuts: list[int] | None = None) -> list[str]:
+    segmenter = IncrementalSegmenter(config, pieces=True)
+    edges = [0, *sorted(cuts or []), len(text)]
+    out: list[str] = []
+    for i in range(len(edges) - 1):
+        out += segmenter.push(text[edges[i] : edges[i + 1]], float(i))
+    return out + segmenter.flush()
+
+
+def test_pieces_grow_and_end_at_phrase_boundaries() -> None:
+    config = SegmenterConfig()
+    pieces = _pieces(LONG, config)
+    assert "".join(pieces) == LONG
+    assert pieces[:3] == ["Our records show that the last payment ",
+                          "on your account was received on the fourteenth of March, ",
+                          "and that the next statement will be issued at the end of the current billing cycle. "]
+    # Before the first of "so that", not between them; a starter in a piece's first half is no cut.
+    text = "and moved your delivery to the morning slot on Thursday so that someone will be"
+    assert text[: piece_cut(text, 62, 16)] == "and moved your delivery to the morning slot on Thursday "
+    text = "that revenue grew by twelve percent compared with the same"
+    assert text[: piece_cut(text, 40, 16)] == "that revenue grew by twelve percent "
+    released = 0
+    for k, piece in enumerate(pieces[:-1]):
+        limit = min(config.piece_chars * config.piece_growth ** k,
+                    max(config.piece_chars, config.piece_growth * released))
+        if limit < config.max_chars:
+            assert len(piece) <= limit + config.piece_tail_chars, (k, piece)
+        released += len(piece)
+    # Without pieces the same text goes by clauses of 60+ characters and sentences.
+    plain = IncrementalSegmenter(config)
+    assert (plain.push(LONG, 0.0) + plain.flush())[0] == (
+        "Our records show that the last payment on your account was received on the fourteenth of March, ")
+
+
+def test_pieces_keep_short_sentences_and_tails_whole() -> None:
+    assert _pieces("Can I have your account number, please? Sure.", SegmenterConfig()) == [
+        "Can I have your account number, please? ", "Sure."]
+    assert _pieces("One moment while I look that up for you.", SegmenterConfig()) == [
+        "One moment while I look that up for you."]
+
+
+def test_pieces_the_same_for_any_deltas() -> None:
+    rng = random.Random(11)
+    config = SegmenterConfig()
+    for text in (LONG, FAST, "word " * 80, "x" * 500):
+        at_once = _pieces(text, config)
+        assert "".join(at_once) == text
+        for _ in range(25):
+            cuts = rng.sample(range(1, len(text)), k=rng.randint(1, min(60, len(text) - 1)))
+            assert _pieces(text, config, cuts) == at_once

@@ -21,7 +21,7 @@ normalises each row over its own frames and gives each row what it would give al
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -32,6 +32,10 @@ from service.models.kokoro.hparams import KokoroHParams
 from service.models.kokoro.istftnet import Decoder, Generator
 from service.models.kokoro.layers import fold_weight_norm
 from service.models.kokoro.prosody import ProsodyPredictor, TextEncoder
+
+# A boundary token's frames where the text was cut mid-sentence (by the segmenter, into pieces):
+# a short breath, where the model would put the silence that opens or closes a sentence.
+CUT_EDGE_FRAMES = 2
 
 
 class AcousticOutput(NamedTuple):
@@ -90,14 +94,20 @@ class KokoroModel(nn.Module):
         return self.acoustic_batch(ids, lengths, style, torch.tensor([float(speed)], device=ids.device))[0]
 
     def acoustic_batch(self, ids: torch.Tensor, lengths: torch.Tensor, style: torch.Tensor,
-                       speed: torch.Tensor) -> list[AcousticOutput]:
+                       speed: torch.Tensor, cut: Sequence[tuple[bool, bool]] | None = None) -> list[AcousticOutput]:
         """Utterances padded into ids [B, N] with `lengths` [B], styles [B, 256], speeds [B] ->
         each one's acoustic output, equal to its run alone (the LSTMs run packed, the convs and
-        norms see each row's own positions)."""
+        norms see each row's own positions). `cut`: per row, (does its text start mid-sentence,
+        does it end mid-sentence); a boundary token on a cut side gets at most `CUT_EDGE_FRAMES`,
+        not the silence that opens or closes a sentence."""
         _, prosody_style = self._halves(style)
         d = self.predictor.text_encoder(self.bert_encoder(self.bert(ids, lengths)), prosody_style, lengths)
         # torch.round is half-to-even, as the official model rounds.
         durations = torch.round(self.predictor.durations(d, speed, lengths)).clamp(min=1).long()
+        for b, (starts_cut, ends_cut) in enumerate(cut or ()):
+            for at, is_cut in ((0, starts_cut), (int(lengths[b]) - 1, ends_cut)):
+                if is_cut:
+                    durations[b, at] = durations[b, at].clamp(max=CUT_EDGE_FRAMES)
         rows = [durations[b, : int(n)] for b, n in enumerate(lengths.tolist())]
         frames = torch.stack([r.sum() for r in rows])
         top = int(frames.max())

@@ -41,6 +41,7 @@ from service.models.family import (
 from service.models.kokoro.model import AcousticOutput, KokoroModel
 from service.models.kokoro.voices import VOICE_ROWS
 from service.models.noise import counter_normal
+from service.text.segment import ends_sentence
 
 # Module-name patterns (fnmatch, over `KokoroModel`) kept in FP32 in the FP16 decoder. The
 # acoustic stage always runs in FP32 (durations are rounded: one flip moves every later frame).
@@ -275,7 +276,8 @@ class KokoroRuntime:
                   for job in jobs]
         speeds = torch.tensor([1.0 / s for s in scales])
         outs = self.model.acoustic_batch(ids.to(self.device), lengths.to(self.device), styles,
-                                         speeds.to(self.device))
+                                         speeds.to(self.device),
+                                         [(job.sentence.continues, not ends_sentence(job.sentence.text)) for job in jobs])
         return [self._utterance(job, out, style) for job, out, style in zip(jobs, outs, styles, strict=True)]
 
     def _utterance(self, job: AcousticJob, out: AcousticOutput, style: torch.Tensor) -> KokoroUtterance:

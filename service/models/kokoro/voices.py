@@ -33,7 +33,7 @@ def read_pack(path: Path) -> VoiceInfo | None:
         name=PREFIX + path.stem, family=FAMILY_NAME, model_path=path, config_path=model,
         frontend_key=f"{FAMILY_NAME}:{language}", sample_rate=SAMPLE_RATE, language=language,
         num_speakers=1, speaker_id_map={}, length_scale=1.0,
-        gender=GENDERS.get(path.stem[1:2], Gender.UNSPECIFIED),
+        gender=GENDERS.get(path.stem[1:2], Gender.UNSPECIFIED), decodes_whole_utterances=True,
     )
 
 
