@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from typing import IO, TYPE_CHECKING, Any, TextIO
 
-from service.api.ports import DEFAULT_HOST, DEFAULT_PORT
+from service.api.ports import DEFAULT_HOST, DEFAULT_PORT, host_port
 from service.models.registry import backend_names
 from service.voices import BUILTIN_VOICE, VoiceNotFoundError, check_voices_dir
 
@@ -427,7 +427,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
 
     def ready(server: CadenzaServer) -> None:
-        print(f"cadenza: serving on {args.host}:{server.port}", flush=True)
+        print(f"cadenza: serving on {host_port(args.host, server.port)}", flush=True)
 
     asyncio.run(serve(config, on_ready=ready))
     return 0
@@ -883,7 +883,9 @@ def build_parser() -> argparse.ArgumentParser:
     bload.add_argument("--seed", type=int, default=load("seed"),
                        help="picks each session's texts and the poisson arrivals")
     bload.add_argument("--connect-timeout", type=float, default=load("connect_timeout_s"),
-                       help="seconds to wait for the server to be reachable and SERVING")
+                       help="seconds to wait for a server that is still starting to listen and say SERVING "
+                            "(default: none: a server must be listening already, else the run stops within seconds "
+                            "with an error)")
     bload.add_argument("--procs", type=_positive_int, default=load("procs"),
                        help="client processes to spread the sessions over, round-robin, all starting together "
                             "(one Python process's event loop and gRPC work for hundreds of streams is then "

@@ -7,8 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["HealthCheck", "check_health"]
+__all__ = ["HealthCheck", "UnknownServiceError", "check_health"]
+
+
+class UnknownServiceError(ValueError):
+    """The server reports on no service of that name."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +28,8 @@ class HealthCheck:
 
 
 def check_health(check: HealthCheck) -> str:
-    """The server's status name (SERVING, NOT_SERVING, ...); grpc.RpcError when unreachable."""
+    """The server's status name (SERVING, NOT_SERVING, ...); grpc.RpcError when unreachable,
+    UnknownServiceError (naming the ones it has) for a service it does not report on."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -39,5 +45,29 @@ def check_health(check: HealthCheck) -> str:
         channel = grpc.insecure_channel(check.addr)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=check.service), timeout=check.timeout_s)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=check.service), timeout=check.timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND or not check.service:
+                raise
+            known = _services(channel, check.timeout_s)
+            listed = f"it has {', '.join(known)}" if known else "it did not list the ones it has"
+            raise UnknownServiceError(f"{check.addr} has no service {check.service!r}; {listed} (or leave "
+                                      "--service out for the whole server)") from None
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def _services(channel: Any, timeout_s: float) -> list[str]:
+    """The services the server lists through reflection, less health and reflection themselves
+    (the server reports no health status for those); none where it does not answer."""
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    try:
+        answers = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([request]),
+                                                                                         timeout=timeout_s)
+        names = [s.name for answer in answers for s in answer.list_services_response.service]
+    except grpc.RpcError:
+        return []
+    return sorted(n for n in names if not n.startswith(("grpc.health.", "grpc.reflection.")))

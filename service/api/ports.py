@@ -10,6 +10,14 @@ DEFAULT_HOST = "127.0.0.1"  # loopback only; --host 0.0.0.0 or [::] listens on e
 DEFAULT_PORT = 50051
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC parses it: an IPv6 literal goes in brackets ([::1]:50051), else its
+    colons would be read as the port's."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
 class PortInUseError(OSError):
     """The listening address is taken (by another server, or anything else)."""
 

@@ -24,7 +24,7 @@ from service.api.gen.cadenza.v1 import tts_pb2
 from service.api.google_tts import SERVICE_NAME as GOOGLE_SERVICE
 from service.api.google_tts import add_google
 from service.api.native import add_native
-from service.api.ports import DEFAULT_HOST, DEFAULT_PORT, PortInUseError, check_port_free
+from service.api.ports import DEFAULT_HOST, DEFAULT_PORT, PortInUseError, check_port_free, host_port
 from service.api.processes import ApiServers
 from service.api.riva import add_riva
 from service.engine.api import Engine, Unavailable
@@ -236,16 +236,17 @@ class CadenzaServer:
         host, port = self.config.host, self.config.port
         if self.slot.index == 0:
             check_port_free(host, port)  # a clear error without grpc's own log line, in the usual case
+        address = host_port(host, port)
         try:
             if self._credentials is not None:
-                self.port = self.server.add_secure_port(f"{host}:{port}", self._credentials)
+                self.port = self.server.add_secure_port(address, self._credentials)
             else:
-                self.port = self.server.add_insecure_port(f"{host}:{port}")
+                self.port = self.server.add_insecure_port(address)
         except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
             check_port_free(host, port)
-            raise OSError(f"cannot listen on {host}:{port} (--host, --port): {exc}") from None
+            raise OSError(f"cannot listen on {address} (--host, --port): {exc}") from None
         if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port} (--host, --port)")
+            raise OSError(f"cannot listen on {address} (--host, --port)")
         if self.slot.index == 0:
             self._warn_if_exposed()
         return self.port
@@ -255,10 +256,10 @@ class CadenzaServer:
         if is_loopback(config.host) or config.tls or config.api_keys_file is not None:
             return
         log.warning(
-            "listening on %s:%d in plaintext without API keys: anyone who can reach this address can "
+            "listening on %s in plaintext without API keys: anyone who can reach this address can "
             "synthesise through every API (native, Riva, Google) and read its traffic; secure it with "
             "--tls-cert/--tls-key (--tls-client-ca for client certificates) and/or --api-keys-file, "
-            "or listen on loopback only (--host 127.0.0.1)", config.host, self.port,
+            "or listen on loopback only (--host 127.0.0.1)", host_port(config.host, self.port),
         )
 
     async def start(self) -> None:

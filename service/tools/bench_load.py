@@ -75,6 +75,10 @@ SENTENCES = (
 )
 
 
+REACH_S = 5.0  # a running server takes a connection at once; nothing listening fails after this
+SERVING_WAIT_S = 30.0  # then, a server that listens but is still warming up (LoadConfig.connect_timeout_s)
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     """What to run; the CLI options one to one."""
@@ -89,7 +93,9 @@ class LoadConfig:
     precision: str = "auto"
     voice: str = ""  # every session's voice; empty: the server's default
     seed: int = 0
-    connect_timeout_s: float = 30.0
+    # None: the server is already running: it must take the connection within REACH_S, then say
+    # SERVING within SERVING_WAIT_S. Seconds: wait that long in all for one that is still starting.
+    connect_timeout_s: float | None = None
     procs: int = 1  # client processes the sessions are spread over (each its own event loop and connections)
     sessions_per_channel: int = 100  # one grpc.aio channel (its own TCP connection) per this many, round-robin
     sweep_from: int = 1  # --sweep: the first N tried (doubling from there, then bisection)
@@ -490,7 +496,8 @@ def _client_process(conn: Any, cfg: LoadConfig, connection: Connection, plan: _P
     async def main() -> tuple[list[SessionRecord], float]:
         channels = _channels(connection, cfg, len(indices))
         try:
-            await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), cfg.connect_timeout_s) for c in channels))
+            wait = SERVING_WAIT_S if cfg.connect_timeout_s is None else cfg.connect_timeout_s
+            await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), wait) for c in channels))
             stubs = [pb_grpc.TextToSpeechStub(c) for c in channels]
             conn.send("ready")
             start = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
@@ -556,8 +563,17 @@ async def run_load_procs(cfg: LoadConfig, n: int, connection: Connection,
     return records, summarise(records, wall, lag, plan.target, plan.rate, plan.window_s)
 
 
-async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: float) -> None:
-    """Connected and the health service says SERVING (a server listens before its voice is warm)."""
+async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: float | None) -> None:
+    """Connected and the health service says SERVING (a server listens before its voice is warm).
+    `timeout_s` None: the server must be listening already (see LoadConfig.connect_timeout_s), so
+    a wrong address or a server not started fails in seconds, not after the whole start-up wait."""
+    if timeout_s is None:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), REACH_S)
+        except TimeoutError:
+            raise ConnectionError(f"no server at {target}: start one with `cadenza serve` (or give --connect-timeout "
+                                  "SECONDS to wait for one that is starting)") from None
+        timeout_s = SERVING_WAIT_S
     deadline = time.perf_counter() + timeout_s
     try:
         await asyncio.wait_for(channel.channel_ready(), timeout_s)
@@ -723,6 +739,8 @@ def run_bench_load(cfg: LoadConfig, sweep: bool = False, json_path: Path | None 
         raise ValueError("--rate and --tokens-per-s must be positive")
     if cfg.duration_s is not None and cfg.duration_s <= 0:
         raise ValueError("--duration must be positive")
+    if cfg.connect_timeout_s is not None and not cfg.connect_timeout_s > 0:
+        raise ValueError("--connect-timeout must be positive")
     if (cfg.duration_s is not None or cfg.rate is not None) and cfg.arrival != "poisson":
         raise ValueError("--rate and --duration apply to --arrival poisson only")
     if cfg.precision not in PRECISIONS:

@@ -26,12 +26,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service.api.auth import UNAUTHENTICATED_MESSAGE, ApiKeyInterceptor, load_api_keys
 from service.api.client import connect, stream
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
-from service.api.ports import DEFAULT_HOST
+from service.api.ports import DEFAULT_HOST, host_port
 from service.api.server import CadenzaServer, ServerConfig, is_loopback
 from service.cli import build_parser, main
 from service.engine.config import BatchConfig, EngineConfig, Limits
 from tests.api.native_server import ServerThread
-from tests.serve_process import json_lines, start_serve
+from tests.serve_process import json_lines, start_serve, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
@@ -372,7 +372,45 @@ def test_health_answers_for_every_service(keys_server: ServerThread) -> None:
         channel.close()
 
 
+def test_health_of_an_unknown_service_names_the_ones_there_are(keys_server: ServerThread,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["health", "--addr", keys_server.addr, "--service", "bogus"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"cadenza: error: {keys_server.addr} has no service 'bogus'; it has {', '.join(sorted(SERVICES[:3]))} "
+        "(or leave --service out for the whole server)")
+
+
 # --- bind address -------------------------------------------------------------------------------------
+
+
+def test_an_ipv6_literal_host_is_bracketed_for_grpc() -> None:
+    assert host_port("::1", 50051) == "[::1]:50051"
+    assert host_port("::", 0) == "[::]:0"
+    assert host_port("[::]", 0) == "[::]:0"  # given in brackets already
+    assert host_port("127.0.0.1", 50051) == "127.0.0.1:50051"
+    assert host_port("localhost", 1) == "localhost:1"
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_serve_on_the_ipv6_loopback(capsys: pytest.CaptureFixture[str]) -> None:
+    server, port = start_serve("--host", "::1", "--voice", str(DATA / "tiny-multi.onnx"), "--device", "cpu",
+                               "--threads", "1")
+    try:
+        assert main(["health", "--addr", f"[::1]:{port}"]) == 0
+        assert capsys.readouterr().out.strip() == f"[::1]:{port}: SERVING"
+    finally:
+        stop_process(server)
 
 
 def test_the_default_address_is_loopback() -> None:

@@ -296,6 +296,19 @@ def test_unreachable_target_is_a_clear_error() -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_no_server_listening_fails_within_seconds_by_default() -> None:
+    """Without --connect-timeout a server must be listening already: a wrong port or a server not
+    started is a one-line error after a short connection attempt, not after the start-up wait."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    done = subprocess.run([sys.executable, "-m", "service.cli", "bench", "load", "--target", f"127.0.0.1:{port}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"cadenza: error: no server at 127.0.0.1:{port}: start one with `cadenza serve` "
+                                   "(or give --connect-timeout SECONDS to wait for one that is starting)")
+
+
 def test_sessions_spread_over_client_processes(server: ServerThread, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """--procs deals the sessions round-robin over client processes that start together; the
