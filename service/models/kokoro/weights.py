@@ -31,7 +31,12 @@ Weight norm is folded in the graph, so a weight-normed layer comes back as one `
 `split_weight_norm` turns those into the official `weight_g`/`weight_v` pair (g = |w| per
 output row, v = w, which gives back w exactly). Not in the graph: `bert.pooler.*` (ALBERT's
 pooler; KModel never uses it), and the AdaIN InstanceNorms' affine weight/bias (the export
-normalises without them: they are the identity, filled as ones/zeros and listed)."""
+normalises without them: they are the identity, filled as ones/zeros and listed).
+
+The same reader takes kokoro-onnx's float graph (`kokoro-v1.0.onnx`): its weights are the float
+initializers of MatMul, Gemm (by `transB`), Conv and LSTM (`[dirs, 4H, in]`, gates i, o, f, c) nodes.
+The official checkpoint (`kokoro-v1_0.pth`) needs no mapping (`checkpoint_state_dict`);
+`model_state_dict` reads whichever of the three a voice's folder holds."""
 
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.models.kokoro.voices import MODEL_FILE, VOICE_BYTES, VOICE_DIM, VOICE_ROWS
+from service.models.kokoro.voices import CHECKPOINT_FILE, MODEL_FILE, VOICE_BYTES, VOICE_DIM, VOICE_ROWS
 
 MODEL_BYTES = 92_361_271
 MODEL_SHA256 = "6e742170d309016e5891a994e1ce1559c702a2ccd0075e67ef7157974f6406cb"
@@ -81,6 +86,8 @@ KOKORO_V1_CONFIG: dict[str, Any] = {
                "max_position_embeddings": 512, "num_hidden_layers": 12, "dropout": 0.1},
 }
 
+# KModel's modules: the official checkpoint holds one state dict per name.
+KMODEL_MODULES = ("bert", "bert_encoder", "predictor", "text_encoder", "decoder")
 # Scopes the export hung directly under `encoder` that belong to KModel's predictor.
 _PREDICTOR_SCOPES = frozenset({"F0", "N", "F0_proj", "N_proj", "shared"})
 _ONNX_GATES_TO_TORCH = (0, 2, 3, 1)  # ONNX i, o, f, c -> torch i, f, g(=c), o
@@ -294,7 +301,7 @@ def _dequant(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, axis: in
 
 
 def read_onnx_kokoro(onnx_path: str | Path) -> KokoroWeights:
-    """All float32 weights of the int8 graph under KModel's names (see the module docstring)."""
+    """All float32 weights of the int8 (or float) graph under KModel's names (see the module docstring)."""
     import onnx
     from onnx import numpy_helper
 
@@ -375,13 +382,22 @@ def read_onnx_kokoro(onnx_path: str | Path) -> KokoroWeights:
                 w = _dequant(value[d], sc, zp, axis=1).T  # [4H, in], ONNX gate order
                 w = np.concatenate([w[g * hidden:(g + 1) * hidden] for g in _ONNX_GATES_TO_TORCH])
                 put(f"{module}.weight_{kind}_l0{suffix}", w, name)
-        elif op == "DynamicQuantizeLSTM" and slot == 3:
+        elif op == "LSTM" and slot in (1, 2) and value.dtype == np.float32:  # the float graph: [dirs, 4H, in]
+            hidden = value.shape[1] // 4
+            kind = "ih" if slot == 1 else "hh"
+            for d, suffix in enumerate(("", "_reverse")[: value.shape[0]]):
+                w = np.concatenate([value[d, g * hidden:(g + 1) * hidden] for g in _ONNX_GATES_TO_TORCH])
+                put(f"{module}.weight_{kind}_l0{suffix}", w, name)
+        elif op in ("DynamicQuantizeLSTM", "LSTM") and slot == 3:
             hidden = value.shape[1] // 8
             for d, suffix in enumerate(("", "_reverse")[: value.shape[0]]):
                 for half, kind in ((0, "ih"), (1, "hh")):
                     b = value[d, half * 4 * hidden:(half + 1) * 4 * hidden]
                     b = np.concatenate([b[g * hidden:(g + 1) * hidden] for g in _ONNX_GATES_TO_TORCH])
                     put(f"{module}.bias_{kind}_l0{suffix}", b.astype(np.float32), name)
+        elif value.dtype == np.float32 and op == "Gemm" and slot == 1 and value.ndim == 2:
+            transposed = any(a.name == "transB" and a.i for a in node.attribute)
+            put(f"{module}.weight", np.ascontiguousarray(value if transposed else value.T), name)
         elif (value.dtype == np.float32 and re.fullmatch(r"(encoder|decoder)\.[\w.]+", name)
               and not name.endswith(("_scale", "_zero_point"))):
             key = _kmodel_name(name)
@@ -396,7 +412,7 @@ def read_onnx_kokoro(onnx_path: str | Path) -> KokoroWeights:
     identity: list[str] = []
     for key in list(out):
         m = re.fullmatch(r"(.*\.(?:norm[12]|adain[12]\.\d+))\.fc\.weight", key)
-        if m:
+        if m and f"{m[1]}.norm.weight" not in out:  # a graph that carries them keeps its own
             channels = out[key].shape[0] // 2
             out[f"{m[1]}.norm.weight"] = np.ones(channels, np.float32)
             out[f"{m[1]}.norm.bias"] = np.zeros(channels, np.float32)
@@ -411,15 +427,43 @@ def read_onnx_kokoro(onnx_path: str | Path) -> KokoroWeights:
 
 
 def dequantised_state_dict(onnx_path: str | Path) -> dict[str, torch.Tensor]:
-    """Float32 weights of `kokoro-v1.0.int8.onnx` keyed by KModel's state-dict names, with
-    weight-normed layers as a plain `<m>.weight` (see `split_weight_norm`); `bert.pooler.*`
-    (unused) is absent."""
+    """Float32 weights of an ONNX graph (the int8 release or the float one) keyed by KModel's
+    state-dict names, with weight-normed layers as a plain `<m>.weight` (see `split_weight_norm`);
+    `bert.pooler.*` (unused) is absent."""
     weights = read_onnx_kokoro(onnx_path)
     # The export's own inverse STFT tables have no counterpart (the model computes its inverse STFT).
     unexpected = [name for name in weights.unmapped if not name.endswith(("inverse_basis", "window_sum"))]
     if unexpected:
         _log(f"graph weights with no KModel name: {', '.join(unexpected)}")
     return weights.state_dict
+
+
+def checkpoint_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The official checkpoint (`{module: state_dict}`, as `KModel` loads it) as one state dict
+    under KModel's names: the `module.` prefix a multi-GPU training run left on its keys is
+    dropped, weight norm stays as `weight_g`/`weight_v` (`KokoroModel` folds it on load)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle, zip and torch errors: a truncated download or another file
+        raise ValueError(f"{path} is not a readable torch checkpoint ({type(exc).__name__}); download the "
+                         f"official {CHECKPOINT_FILE} again") from None
+    if not isinstance(checkpoint, Mapping) or not checkpoint or set(checkpoint) - set(KMODEL_MODULES):
+        found = sorted(checkpoint)[:6] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
+        raise ValueError(f"{path}: not a Kokoro checkpoint (expected the modules {', '.join(KMODEL_MODULES)}; "
+                         f"found {found})")
+    state: dict[str, torch.Tensor] = {}
+    for module, weights in checkpoint.items():
+        for key, value in weights.items():
+            state[f"{module}.{key.removeprefix('module.')}"] = value
+    return state
+
+
+def model_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """A Kokoro model file's weights under KModel's names, whichever of `MODEL_FILES` it is:
+    the official checkpoint (`.pth`) or an ONNX graph, int8 or float."""
+    if Path(path).suffix == ".pth":
+        return checkpoint_state_dict(path)
+    return dequantised_state_dict(path)
 
 
 def split_weight_norm(state: Mapping[str, torch.Tensor], target_keys: Iterable[str]) -> dict[str, torch.Tensor]:
