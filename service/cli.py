@@ -28,6 +28,7 @@ EPILOG = "Errors are one line (exit 1; 2 for usage errors). Set CADENZA_DEBUG=1 
 BACKENDS = ("auto", *backend_names())
 DEVICES = "auto, cpu, cuda, cuda:N"
 ENGINE_CONFIG = "service.engine.config"
+_Options = argparse._ActionsContainer  # a parser or one of its argument groups
 
 # Warnings the libraries print on every first run that a user can do nothing about.
 # Filtered here, at the command line's entry, never at import time of a library module.
@@ -563,7 +564,7 @@ def _cmd_bench_streams(args: argparse.Namespace) -> int:
                              schedule, _path(args.profile))
 
 
-def _add_profile_arg(parser: argparse.ArgumentParser) -> None:
+def _add_profile_arg(parser: _Options) -> None:
     from service.telemetry.ranges import BusyProfiler
 
     parser.add_argument("--profile", default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "profile_dir"),
@@ -631,7 +632,7 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_voice_args(
-    p: argparse.ArgumentParser, device: str | ConfigDefault, backend: str | ConfigDefault = "auto",
+    p: _Options, device: str | ConfigDefault, backend: str | ConfigDefault = "auto",
     backend_help: str = "inference backend; auto: onnxruntime on CPU, torch on CUDA",
 ) -> None:
     p.add_argument("--voice", default=None,
@@ -646,13 +647,13 @@ def _add_voice_args(
                    help="CPU threads for inference (default: the runtime's choice, about one per core)")
 
 
-def _add_cache_dir_arg(p: argparse.ArgumentParser) -> None:
+def _add_cache_dir_arg(p: _Options) -> None:
     p.add_argument("--cache-dir", default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "cache_dir"), metavar="DIR",
                    help="writable directory for ONNX stage exports; an image's prebuilt exports are used first, "
                         "an unwritable DIR falls back to a temporary one (default: ~/.cache/cadenza/onnx)")
 
 
-def _add_device_arg(p: argparse.ArgumentParser, default: str | ConfigDefault, extra: str = "") -> None:
+def _add_device_arg(p: _Options, default: str | ConfigDefault, extra: str = "") -> None:
     p.add_argument("--device", type=device_arg, default=default, metavar="{auto,cpu,cuda,cuda:N}",
                    help=f"where to run: auto (CUDA if torch sees a GPU, else the CPU), cpu, cuda or cuda:N{extra}")
 
@@ -661,10 +662,13 @@ def _batch(name: str) -> ConfigDefault:
     return ConfigDefault(f"{ENGINE_CONFIG}:BatchConfig", name)
 
 
-def _add_batch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--decoder", choices=("auto", "slots", "staged"), default=_batch("decoder"),
-                   help="slots: batched steps with per-session device state (torch); staged: one utterance at a "
-                        "time (ONNX Runtime CPU); auto: slots where the backend has them")
+def _add_batch_args(p: _Options, advanced: _Options | None = None, limits: _Options | None = None) -> None:
+    """The engine's batching options; serve puts --decoder and --stall-timeout in groups of their own."""
+    (advanced or p).add_argument(
+        "--decoder", choices=("auto", "slots", "staged"), default=_batch("decoder"),
+        help="slots: batched steps with per-session device state (torch); staged: one utterance at a time "
+             "(ONNX Runtime CPU); auto: slots where the backend has them. Leave it at auto; staged on torch (no "
+             "batching across sessions) is for comparing the two, and Kokoro voices need slots")
     p.add_argument("--step-frames", type=_positive_int, default=_batch("step_frames"),
                    help="latent frames each session advances per decoder step")
     p.add_argument("--max-step-rows", type=_positive_int, default=_batch("max_step_rows"),
@@ -676,9 +680,9 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="utterances decoding at once per voice and precision")
     p.add_argument("--max-ahead", type=float, default=_batch("max_ahead_s"),
                    help="seconds of unread audio after which a session is not stepped")
-    p.add_argument("--stall-timeout", type=float, default=_batch("stall_timeout_s"),
-                   help="seconds a client may take no audio (while held back, or with a response waiting) "
-                        "before its stream ends with DEADLINE_EXCEEDED")
+    (limits or p).add_argument("--stall-timeout", type=float, default=_batch("stall_timeout_s"),
+                               help="seconds a client may take no audio (while held back, or with a response "
+                                    "waiting) before its stream ends with DEADLINE_EXCEEDED")
     p.add_argument("--acoustic-max-batch", type=_positive_int, default=_batch("acoustic_max_batch"),
                    help="sentences one acoustic-stage call takes at most")
     p.add_argument("--compile-acoustic", action=argparse.BooleanOptionalAction, default=_batch("compile_acoustic"),
@@ -910,67 +914,11 @@ def build_parser() -> argparse.ArgumentParser:
     def limit(name: str) -> ConfigDefault:
         return ConfigDefault(f"{ENGINE_CONFIG}:Limits", name)
 
-    serve = _subcommand(sub, "serve", "run the gRPC server (native, Riva and Google Cloud TTS APIs on one port)")
-    serve.add_argument("--host", default=DEFAULT_HOST,
-                       help="address to listen on; 0.0.0.0 or [::] is every interface (secure it with TLS "
-                            "and/or API keys: without them a warning is logged)")
-    serve.add_argument("--port", type=_port, default=DEFAULT_PORT,
-                       help="port to listen on; 0 picks a free one (printed); a port in use is refused")
-    _add_voice_args(serve, device=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "device"),
-                    backend=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "backend"))
-    _add_batch_args(serve)
-    serve.add_argument("--cache-mb", type=int,
-                       default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "cache_bytes", lambda n: n >> 20),
-                       help="result cache size in MiB (seeded requests); 0 turns it off")
-    serve.add_argument("--max-sessions", type=_positive_int, default=limit("max_sessions"),
-                       help="open sessions; one more gets RESOURCE_EXHAUSTED")
-    serve.add_argument("--max-text-chars", type=_positive_int, default=limit("max_text_chars"),
-                       help="characters per session")
-    serve.add_argument("--max-message-bytes", type=_positive_int, default=limit("max_message_bytes"),
-                       help="largest gRPC message either way")
-    serve.add_argument("--idle-timeout", type=float, default=limit("idle_timeout_s"),
-                       help="seconds without a client message before a session is closed")
-    serve.add_argument("--admission-wait", type=float, default=limit("admission_wait_s"),
-                       help="at the estimated capacity, seconds a new session waits before RESOURCE_EXHAUSTED; "
-                            "0 turns admission control off")
-    serve.add_argument("--capacity", type=float, default=limit("capacity_streams"),
-                       help="real-time streams to admit (default: the estimate measured at start-up)")
-    serve.add_argument("--drain-grace", type=float, default=ConfigDefault("service.api.server:ServerConfig",
-                                                                          "drain_grace_s"),
-                       help="seconds open sessions get to finish after SIGTERM (a second signal quits at once)")
-    serve.add_argument("--api-servers", type=_positive_int,
-                       default=ConfigDefault("service.api.server:ServerConfig", "api_servers"),
-                       help="API server processes sharing the port and one engine core; one process takes "
-                            "new streams in one after the other, so more take a burst of them in faster")
-
     def server_option(name: str) -> ConfigDefault:
         return ConfigDefault("service.api.server:ServerConfig", name)
 
-    serve.add_argument("--tls-cert", default=server_option("tls_cert"), metavar="FILE",
-                       help="PEM certificate (chain): serve TLS; needs --tls-key (default: plaintext)")
-    serve.add_argument("--tls-key", default=server_option("tls_key"), metavar="FILE",
-                       help="PEM private key of --tls-cert (default: none)")
-    serve.add_argument("--tls-client-ca", default=server_option("tls_client_ca"), metavar="FILE",
-                       help="PEM CA bundle: mutual TLS, every client must present a certificate signed by it "
-                            "(default: no client certificates)")
-    serve.add_argument("--api-keys-file", default=server_option("api_keys_file"), metavar="FILE",
-                       help="API keys, one per line ('#' comments): every call but health checks and reflection "
-                            "must send 'authorization: Bearer <key>' metadata (default: no keys required)")
-    serve.add_argument("--preload", action=argparse.BooleanOptionalAction,
-                       default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "preload"),
-                       help="load, export and warm up every voice (--voices) before health says SERVING; "
-                            "without it only the default voice is, and others load on their first request")
-    serve.add_argument("--core", choices=("process", "thread"),
-                       default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "core"),
-                       help="where the synthesis core runs: process (its own, so its Python does not share a GIL "
-                            "with the gRPC event loop) or thread (in the server's process)")
-    _add_profile_arg(serve)
-    serve.add_argument("--timeline", default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "timeline_dir"),
-                       metavar="DIR",
-                       help="record, per busy period, each engine iteration and each session's way to its first "
-                            "audio into JSON-lines files in DIR (cheap enough under load; summarise with "
-                            "`cadenza timeline DIR`)")
-    _add_cache_dir_arg(serve)
+    def engine_option(name: str, convert: Callable[[Any], Any] | None = None) -> ConfigDefault:
+        return ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", name, convert)
 
     def telemetry_option(name: str) -> ConfigDefault:
         return ConfigDefault("service.telemetry.config:TelemetryConfig", name)
@@ -978,22 +926,89 @@ def build_parser() -> argparse.ArgumentParser:
     def log_option(name: str) -> ConfigDefault:
         return ConfigDefault("service.telemetry.config:LogConfig", name)
 
-    serve.add_argument("--metrics-port", type=_port, default=telemetry_option("metrics_port"),
-                       help="serve Prometheus metrics on this port at /metrics, 0 picks a free one; OTLP export "
-                            "turns on by itself when OTEL_EXPORTER_OTLP_ENDPOINT (or a _TRACES_/_METRICS_ "
-                            "variant) is set (default: off)")
-    serve.add_argument("--metrics-host", default=telemetry_option("metrics_host"), metavar="HOST",
-                       help="address the metrics endpoint listens on (default: the same as --host)")
-    serve.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
-                       default=log_option("level"), help="log level")
-    serve.add_argument("--log-format", choices=("text", "json"), default=log_option("format"),
-                       help="text lines, or one JSON object per line with trace and span ids")
-    serve.add_argument("--log-text", action="store_true",
-                       help="let log lines quote the caller's text (off: it can be personal data)")
-    serve.add_argument("--shadow-fraction", type=float,
-                       default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "shadow_fraction"),
-                       help="share of FP16 chunks re-run in FP32 between engine steps, into the shadow PSNR "
-                            "metric (0 = off, 0.01 = one chunk in 100)")
+    serve = _subcommand(sub, "serve", "run the gRPC server (native, Riva and Google Cloud TTS APIs on one port)")
+    # About forty options: grouped where a user would look for them (--help shows the groups in this order).
+    network = serve.add_argument_group(
+        "network and security", "where the server listens, who may call it, and the processes on its port")
+    voice_opts = serve.add_argument_group("voices and devices", "what is served, and on which hardware")
+    engine = serve.add_argument_group("engine", "batching and caching; the defaults suit most hosts")
+    limits = serve.add_argument_group("limits", "bounds on sessions and messages, and what a client past them gets")
+    telemetry = serve.add_argument_group("telemetry", "metrics, logs, profiles and the FP16 quality check")
+    advanced = serve.add_argument_group(
+        "advanced engine tuning", "internals with a default that fits; change one only for the reason its help gives")
+
+    network.add_argument("--host", default=DEFAULT_HOST,
+                         help="address to listen on; 0.0.0.0 or [::] is every interface (secure it with TLS "
+                              "and/or API keys: without them a warning is logged)")
+    network.add_argument("--port", type=_port, default=DEFAULT_PORT,
+                         help="port to listen on; 0 picks a free one (printed); a port in use is refused")
+    network.add_argument("--tls-cert", default=server_option("tls_cert"), metavar="FILE",
+                         help="PEM certificate (chain): serve TLS; needs --tls-key (default: plaintext)")
+    network.add_argument("--tls-key", default=server_option("tls_key"), metavar="FILE",
+                         help="PEM private key of --tls-cert (default: none)")
+    network.add_argument("--tls-client-ca", default=server_option("tls_client_ca"), metavar="FILE",
+                         help="PEM CA bundle: mutual TLS, every client must present a certificate signed by it "
+                              "(default: no client certificates)")
+    network.add_argument("--api-keys-file", default=server_option("api_keys_file"), metavar="FILE",
+                         help="API keys, one per line ('#' comments): every call but health checks and reflection "
+                              "must send 'authorization: Bearer <key>' metadata (default: no keys required)")
+    network.add_argument("--api-servers", type=_positive_int,
+                         default=ConfigDefault("service.api.server:ServerConfig", "api_servers"),
+                         help="API server processes sharing the port and one engine core; one process takes "
+                              "new streams in one after the other, so more take a burst of them in faster")
+
+    _add_voice_args(voice_opts, device=engine_option("device"), backend=engine_option("backend"))
+    voice_opts.add_argument("--preload", action=argparse.BooleanOptionalAction, default=engine_option("preload"),
+                            help="load, export and warm up every voice (--voices) before health says SERVING; "
+                                 "without it only the default voice is, and others load on their first request")
+    _add_cache_dir_arg(voice_opts)
+
+    _add_batch_args(engine, advanced=advanced, limits=limits)
+    engine.add_argument("--cache-mb", type=int, default=engine_option("cache_bytes", lambda n: n >> 20),
+                        help="result cache size in MiB (seeded requests); 0 turns it off")
+
+    limits.add_argument("--max-sessions", type=_positive_int, default=limit("max_sessions"),
+                        help="open sessions; one more gets RESOURCE_EXHAUSTED")
+    limits.add_argument("--max-text-chars", type=_positive_int, default=limit("max_text_chars"),
+                        help="characters per session")
+    limits.add_argument("--max-message-bytes", type=_positive_int, default=limit("max_message_bytes"),
+                        help="largest gRPC message either way")
+    limits.add_argument("--idle-timeout", type=float, default=limit("idle_timeout_s"),
+                        help="seconds without a client message before a session is closed")
+    limits.add_argument("--admission-wait", type=float, default=limit("admission_wait_s"),
+                        help="at the estimated capacity, seconds a new session waits before RESOURCE_EXHAUSTED; "
+                             "0 turns admission control off")
+    limits.add_argument("--capacity", type=float, default=limit("capacity_streams"),
+                        help="real-time streams to admit (default: the estimate measured at start-up)")
+    limits.add_argument("--drain-grace", type=float, default=server_option("drain_grace_s"),
+                        help="seconds open sessions get to finish after SIGTERM (a second signal quits at once)")
+
+    telemetry.add_argument("--metrics-port", type=_port, default=telemetry_option("metrics_port"),
+                           help="serve Prometheus metrics on this port at /metrics, 0 picks a free one; OTLP export "
+                                "turns on by itself when OTEL_EXPORTER_OTLP_ENDPOINT (or a _TRACES_/_METRICS_ "
+                                "variant) is set (default: off)")
+    telemetry.add_argument("--metrics-host", default=telemetry_option("metrics_host"), metavar="HOST",
+                           help="address the metrics endpoint listens on (default: the same as --host)")
+    telemetry.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                           default=log_option("level"), help="log level")
+    telemetry.add_argument("--log-format", choices=("text", "json"), default=log_option("format"),
+                           help="text lines, or one JSON object per line with trace and span ids")
+    telemetry.add_argument("--log-text", action="store_true",
+                           help="let log lines quote the caller's text (off: it can be personal data)")
+    telemetry.add_argument("--shadow-fraction", type=float, default=engine_option("shadow_fraction"),
+                           help="share of FP16 chunks re-run in FP32 between engine steps, into the shadow PSNR "
+                                "metric (0 = off, 0.01 = one chunk in 100)")
+    _add_profile_arg(telemetry)
+    telemetry.add_argument("--timeline", default=engine_option("timeline_dir"), metavar="DIR",
+                           help="record, per busy period, each engine iteration and each session's way to its first "
+                                "audio into JSON-lines files in DIR (cheap enough under load; summarise with "
+                                "`cadenza timeline DIR`)")
+
+    advanced.add_argument("--core", choices=("process", "thread"), default=engine_option("core"),
+                          help="where the synthesis core runs: process (its own, so its Python does not share a GIL "
+                               "with the gRPC event loop) or thread (in the server's process). Keep process (more "
+                               "than one --api-servers needs it); thread puts everything in one process, simpler to "
+                               "debug or profile, at the cost of that shared GIL under load")
     serve.set_defaults(func=_cmd_serve, precheck=_serve_precheck)
 
     timeline = _subcommand(sub, "timeline", "summarise the files `serve --timeline DIR` wrote: where each busy "

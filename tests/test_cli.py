@@ -165,6 +165,32 @@ def test_serve_help_shows_the_config_defaults() -> None:
     assert "(default: 50051)" in text
 
 
+_SERVE_GROUPS = ("network and security", "voices and devices", "engine", "limits", "telemetry",
+                 "advanced engine tuning")
+
+
+def test_serve_help_groups_every_option_once() -> None:
+    """serve has about forty options: its --help shows them under headings, each option under exactly one
+    (argparse's own "options" keeps only -h), so none is lost or listed twice when the groups change."""
+    import argparse
+    import re
+
+    from service.cli import build_parser
+
+    code, out, err, _ = _cadenza("serve", "--help")
+    assert code == 0, err
+    sections = re.split(r"^(\S[^\n]*):\n", out.decode(), flags=re.M)  # [usage, title, body, title, body, ...]
+    bodies = dict(zip(sections[1::2], sections[2::2], strict=True))
+    assert [t for t in bodies if t != "options"] == list(_SERVE_GROUPS), list(bodies)
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = sub.choices["serve"]
+    options = [a.option_strings[0] for a in serve._actions if a.option_strings and a.dest != "help"]
+    assert len(options) > 35
+    for option in options:
+        found = [t for t, body in bodies.items() if re.search(rf"^  {re.escape(option)}(?=[ ,\n])", body, re.M)]
+        assert found != ["options"] and len(found) == 1, f"{option} is under {found}"
+
+
 @pytest.mark.parametrize("text_arg", [[], ["-"]], ids=["no-text", "dash"])
 def test_say_reads_stdin_and_writes_a_wav_to_stdout(text_arg: list[str]) -> None:
     import io
