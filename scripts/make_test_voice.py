@@ -12,8 +12,8 @@ the consuming node). Random weights, fixed seed: it makes noise, not speech.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -99,4 +99,8 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent.parent / "tests" / "data")
+    parser = argparse.ArgumentParser(prog="scripts/make_test_voice.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", nargs="?", type=Path, default=Path(__file__).parent.parent / "tests" / "data",
+                        metavar="OUT_DIR", help="where to write tiny-multi.onnx and its .json (default: tests/data)")
+    main(parser.parse_args().out_dir)
