@@ -9,7 +9,6 @@ shared with the event loops."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -42,7 +41,6 @@ from service.telemetry import Telemetry
 from service.telemetry.ranges import BusyProfiler, stage
 from service.telemetry.timeline import Timeline
 from service.text.frontend import PhonemizedSentence
-from service.text.segment import ends_sentence
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +85,6 @@ class EngineCore:
         self._busy_share = 0.0  # of the last closed window
         self._specs: dict[int, WorkSpec] = {}  # for the frontend thread (guarded by _cv)
         self._texts_sent: dict[int, int] = {}  # per session: texts handed to the frontend (loop side)
-        self._cut_open: dict[int, bool] = {}  # per session: its last text ended mid-sentence (loop side)
         self._frontend: FrontendPool | None = None
         self._thread = threading.Thread(target=self._run, name="cadenza-engine", daemon=True)
         self.dead = threading.Event()  # the thread ended without stop(): nothing will be synthesised
@@ -125,8 +122,6 @@ class EngineCore:
         ones), then queued for the acoustic stage in the order it was sent."""
         seq = self._texts_sent.get(session_id, 0)
         self._texts_sent[session_id] = seq + 1
-        continues = self._cut_open.get(session_id, False)
-        self._cut_open[session_id] = not ends_sentence(text)
         assert self._frontend is not None, "start() the engine first"
         with self._cv:
             spec = self._specs.get(session_id)
@@ -135,11 +130,10 @@ class EngineCore:
         future = self._frontend.submit(spec.runtime.info.frontend_key, text, spec.custom_dictionary,
                                        priority=seq, words=spec.word_timings)
         sent = time.monotonic()
-        future.add_done_callback(lambda f: self._phonemized(session_id, seq, text, sent, continues, f))
+        future.add_done_callback(lambda f: self._phonemized(session_id, seq, text, sent, f))
 
     def submit_end(self, session_id: int) -> None:
         """No more text: carries how many texts came before it, so it is applied after them."""
-        self._cut_open.pop(session_id, None)
         self._post("end", session_id, self._texts_sent.pop(session_id, 0))
 
     def poke(self) -> None:
@@ -150,15 +144,13 @@ class EngineCore:
 
     def submit_cancel(self, session_id: int) -> None:
         self._texts_sent.pop(session_id, None)
-        self._cut_open.pop(session_id, None)
         with self._cv:
             self._specs.pop(session_id, None)
         self._post("cancel", session_id)
 
-    def _phonemized(self, session_id: int, seq: int, text: str, sent: float, continues: bool,
+    def _phonemized(self, session_id: int, seq: int, text: str, sent: float,
                     future: Future[list[PhonemizedSentence]]) -> None:
-        """Frontend done (on a frontend thread): hand the sentences to the engine thread.
-        `continues`: the session's text before this one ended mid-sentence."""
+        """Frontend done (on a frontend thread): hand the sentences to the engine thread."""
         if future.cancelled():
             return
         exc = future.exception()
@@ -167,10 +159,7 @@ class EngineCore:
 
             self._post("error", session_id, InvalidArgument("text", f"cannot phonemise {text[:40]!r}: {exc}"))
             return
-        sentences = [s for s in future.result() if s.phoneme_ids]
-        if continues and sentences:
-            sentences[0] = dataclasses.replace(sentences[0], continues=True)
-        self._post("text", session_id, (seq, sent, time.monotonic(), sentences))
+        self._post("text", session_id, (seq, sent, time.monotonic(), [s for s in future.result() if s.phoneme_ids]))
 
     def reset_rate(self) -> None:
         """Forget the decoder's measured speed so far (first runs are slower than serving); the

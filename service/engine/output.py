@@ -33,8 +33,7 @@ class OutputStage:
         spec, p = s.spec, s.spec.params
         if p.seed is None or self.cache.max_bytes <= 0:
             return None
-        return (spec.voice_name, u.sentence.text, u.sentence.continues, tuple(u.sentence.phoneme_ids), spec.sid,
-                p.length_scale,
+        return (spec.voice_name, u.sentence.text, tuple(u.sentence.phoneme_ids), spec.sid, p.length_scale,
                 p.options, p.seed, spec.precision, spec.schedule, spec.word_timings)
 
     def chunk(self, s: SessionState, u: UtteranceState, samples: np.ndarray, precision: str, fallback: bool,

@@ -64,8 +64,6 @@ class PhonemizedSentence:
     phonemes: list[str]
     phoneme_ids: list[int]
     words: list[WordSpan]
-    # Its text goes on from the utterance before it, which the segmenter cut mid-sentence.
-    continues: bool = False
 
 
 @dataclass(frozen=True)

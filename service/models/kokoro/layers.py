@@ -46,8 +46,10 @@ def fold_weight_norm(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
 
 
 def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """Snake activation x + sin^2(alpha x) / alpha (periodic inductive bias for audio)."""
-    return x + (1 / alpha) * (torch.sin(alpha * x) ** 2)
+    """Snake activation x + sin^2(alpha x) / alpha (periodic inductive bias for audio), in as
+    few passes over `x` as eager torch allows: the decoder's audio-rate layers are bound by them."""
+    s = torch.sin(alpha * x)
+    return torch.addcmul(x, s.mul_(s), alpha.reciprocal())
 
 
 def frame_mask(lengths: torch.Tensor | None, size: int) -> torch.Tensor | None:
@@ -63,25 +65,26 @@ def masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x if mask is None else x * mask.to(x.dtype)
 
 
-def instance_norm(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
-                  eps: float) -> torch.Tensor:
-    """Instance norm over time of [B, C, T], over each row's valid positions only.
+def adaptive_instance_norm(x: torch.Tensor, mask: torch.Tensor | None, scale: torch.Tensor,
+                           shift: torch.Tensor, eps: float) -> torch.Tensor:
+    """`scale * instance_norm(x) + shift` over time of [B, C, T] (scale and shift [B, C, 1]),
+    over each row's valid positions only, as a subtraction and one multiply-add over `x`.
 
     The statistics are taken in FP32 whatever `x` is: a variance summed over thousands of
     positions leaves FP16's range, and a batch of padded rows must normalise each row as if it
-    were alone."""
+    were alone. The mean is subtracted before the gain: folding it into the shift cancels (the
+    sine source's phase carries such an error into every later sample)."""
     xf = x.float()
     if mask is None:
-        mean = xf.mean(-1, keepdim=True)
+        var, mean = torch.var_mean(xf, dim=-1, correction=0, keepdim=True)
         centred = xf - mean
-        var = centred.square().mean(-1, keepdim=True)
     else:
         count = mask.sum(-1, keepdim=True)
         mean = (xf * mask).sum(-1, keepdim=True) / count
         centred = (xf - mean) * mask
         var = centred.square().sum(-1, keepdim=True) / count
-    y = centred * torch.rsqrt(var + eps) * weight.float().view(1, -1, 1) + bias.float().view(1, -1, 1)
-    return y.to(x.dtype)
+    y = torch.addcmul(shift.float(), centred, torch.rsqrt(var + eps) * scale.float())
+    return masked(y.to(x.dtype), mask)
 
 
 class AdaIN1d(nn.Module):
@@ -98,8 +101,9 @@ class AdaIN1d(nn.Module):
 
     def forward(self, x: torch.Tensor, style: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         gamma, beta = self.fc(style).unsqueeze(-1).chunk(2, dim=1)
-        y = instance_norm(x, mask, self.norm.weight, self.norm.bias, self.norm.eps)
-        return masked((1 + gamma) * y + beta, mask)
+        # (1 + gamma) * (norm(x) * w + b) + beta, with the norm's own affine folded in.
+        weight, bias = self.norm.weight.view(1, -1, 1), self.norm.bias.view(1, -1, 1)
+        return adaptive_instance_norm(x, mask, (1 + gamma) * weight, (1 + gamma) * bias + beta, self.norm.eps)
 
 
 class AdaLayerNorm(nn.Module):

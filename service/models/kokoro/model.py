@@ -21,7 +21,7 @@ normalises each row over its own frames and gives each row what it would give al
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -32,10 +32,6 @@ from service.models.kokoro.hparams import KokoroHParams
 from service.models.kokoro.istftnet import Decoder, Generator
 from service.models.kokoro.layers import fold_weight_norm
 from service.models.kokoro.prosody import ProsodyPredictor, TextEncoder
-
-# A boundary token's frames where the text was cut mid-sentence (by the segmenter, into pieces):
-# a short breath, where the model would put the silence that opens or closes a sentence.
-CUT_EDGE_FRAMES = 2
 
 
 class AcousticOutput(NamedTuple):
@@ -94,20 +90,16 @@ class KokoroModel(nn.Module):
         return self.acoustic_batch(ids, lengths, style, torch.tensor([float(speed)], device=ids.device))[0]
 
     def acoustic_batch(self, ids: torch.Tensor, lengths: torch.Tensor, style: torch.Tensor,
-                       speed: torch.Tensor, cut: Sequence[tuple[bool, bool]] | None = None) -> list[AcousticOutput]:
+                       speed: torch.Tensor) -> list[AcousticOutput]:
         """Utterances padded into ids [B, N] with `lengths` [B], styles [B, 256], speeds [B] ->
         each one's acoustic output, equal to its run alone (the LSTMs run packed, the convs and
-        norms see each row's own positions). `cut`: per row, (does its text start mid-sentence,
-        does it end mid-sentence); a boundary token on a cut side gets at most `CUT_EDGE_FRAMES`,
-        not the silence that opens or closes a sentence."""
+        norms see each row's own positions)."""
         _, prosody_style = self._halves(style)
-        d = self.predictor.text_encoder(self.bert_encoder(self.bert(ids, lengths)), prosody_style, lengths)
+        # No row padded (one utterance, or equal lengths): no masks, no packing; the same values.
+        padded = lengths if int(lengths.min()) < ids.shape[1] else None
+        d = self.predictor.text_encoder(self.bert_encoder(self.bert(ids, padded)), prosody_style, padded)
         # torch.round is half-to-even, as the official model rounds.
-        durations = torch.round(self.predictor.durations(d, speed, lengths)).clamp(min=1).long()
-        for b, (starts_cut, ends_cut) in enumerate(cut or ()):
-            for at, is_cut in ((0, starts_cut), (int(lengths[b]) - 1, ends_cut)):
-                if is_cut:
-                    durations[b, at] = durations[b, at].clamp(max=CUT_EDGE_FRAMES)
+        durations = torch.round(self.predictor.durations(d, speed, padded)).clamp(min=1).long()
         rows = [durations[b, : int(n)] for b, n in enumerate(lengths.tolist())]
         frames = torch.stack([r.sum() for r in rows])
         top = int(frames.max())
@@ -118,8 +110,8 @@ class KokoroModel(nn.Module):
             src[b, : index.shape[0]] = index
         gather = src.unsqueeze(-1)
         en = torch.gather(d, 1, gather.expand(-1, -1, d.shape[-1]))
-        f0, n = self.predictor.curves(en, prosody_style, frames)
-        text = self.text_encoder(ids, lengths)
+        f0, n = self.predictor.curves(en, prosody_style, frames if int(frames.min()) < top else None)
+        text = self.text_encoder(ids, padded)
         asr = torch.gather(text, 2, src.unsqueeze(1).expand(-1, text.shape[1], -1))
         out = []
         for b, r in enumerate(rows):

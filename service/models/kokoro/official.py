@@ -33,25 +33,15 @@ def official_kmodel() -> type:
 def official_model(state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A `KModel` (eval, FP32) holding `state_dict`, ours (weight norm folded): each weight-normed
     official layer gets v = our weight and g = its norm per output channel, which its forward
-    turns back into our weight."""
-    from service.models.kokoro.weights import KOKORO_V1_CONFIG
+    turns back into our weight bit for bit (`weights.split_weight_norm`)."""
+    from service.models.kokoro.weights import KOKORO_V1_CONFIG, split_weight_norm
 
     with tempfile.TemporaryDirectory() as tmp:
         empty = Path(tmp) / "empty.pth"
         torch.save({}, empty)  # KModel loads its weights from a file: give it none, they come next
         config = {**KOKORO_V1_CONFIG, "vocab": {}}
         model: torch.nn.Module = official_kmodel()(repo_id="hexgrad/Kokoro-82M", config=config, model=str(empty))
-    theirs: dict[str, torch.Tensor] = {}
-    for key in model.state_dict():
-        if key.endswith("weight_v"):
-            weight = state_dict[key[: -len("_v")]]
-            norm = torch.norm_except_dim(weight, 2, 0)
-            # An all-zero filter (the int8 graph has some) would be 0/0 in weight norm's forward:
-            # any v with g = 0 gives the same zero weight.
-            dead = (norm == 0).view(-1, *([1] * (weight.dim() - 1)))
-            theirs[key] = torch.where(dead, torch.ones_like(weight), weight)
-            theirs[key[: -len("_v")] + "_g"] = norm
-        elif not key.endswith("weight_g"):
-            theirs[key] = state_dict[key]
-    model.load_state_dict(theirs, strict=True)
+    keys = list(model.state_dict())
+    split = split_weight_norm(state_dict, keys)
+    model.load_state_dict({key: split[key] for key in keys}, strict=True)
     return model.eval()

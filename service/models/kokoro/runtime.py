@@ -42,12 +42,11 @@ from service.models.family import (
 from service.models.kokoro.model import AcousticOutput, KokoroModel
 from service.models.kokoro.voices import VOICE_ROWS
 from service.models.noise import counter_normal
-from service.text.segment import ends_sentence
 
 # Module-name patterns (fnmatch, over `KokoroModel`) kept in FP32 in the FP16 decoder. The
 # acoustic stage always runs in FP32 (durations are rounded: one flip moves every later frame).
 # The instance norms take their statistics in FP32 and the STFT and inverse STFT run in FP32
-# whatever the precision (`layers.instance_norm`, `istftnet.SourceSTFT`/`SpectrumHead`). Why each:
+# whatever the precision (`layers.adaptive_instance_norm`, `istftnet.SourceSTFT`/`SpectrumHead`). Why each:
 # - decoder.generator.m_source: the sine source's phase is a cumulative sum of F0 over the
 #   utterance; FP16 keeps 11 bits of a phase that grows to thousands of radians.
 # - decoder.generator.conv_post: its output goes through exp() (the magnitude).
@@ -129,7 +128,8 @@ def decode_priors(model: KokoroModel, priors: list[FrameColumns], device: torch.
     keys = torch.tensor([p.key for p in priors], dtype=torch.int64, device=device)
     noise = counter_normal(keys, torch.zeros_like(keys), model.source_harmonics, top * model.samples_per_frame)
     style = torch.stack([p.style for p in priors]).to(device, dtype)
-    lengths = torch.tensor(frames, device=device)
+    # No masks where no row is padded (one utterance, or equal lengths): the same audio, fewer passes.
+    lengths = None if min(frames) == top else torch.tensor(frames, device=device)
     audio = model.decode(asr, f0, n, style, noise.transpose(1, 2).to(dtype), frames=lengths)
     hop = model.samples_per_frame
     return [audio[row, : f * hop] for row, f in enumerate(frames)]
@@ -297,8 +297,7 @@ class KokoroRuntime:
                   for job in jobs]
         speeds = torch.tensor([1.0 / s for s in scales])
         outs = self.model.acoustic_batch(ids.to(self.device), lengths.to(self.device), styles,
-                                         speeds.to(self.device),
-                                         [(job.sentence.continues, not ends_sentence(job.sentence.text)) for job in jobs])
+                                         speeds.to(self.device))
         return [self._utterance(job, out, style) for job, out, style in zip(jobs, outs, styles, strict=True)]
 
     def _utterance(self, job: AcousticJob, out: AcousticOutput, style: torch.Tensor) -> KokoroUtterance:

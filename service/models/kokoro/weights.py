@@ -468,9 +468,10 @@ def model_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 def split_weight_norm(state: Mapping[str, torch.Tensor], target_keys: Iterable[str]) -> dict[str, torch.Tensor]:
     """For each `<m>.weight_g`/`<m>.weight_v` in `target_keys` (a model still using
-    `torch.nn.utils.weight_norm`, dim 0) whose folded `<m>.weight` is in `state`: g = the norm
-    of each output row, v = the weight, so g * v / |v| is the weight again (a row of zeros:
-    g = 0, v = 1)."""
+    `torch.nn.utils.weight_norm`, dim 0) whose folded `<m>.weight` is in `state`: v = the weight,
+    g = the very norm weight norm's own kernel divides v by, so g * v / |v| is the weight again
+    bit for bit (a norm computed another way is an ulp off, which the sine source's phase turns
+    into audible-level differences); a row of zeros: g = 0, v = 1."""
     targets = set(target_keys)
     result = dict(state)
     for key in targets:
@@ -481,9 +482,11 @@ def split_weight_norm(state: Mapping[str, torch.Tensor], target_keys: Iterable[s
         if w is None or f"{module}.weight_v" not in targets or f"{module}.weight" in targets:
             continue
         dims = tuple(range(1, w.ndim))
-        g = torch.linalg.vector_norm(w, dim=dims, keepdim=True)
+        zero = torch.linalg.vector_norm(w, dim=dims, keepdim=True) == 0
         # a row that dequantised to all zeros keeps g = 0 with v = 1 (0 * v / |v| = 0, not 0/0)
-        result[f"{module}.weight_g"] = g
-        result[f"{module}.weight_v"] = torch.where(g > 0, w, torch.ones_like(w))
+        v = torch.where(zero, torch.ones_like(w), w)
+        _, norm = torch._weight_norm_interface(v, torch.ones(zero.shape, dtype=w.dtype), 0)
+        result[f"{module}.weight_g"] = torch.where(zero, torch.zeros_like(norm), norm.view(zero.shape))
+        result[f"{module}.weight_v"] = v
         del result[f"{module}.weight"]
     return result

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from service.models.family import AcousticJob, Gender, StepRows, SynthesisParams, utterance_rng
 from service.models.kokoro.runtime import KokoroRuntime, KokoroUtterance
@@ -119,29 +118,3 @@ def test_slot_steps_equal_the_reference(runtime: KokoroRuntime) -> None:
         np.testing.assert_allclose(stream[: len(ref)], ref, rtol=0, atol=1e-4)
         assert not stream[len(ref):].any()
 
-
-def test_a_piece_cut_mid_sentence_has_short_edges(runtime: KokoroRuntime) -> None:
-    """A piece the segmenter cut mid-sentence gets no sentence-opening or -closing silence: its
-    cut boundary tokens are capped at `CUT_EDGE_FRAMES`; every other phoneme keeps its frames,
-    and an uncut sentence is untouched."""
-    from dataclasses import replace
-
-    from service.models.kokoro.model import CUT_EDGE_FRAMES
-
-    (piece,) = open_frontend(runtime.info.frontend_key).sentences("that revenue grew by twelve percent ")
-    (whole,) = open_frontend(runtime.info.frontend_key).sentences("That revenue grew.")
-
-    def durations(sent: PhonemizedSentence) -> np.ndarray:
-        (utt,) = runtime.acoustic_batch([AcousticJob(sent, None, SynthesisParams(seed=1),
-                                                     utterance_rng(1, sent.phoneme_ids))])
-        assert isinstance(utt, KokoroUtterance)
-        return np.asarray(utt.durations)
-
-    plain, cut = durations(piece), durations(replace(piece, continues=True))
-    assert plain[0] > CUT_EDGE_FRAMES  # the model opens an utterance with silence
-    assert cut[0] <= CUT_EDGE_FRAMES and cut[-1] <= CUT_EDGE_FRAMES and plain[-1] <= CUT_EDGE_FRAMES
-    assert np.array_equal(cut[1:-1], plain[1:-1])
-    # A whole sentence: the model's own durations, as with no cut at all.
-    style = runtime.pack[len(whole.phonemes) - 1]
-    alone = runtime.model.acoustic(torch.tensor(whole.phoneme_ids), style).durations.numpy()
-    assert np.array_equal(durations(whole), alone) and alone[0] > CUT_EDGE_FRAMES

@@ -51,8 +51,7 @@ def test_the_same_seed_serves_the_same_audio(local: LocalEngine) -> None:
 
 def test_a_long_sentence_is_served_in_growing_pieces(local: LocalEngine) -> None:
     """The decoder needs a whole utterance, so a long first sentence goes out in pieces: the first
-    short (first audio waits for it alone), later ones longer; the cuts leave less silence than
-    a sentence's end (their boundary tokens are capped), and every word is spoken once, in order."""
+    short (first audio waits for it alone), later ones longer, and every word spoken once, in order."""
     text = ("The quarterly report shows that revenue grew by twelve percent compared with the same "
             "period last year, driven mostly by strong demand in the European and Asian markets.")
     config = SessionConfig(seed=2, encoding=AudioEncoding.FLOAT32, word_timings=True)
@@ -64,15 +63,3 @@ def test_a_long_sentence_is_served_in_growing_pieces(local: LocalEngine) -> None
     assert len(seconds) >= 3 and seconds[0] < 2.5 and seconds[0] < seconds[-1], seconds
     words = [w.word.lower().strip(".,") for e in events for w in e.words]
     assert words == text.lower().replace(",", "").replace(".", "").split()
-    # Where the text was cut the pause is shorter than between two sentences.
-    def longest_quiet(audio: np.ndarray) -> float:
-        frames = np.sqrt(np.mean(audio[: len(audio) // 480 * 480].reshape(-1, 480) ** 2, axis=1)) < 0.003
-        quiet, longest = 0, 0
-        for q in frames[20:]:  # after the stream's opening silence
-            quiet = quiet + 1 if q else 0
-            longest = max(longest, quiet)
-        return longest * 0.02
-
-    pieces = longest_quiet(np.concatenate([np.frombuffer(e.audio, dtype="<f4") for e in events]))
-    sentences, _ = speak(local, 2)  # "Thank you for calling. How can I help you today?"
-    assert pieces < longest_quiet(sentences) - 0.1, (pieces, longest_quiet(sentences))
