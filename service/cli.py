@@ -426,11 +426,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             preload=args.preload, cache_dir=_path(args.cache_dir),
             shadow_fraction=args.shadow_fraction, core=args.core, profile_dir=_path(args.profile),
             timeline_dir=_path(args.timeline),
-        ),
-        limits=Limits(
-            max_sessions=args.max_sessions, max_text_chars=args.max_text_chars,
-            max_message_bytes=args.max_message_bytes, idle_timeout_s=args.idle_timeout,
-            admission_wait_s=args.admission_wait, capacity_streams=args.capacity,
+            limits=Limits(
+                max_sessions=args.max_sessions, max_text_chars=args.max_text_chars,
+                max_message_bytes=args.max_message_bytes, idle_timeout_s=args.idle_timeout,
+                admission_wait_s=args.admission_wait, capacity_streams=args.capacity,
+            ),
         ),
     )
 

@@ -28,7 +28,7 @@ from service.api.ports import DEFAULT_HOST, DEFAULT_PORT, PortInUseError, check_
 from service.api.processes import ApiServers
 from service.api.riva import add_riva
 from service.engine.api import Engine, Unavailable
-from service.engine.config import EngineConfig, Limits
+from service.engine.config import EngineConfig
 from service.engine.engine import TtsEngine
 from service.engine.proc import ApiSlot, core_failed
 from service.telemetry import Telemetry, TelemetryConfig
@@ -66,7 +66,6 @@ class ServerConfig:
     host: str = DEFAULT_HOST  # loopback; another address without TLS or API keys logs a warning
     port: int = DEFAULT_PORT  # 0 picks a free port (see CadenzaServer.port)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    limits: Limits = field(default_factory=Limits)  # overrides engine.limits
     drain_grace_s: float = 30.0  # after SIGTERM, open sessions get this long to finish
     tls_cert: Path | None = None  # PEM certificate chain: serve TLS (needs tls_key)
     tls_key: Path | None = None  # PEM private key of tls_cert
@@ -198,8 +197,8 @@ class CadenzaServer:
         elif telemetry.status_of is None:
             telemetry.status_of = status_name
         self.telemetry = telemetry
-        self.engine = TtsEngine(dataclasses.replace(config.engine, limits=config.limits), telemetry, slot)
-        size = config.limits.max_message_bytes
+        self.engine = TtsEngine(config.engine, telemetry, slot)
+        size = config.engine.limits.max_message_bytes
         from service.telemetry.rpc import RpcInterceptor
 
         interceptors: list[grpc.aio.ServerInterceptor] = [RpcInterceptor(telemetry)]
@@ -212,7 +211,7 @@ class CadenzaServer:
                    ("grpc.so_reuseport", int(config.api_servers > 1))]
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
         self.health = _Health(lambda: self.engine.dead)
-        idle, stall = config.limits.idle_timeout_s, config.engine.batch.stall_timeout_s
+        idle, stall = config.engine.limits.idle_timeout_s, config.engine.batch.stall_timeout_s
         add_native(self.server, self.engine, idle, stall)
         add_riva(self.server, self.engine, idle_timeout_s=idle, write_stall_s=stall)  # same port, same engine
         add_google(self.server, self.engine, idle_timeout_s=idle, write_stall_s=stall)

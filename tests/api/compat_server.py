@@ -31,8 +31,8 @@ def running_server(idle_timeout_s: float | None = None) -> Iterator[str]:
     async def main() -> None:
         try:
             limits = Limits() if idle_timeout_s is None else Limits(idle_timeout_s=idle_timeout_s)
-            config = EngineConfig(voices_dir=DATA)
-            server = CadenzaServer(ServerConfig(host="127.0.0.1", port=0, engine=config, limits=limits))
+            config = EngineConfig(voices_dir=DATA, limits=limits)
+            server = CadenzaServer(ServerConfig(host="127.0.0.1", port=0, engine=config))
             await server.start()
         except BaseException as exc:
             holder["error"] = exc

@@ -37,8 +37,9 @@ GOOGLE = "/google.cloud.texttospeech.v1.TextToSpeech/"
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     s = ServerThread(ServerConfig(
-        host="127.0.0.1", port=0, drain_grace_s=2.0, limits=Limits(max_sessions=64, idle_timeout_s=30.0),
-        engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
+        host="127.0.0.1", port=0, drain_grace_s=2.0,
+        engine=EngineConfig(limits=Limits(max_sessions=64, idle_timeout_s=30.0),
+                            voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
                             batch=BatchConfig(), cache_bytes=0),
     ))
     yield s

@@ -20,8 +20,9 @@ from tests.api.native_server import ServerThread
 
 def test_engine_thread_death_fails_sessions_and_health() -> None:
     server = ServerThread(ServerConfig(
-        host="127.0.0.1", port=0, limits=Limits(), drain_grace_s=2.0,
-        engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
+        host="127.0.0.1", port=0, drain_grace_s=2.0,
+        engine=EngineConfig(limits=Limits(),
+                            voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
                             batch=BatchConfig(), cache_bytes=0, core="thread"),  # breaks the core in place
     ))
     channel = grpc.insecure_channel(server.addr)
@@ -65,8 +66,9 @@ LONG = " ".join(["This sentence is long enough to keep the decoder busy for a wh
 
 def _process_server() -> ServerThread:
     return ServerThread(ServerConfig(
-        host="127.0.0.1", port=0, limits=Limits(), drain_grace_s=2.0,
-        engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
+        host="127.0.0.1", port=0, drain_grace_s=2.0,
+        engine=EngineConfig(limits=Limits(),
+                            voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
                             batch=BatchConfig(), cache_bytes=0, core="process"),
     ))
 

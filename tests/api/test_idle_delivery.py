@@ -22,8 +22,9 @@ SENTENCE = "The quick brown fox jumps over the lazy dog, and everyone watching w
 @pytest.fixture(scope="module")
 def addr() -> Iterator[str]:
     s = ServerThread(ServerConfig(
-        host="127.0.0.1", port=0, limits=Limits(idle_timeout_s=IDLE_S), drain_grace_s=2.0,
-        engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
+        host="127.0.0.1", port=0, drain_grace_s=2.0,
+        engine=EngineConfig(limits=Limits(idle_timeout_s=IDLE_S),
+                            voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
                             batch=BatchConfig(), cache_bytes=0),
     ))
     yield s.addr

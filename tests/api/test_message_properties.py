@@ -41,8 +41,9 @@ MESSAGES = st.one_of(
 @pytest.fixture(scope="module")
 def stub() -> Iterator[pb_grpc.TextToSpeechStub]:
     server = ServerThread(ServerConfig(
-        host="127.0.0.1", port=0, limits=Limits(max_text_chars=60), drain_grace_s=2.0,
-        engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
+        host="127.0.0.1", port=0, drain_grace_s=2.0,
+        engine=EngineConfig(limits=Limits(max_text_chars=60),
+                            voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
                             batch=BatchConfig(), cache_bytes=0),
     ))
     channel = grpc.insecure_channel(server.addr)

@@ -29,8 +29,9 @@ TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day, and eve
 
 def _config(limits: Limits | None = None) -> ServerConfig:
     return ServerConfig(
-        host="127.0.0.1", port=0, limits=limits or Limits(), drain_grace_s=2.0,
-        engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
+        host="127.0.0.1", port=0, drain_grace_s=2.0,
+        engine=EngineConfig(limits=limits or Limits(),
+                            voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
                             batch=BatchConfig(), cache_bytes=0),
     )
 

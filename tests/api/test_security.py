@@ -130,8 +130,9 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _config(**security: object) -> ServerConfig:
     return ServerConfig(
-        host="127.0.0.1", port=0, limits=Limits(max_sessions=8, idle_timeout_s=5.0), drain_grace_s=1.0,
-        engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
+        host="127.0.0.1", port=0, drain_grace_s=1.0,
+        engine=EngineConfig(limits=Limits(max_sessions=8, idle_timeout_s=5.0),
+                            voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
                             batch=BatchConfig(), cache_bytes=0),
         **security,  # type: ignore[arg-type]
     )

@@ -31,8 +31,9 @@ TIMEOUT_S = 60
 def tiny_server_config(limits: Limits | None = None, **engine: Any) -> ServerConfig:
     engine.setdefault("core", "thread")  # some tests inject faults into the core's backends
     return ServerConfig(
-        host="127.0.0.1", port=0, limits=limits or Limits(max_text_chars=2000), drain_grace_s=2.0,
-        engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
+        host="127.0.0.1", port=0, drain_grace_s=2.0,
+        engine=EngineConfig(limits=limits or Limits(max_text_chars=2000),
+                            voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
                             batch=BatchConfig(), cache_bytes=0, **engine),
     )
 

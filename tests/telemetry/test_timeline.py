@@ -113,8 +113,9 @@ def test_a_real_server_s_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[
 
     directory = tmp_path / "tl"
     server = ServerThread(ServerConfig(
-        host="127.0.0.1", port=0, limits=Limits(max_sessions=16),
-        engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
+        host="127.0.0.1", port=0,
+        engine=EngineConfig(limits=Limits(max_sessions=16),
+                            voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
                             cache_bytes=0, timeline_dir=directory),
     ))
     try:
