@@ -244,8 +244,8 @@ def _cmd_say(args: argparse.Namespace) -> int:
 
     from service.audio.encoding import AudioEncoding, encode_linear16
     from service.audio.wav import WavStream, write_wav
-    from service.engine.api import AudioOut, SessionConfig
     from service.engine.config import EngineConfig
+    from service.engine.contract import AudioOut, SessionConfig
     from service.engine.frontend_pool import FrontendPoolConfig
     from service.engine.local import LocalEngine
     from service.voices import find_voice
@@ -310,7 +310,7 @@ def _length_scale_rate(length_scale: float, info: VoiceInfo) -> float:
     this voice) where the engine's speaking-rate bounds would refuse it."""
     import math
 
-    from service.engine.api import MAX_SPEAKING_RATE, MIN_SPEAKING_RATE
+    from service.engine.contract import MAX_SPEAKING_RATE, MIN_SPEAKING_RATE
 
     low, high = info.length_scale / MAX_SPEAKING_RATE, info.length_scale / MIN_SPEAKING_RATE
     if not (math.isfinite(length_scale) and low <= length_scale <= high):
@@ -1086,7 +1086,7 @@ def _error_exit_code(exc: BaseException) -> int | None:
     """2 for a bad value on the command line, 1 for other expected errors, None: a bug (traceback)."""
     if isinstance(exc, (UsageError, VoiceNotFoundError)):
         return 2
-    api = sys.modules.get("service.engine.api")
+    api = sys.modules.get("service.engine.contract")
     if api is not None and isinstance(exc, api.EngineError):
         return 2 if isinstance(exc, (api.InvalidArgument, api.NotFound)) else 1
     grpc = sys.modules.get("grpc")

@@ -217,7 +217,7 @@ def test_say_without_any_text_is_a_usage_error() -> None:
 # A prelude for `_cadenza`: the engine stops after its first audio chunk until a line comes on stdin.
 _HOLD_AFTER_FIRST_CHUNK = """
 from service.engine import local as _local
-from service.engine.api import AudioOut as _AudioOut
+from service.engine.contract import AudioOut as _AudioOut
 _stream = _local.LocalEngine.stream
 def _held(self, text, config):
     held = False
@@ -276,7 +276,7 @@ def test_say_length_scale_outside_the_voices_range_is_a_usage_error(
     value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The range is the engine's speaking-rate bounds around the voice's own length scale."""
-    from service.engine.api import MAX_SPEAKING_RATE, MIN_SPEAKING_RATE
+    from service.engine.contract import MAX_SPEAKING_RATE, MIN_SPEAKING_RATE
     from service.voices import builtin_voice_info
 
     own = builtin_voice_info().length_scale

@@ -18,7 +18,7 @@ import grpc
 
 from service.api.errors import IdleTimeout, renamed
 from service.audio.encoding import AudioEncoding
-from service.engine.api import (
+from service.engine.contract import (
     MAX_SAMPLE_RATE,
     MIN_SAMPLE_RATE,
     Engine,

@@ -35,7 +35,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc._cython import cygrpc  # ExecuteBatchError: a write to a call that is over
 
-from service.engine.api import (
+from service.engine.contract import (
     ClientStalled,
     EngineError,
     FailedPrecondition,

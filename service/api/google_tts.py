@@ -41,7 +41,7 @@ from service.api.compat import (
 from service.api.errors import Method, add_service
 from service.audio.encoding import AudioEncoding
 from service.audio.wav import wav_header
-from service.engine.api import (
+from service.engine.contract import (
     AudioOut,
     Engine,
     Gender,

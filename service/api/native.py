@@ -15,7 +15,7 @@ from service.api.errors import add_service, methods_of
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.gen.cadenza.v1 import tts_pb2_grpc as pb_grpc
 from service.audio.encoding import AudioEncoding
-from service.engine.api import (
+from service.engine.contract import (
     AudioOut,
     Engine,
     FailedPrecondition,

@@ -37,7 +37,7 @@ from service.api.compat import (
 )
 from service.api.errors import add_service, methods_of
 from service.audio.encoding import AudioEncoding
-from service.engine.api import (
+from service.engine.contract import (
     MAX_SPEAKING_RATE,
     MIN_SPEAKING_RATE,
     AudioOut,

@@ -27,8 +27,8 @@ from service.api.native import add_native
 from service.api.ports import DEFAULT_HOST, DEFAULT_PORT, PortInUseError, check_port_free, host_port
 from service.api.processes import ApiServers
 from service.api.riva import add_riva
-from service.engine.api import Engine, Unavailable
 from service.engine.config import EngineConfig
+from service.engine.contract import Engine, Unavailable
 from service.engine.engine import TtsEngine
 from service.engine.proc import ApiSlot, core_failed
 from service.telemetry import Telemetry, TelemetryConfig

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from service.engine.api import ENGINE_DIED, ResourceExhausted
 from service.engine.cache import ResultCache
 from service.engine.config import BatchConfig
+from service.engine.contract import ENGINE_DIED, ResourceExhausted
 from service.engine.executor import Chunk, Executor
 from service.engine.frontend_pool import FrontendPool, FrontendPoolConfig
 from service.engine.output import OutputStage
@@ -155,7 +155,7 @@ class EngineCore:
             return
         exc = future.exception()
         if exc is not None:
-            from service.engine.api import InvalidArgument
+            from service.engine.contract import InvalidArgument
 
             self._post("error", session_id, InvalidArgument("text", f"cannot phonemise {text[:40]!r}: {exc}"))
             return
@@ -399,7 +399,7 @@ class EngineCore:
         `stall_timeout_s` (their queued audio is freed); returns when to look again. The clock
         restarts whenever the client reads: a fast reader of long audio is never cut, however
         large one chunk is next to `max_ahead_s`."""
-        from service.engine.api import ClientStalled
+        from service.engine.contract import ClientStalled
 
         limit, check = self.batch.stall_timeout_s, None
         for s in list(self._sessions.values()):

@@ -14,7 +14,8 @@ from importlib import metadata
 from multiprocessing.connection import Connection
 
 from service.audio.encoding import AudioEncoding
-from service.engine.api import (
+from service.engine.config import EngineConfig
+from service.engine.contract import (
     MAX_SAMPLE_RATE,
     MAX_SPEAKING_RATE,
     MIN_SAMPLE_RATE,
@@ -35,7 +36,6 @@ from service.engine.api import (
     check_text,
     echo,
 )
-from service.engine.config import EngineConfig
 from service.engine.host import Host, LoadedVoice, LocalHost, resolve_device
 from service.engine.precision import Hardware, PrecisionDecision, PrecisionPolicy
 from service.engine.proc import SOLE_SERVER, ApiSlot, ProcessHost
@@ -53,7 +53,7 @@ _SPEAKER_INDEX = re.compile(r"[0-9]{1,9}")  # ASCII digits only: "²" and "٣" a
 
 
 class TtsEngine:
-    """Implements `service.engine.api.Engine`. Call `await start()` before opening sessions."""
+    """Implements `service.engine.contract.Engine`. Call `await start()` before opening sessions."""
 
     def __init__(self, config: EngineConfig, telemetry: Telemetry | None = None, slot: ApiSlot = SOLE_SERVER) -> None:
         """`slot`: which of several API server processes sharing one core this one is (the

@@ -243,7 +243,7 @@ class Executor:
             self.stats.acoustic_jobs += len(group)
             self.stats.acoustic_batches += 1
             for (s, u, _), utt in zip(group, utts, strict=True):
-                u.utt = utt
+                u.decoder_input = utt
                 u.word_spans = utt.word_spans
                 if runtime.tokens is not None:
                     u.status = UtteranceStatus.TOKENS
@@ -253,11 +253,11 @@ class Executor:
 
     def _decodable(self, s: SessionState, u: UtteranceState) -> None:
         """`u`'s decoder input is complete: it is decoded from now on (staged: by a decoder of its own)."""
-        assert u.utt is not None
+        assert u.decoder_input is not None
         u.status = UtteranceStatus.DECODING
         if not self.uses_slots(s.spec.runtime):
             u.bounds = s.spec.schedule.boundaries(u.frames, s.spec.schedule.first_chunk(u.index))
-            u.staged = s.spec.runtime.utterance_decoder(u.utt)
+            u.staged = s.spec.runtime.utterance_decoder(u.decoder_input)
 
     # --- autoregressive steps --------------------------------------------------------------------
 
@@ -270,7 +270,7 @@ class Executor:
         assert stage_of_tokens is not None, "only an autoregressive family's utterances make tokens"
         try:
             with stage("tokens.step"), self.timeline.timed("tokens", rows=len(rows)):
-                done = stage_of_tokens.step([u.utt for _, u in rows])
+                done = stage_of_tokens.step([u.decoder_input for _, u in rows])
         except Exception as exc:
             log.exception("autoregressive step of %d rows failed", len(rows))
             return [(s, exc) for s, _ in rows]
@@ -357,14 +357,14 @@ class Executor:
 
     def _start(self, s: SessionState, u: UtteranceState) -> bool:
         """Take a slot for `u` and start its prior there; False when none is free."""
-        assert u.utt is not None
+        assert u.decoder_input is not None
         pool = self.slots(s.spec.runtime, u.precision)
         slot = pool.take()
         if slot is None:
             return False
         started = False
         try:
-            started = pool.decoder.start(slot, u.utt.prior)
+            started = pool.decoder.start(slot, u.decoder_input.prior)
         finally:
             if not started:
                 pool.give(slot)
@@ -425,8 +425,8 @@ class Executor:
     def _rebuild(self, s: SessionState, u: UtteranceState) -> None:
         """Bring a slot's decoder state back to `u.fed` frames (a failed step may have updated
         some of its stages)."""
-        assert u.slot is not None and u.utt is not None
-        if not self.slots(s.spec.runtime, u.precision).decoder.start(u.slot, u.utt.prior):
+        assert u.slot is not None and u.decoder_input is not None
+        if not self.slots(s.spec.runtime, u.precision).decoder.start(u.slot, u.decoder_input.prior):
             raise RuntimeError(f"no {u.precision} decoder prior memory free to decode this utterance again")
         self._replay(s, u)
 
@@ -495,8 +495,8 @@ class Executor:
                     self.stats.nonfinite_fp32 += 1  # zeroed by the guard: no FP32 to fall back to
                 samples = audio[i, lo - start : hi - start]
                 pcm = None if pcm16 is None else pcm16[i, lo - start : hi - start]
-                if self.shadow is not None and precision != "fp32" and hi > lo and u.utt is not None:
-                    self.shadow.offer(runtime, u.utt, (lo, hi), samples)
+                if self.shadow is not None and precision != "fp32" and hi > lo and u.decoder_input is not None:
+                    self.shadow.offer(runtime, u.decoder_input, (lo, hi), samples)
             self.stats.audio_seconds += (hi - lo) / runtime.sample_rate
             out.append(Chunk(s, u, samples, u.precision if not fallback else "fp32", fallback, pcm))
         return out

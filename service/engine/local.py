@@ -13,8 +13,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from service.engine.api import AudioOut, SessionConfig, SessionEvent, SessionSummary
 from service.engine.config import EngineConfig
+from service.engine.contract import AudioOut, SessionConfig, SessionEvent, SessionSummary
 from service.engine.engine import TtsEngine
 
 _END = object()

@@ -46,8 +46,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from service.audio.encoding import float_to_int16
-from service.engine.api import Unavailable
 from service.engine.config import EngineConfig
+from service.engine.contract import Unavailable
 from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.host import (
     CoreSnapshot,

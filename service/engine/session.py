@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from service.audio.output import AudioOutput
-from service.engine.api import (
+from service.engine.contract import (
     AudioOut,
     FailedPrecondition,
     Precision,
@@ -120,7 +120,7 @@ class _EventQueue:
 
 
 class EngineSession:
-    """One stream. Implements `service.engine.api.Session`. With `telemetry` it has a span and
+    """One stream. Implements `service.engine.contract.Session`. With `telemetry` it has a span and
     its figures are recorded (the server's own warm-up sessions have none)."""
 
     def __init__(self, setup: SessionSetup, loop: Host, on_close: Callable[[EngineSession], None],

@@ -55,8 +55,12 @@ class Sink(Protocol):
 
 @dataclass
 class ReadCursor:
-    """Seconds of a session's audio queued for its client and taken by it so far. Written by
-    the session's event loop only, read by the engine thread (plain floats: no lock needed)."""
+    """Seconds of a session's audio queued for its client and taken by it so far (plain floats,
+    each written by one thread: no lock needed). With the core on a thread there is one cursor:
+    the session's event loop writes both figures, the engine thread reads them. With the core in
+    its own process each side has its copy: the server's loop writes its own, and in the core
+    the outbox thread adds what it delivers while the relay of the server's messages sets
+    `read_s` (`proc.take_reads`); the engine thread reads the core's copy."""
 
     delivered_s: float = 0.0
     read_s: float = 0.0
@@ -121,7 +125,7 @@ class UtteranceState:
     sentence: PhonemizedSentence
     status: UtteranceStatus = UtteranceStatus.ACOUSTIC
     precision: str = "fp32"  # starts at the session's; FP32 for the rest after a guard trip
-    utt: DecoderInput | None = None
+    decoder_input: DecoderInput | None = None
     word_spans: list[tuple[str, int, int]] = field(default_factory=list)
     cached: CachedUtterance | None = None
     cache_key: Hashable | None = None
@@ -138,7 +142,7 @@ class UtteranceState:
 
     @property
     def frames(self) -> int:
-        return 0 if self.utt is None else self.utt.frames
+        return 0 if self.decoder_input is None else self.decoder_input.frames
 
 
 @dataclass
@@ -199,7 +203,7 @@ class SessionState:
         """Audio already through the acoustic stage but not yet delivered (seconds)."""
         samples = 0
         for u in self.utterances:
-            if u.utt is not None:
+            if u.decoder_input is not None:
                 samples += u.frames * self.spec.runtime.hop - u.samples_done
         return samples / self.sample_rate
 

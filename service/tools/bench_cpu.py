@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.audio.encoding import AudioEncoding
-from service.engine.api import AudioOut, SessionConfig
 from service.engine.config import EngineConfig
+from service.engine.contract import AudioOut, SessionConfig
 from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine
 from service.models.family import VoiceInfo

@@ -20,8 +20,8 @@ def run_gpu_bench(device: str, batches: list[int], chunk_frames: int, out: Path 
     import torch
 
     from service.audio.encoding import AudioEncoding
-    from service.engine.api import AudioOut, Precision, SessionConfig
     from service.engine.config import EngineConfig
+    from service.engine.contract import AudioOut, Precision, SessionConfig
     from service.engine.frontend_pool import FrontendPoolConfig
     from service.engine.local import LocalEngine
     from service.models.registry import open_voice

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.engine.api import AudioOut, Precision, SessionConfig, SessionSummary
 from service.engine.config import BatchConfig
+from service.engine.contract import AudioOut, Precision, SessionConfig, SessionSummary
 
 if TYPE_CHECKING:
     from service.engine.engine import TtsEngine

@@ -20,8 +20,8 @@ import numpy as np
 
 from service.audio.encoding import AudioEncoding
 from service.audio.quality import psnr_db
-from service.engine.api import AudioOut, Precision, SessionConfig, SessionSummary
 from service.engine.config import BatchConfig, EngineConfig
+from service.engine.contract import AudioOut, Precision, SessionConfig, SessionSummary
 from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine
 from service.tools.voice_check import check_sentences

@@ -18,7 +18,7 @@ from service.api.compat import (
     voice_for_language,
 )
 from service.audio.encoding import AudioEncoding
-from service.engine.api import (
+from service.engine.contract import (
     Gender,
     InvalidArgument,
     NotFound,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.api.native import responses, voice_message
-from service.engine.api import AudioOut, Gender, Precision, VoiceDescription, WordTiming
+from service.engine.contract import AudioOut, Gender, Precision, VoiceDescription, WordTiming
 
 
 def test_an_audio_event_becomes_its_words_then_its_chunk() -> None:

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from service.audio.encoding import AudioEncoding
 from service.audio.quality import psnr_db
-from service.engine.api import AudioOut, Precision, SessionConfig
 from service.engine.config import BatchConfig, EngineConfig
+from service.engine.contract import AudioOut, Precision, SessionConfig
 from service.engine.faults import inject_nonfinite
 from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine

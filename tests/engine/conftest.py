@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from service.engine.api import AudioOut, SessionSummary
 from service.engine.config import BatchConfig, EngineConfig
+from service.engine.contract import AudioOut, SessionSummary
 from service.engine.engine import TtsEngine
 from service.models.family import AcousticJob, DecoderInput, SynthesisParams, VoiceRuntime, utterance_rng
 from service.models.registry import open_frontend

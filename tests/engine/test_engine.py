@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from service.audio.encoding import AudioEncoding
-from service.engine.api import (
+from service.engine.config import BatchConfig, Limits
+from service.engine.contract import (
     AudioOut,
     InvalidArgument,
     NotFound,
@@ -19,7 +20,6 @@ from service.engine.api import (
     SessionConfig,
     SessionSummary,
 )
-from service.engine.config import BatchConfig, Limits
 from tests.engine.conftest import EngineHarness, drive, tiny_engine_config
 
 TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day, and everyone was happy!"
@@ -536,7 +536,7 @@ def test_the_engine_threads_busy_share_covers_idle_time(harness: EngineHarness) 
 def test_a_client_that_stops_reading_is_ended_after_the_stall_limit() -> None:
     """Held back by backpressure for `stall_timeout_s`, a session ends with ClientStalled
     (DEADLINE_EXCEEDED on the wire) and the engine forgets it."""
-    from service.engine.api import ClientStalled
+    from service.engine.contract import ClientStalled
 
     h = EngineHarness(tiny_engine_config(batch=BatchConfig(max_ahead_s=0.5, stall_timeout_s=1.0)))
     try:
@@ -635,7 +635,7 @@ def test_a_voice_loaded_after_warm_up_is_left_out_of_the_scans_too() -> None:
     collections do not scan its weights again."""
     import gc
 
-    from service.engine.api import SessionConfig
+    from service.engine.contract import SessionConfig
     from service.engine.engine import TtsEngine
 
     async def load_late() -> tuple[int, int, int]:

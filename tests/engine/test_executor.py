@@ -42,7 +42,7 @@ def _rows(runtime: VitsRuntime, precision: str, loop: asyncio.AbstractEventLoop
         utt = prepare(runtime, text, SynthesisParams(seed=i, speaker=0))[0]
         assert isinstance(utt, Utterance)
         u = UtteranceState(0, PhonemizedSentence(text, [], utt.phoneme_ids, []), UtteranceStatus.DECODING, precision)
-        u.utt = utt
+        u.decoder_input = utt
         s = SessionState(spec, None)
         s.utterances.append(u)
         rows.append((s, u))
@@ -214,7 +214,7 @@ def test_an_utterance_waits_while_prior_memory_is_full_and_one_too_long_fails_al
     pool.decoder.free(filler)
     pool.give(filler)
     too_long = _rows(runtime, "fp32", loop)[0]
-    too_long[1].utt = replace(too_long[1].utt, prior=PriorSample.fixed(  # type: ignore[type-var]
+    too_long[1].decoder_input = replace(too_long[1].decoder_input, prior=PriorSample.fixed(  # type: ignore[type-var]
         np.zeros((channels, memory.zero + 1), dtype=np.float32)))
     _, failed = executor.decode([too_long], 0.0, lambda s: False)
     assert [(s, str(e)) for s, e in failed] == [

@@ -17,8 +17,8 @@ import pytest
 from service.api.client import connect, stream
 from service.api.gen.cadenza.v1 import tts_pb2 as pb
 from service.audio.encoding import AudioEncoding
-from service.engine.api import AudioOut, ClientStalled, InvalidArgument, SessionConfig, SessionSummary, Unavailable
 from service.engine.config import BatchConfig
+from service.engine.contract import AudioOut, ClientStalled, InvalidArgument, SessionConfig, SessionSummary, Unavailable
 from service.engine.proc import ProcessHost
 from tests.engine.conftest import EngineHarness, drive, tiny_engine_config
 from tests.telemetry.conftest import ObservedServer, eventually, observed, tiny_server_config

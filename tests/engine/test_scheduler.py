@@ -48,14 +48,14 @@ def _session(runtime: VoiceRuntime, sid: int, *, playing_for: float | None = Non
     if decoding:
         u = UtteranceState(0, sentence, UtteranceStatus.DECODING)
         prior = PriorSample.fixed(np.zeros((4, frames), np.float32))
-        u.utt = Utterance("hi", [1, 2, 3], prior, np.ones(3, np.int64), 0, [])
+        u.decoder_input = Utterance("hi", [1, 2, 3], prior, np.ones(3, np.int64), 0, [])
         s.utterances.append(u)
     for k in range(acoustic):
         s.utterances.append(UtteranceState(1 + k, sentence))
     if playing_for is not None:
         s.first_audio_at = NOW - playing_for
         s.samples_out = round((playing_for + slack) * runtime.sample_rate)
-        if s.utterances and s.utterances[0].utt is not None:
+        if s.utterances and s.utterances[0].decoder_input is not None:
             s.utterances[0].chunk_index = 1
             s.utterances[0].samples_done = s.samples_out
     return s

@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 
 from service.audio.encoding import AudioEncoding
-from service.engine.api import AudioOut, Precision, SessionConfig, SessionSummary, WordTiming
+from service.engine.contract import AudioOut, Precision, SessionConfig, SessionSummary, WordTiming
 from service.engine.session import _EventQueue
 from tests.engine.conftest import EngineHarness
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from service.audio.encoding import AudioEncoding
-from service.engine.api import AudioOut, Precision, SessionConfig, SessionSummary
 from service.engine.config import BatchConfig, EngineConfig
+from service.engine.contract import AudioOut, Precision, SessionConfig, SessionSummary
 from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine
 from service.models.family import AcousticJob, ChunkSchedule, SynthesisParams, utterance_rng

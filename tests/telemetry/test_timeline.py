@@ -210,8 +210,8 @@ def test_the_server_records_when_its_event_loop_was_late(tmp_path: Path) -> None
     work on it) leaves a `loop_lag` event about that long in the server's timeline."""
     import asyncio
 
-    from service.engine.api import SessionConfig
     from service.engine.config import EngineConfig
+    from service.engine.contract import SessionConfig
     from service.engine.engine import TtsEngine
 
     async def blocked() -> None:

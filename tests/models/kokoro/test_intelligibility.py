@@ -36,8 +36,8 @@ import numpy as np
 import pytest
 
 from service.audio.encoding import AudioEncoding
-from service.engine.api import AudioOut, SessionConfig
 from service.engine.config import EngineConfig
+from service.engine.contract import AudioOut, SessionConfig
 from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine
 from service.models.kokoro import weights as kw
