@@ -1,7 +1,8 @@
 # The CPU image the Helm chart (helm/cadenza) deploys; Dockerfile.gpu is the CUDA one.
 #   docker build -t cadenza:0.1.0 .
 # Layers from the least to the most often changed: CPU torch, the other dependencies (from
-# pyproject.toml alone), then the code, so a code change reuses the torch and dependency layers.
+# pyproject.toml, and README.md because pyproject names it as the package description), then the
+# code, so a code change reuses the torch and dependency layers.
 ARG PYTHON=3.11
 
 FROM python:${PYTHON}-slim-bookworm AS build

