@@ -216,9 +216,9 @@ def server() -> Iterator[ServerThread]:
     from tests.api.native_server import ServerThread
 
     s = ServerThread(ServerConfig(
-        host="127.0.0.1", port=0, limits=Limits(max_sessions=16),
+        host="127.0.0.1", port=0,
         engine=EngineConfig(voice="tiny-multi", voices_dir=DATA, backend="torch", device="cpu", threads=1,
-                            cache_bytes=0),
+                            cache_bytes=0, limits=Limits(max_sessions=16)),
     ))
     yield s
     s.close()
