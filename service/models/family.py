@@ -162,7 +162,6 @@ class ChunkSchedule:
     growth: float = 16.0  # 32 -> 512 -> 1024: chunk k+1 still finishes well before chunk k has played
     max_frames: int = 1024
     later_first_frames: int = 1024  # first chunk of a stream's later utterances (audio is already playing)
-    flow_at_once_frames: int = 160  # staged decoding: utterances this short run their first stage whole
     flow_piece_frames: int = 256  # staged decoding: after the first chunk, the first stage runs this far ahead
 
     def __post_init__(self) -> None:

@@ -296,12 +296,9 @@ class VitsRuntime:
         return self.backend.guard_async(device_audio)
 
     def utterance_decoder(self, utt: DecoderInput) -> StagedDecoder:
-        """A staged decoder for one utterance (FP32). Short utterances run the whole flow in
-        their first call (cheap per frame, but small calls cost); longer ones what the first chunk needs."""
+        """A staged decoder for one utterance (FP32)."""
         assert isinstance(utt, Utterance), "a VITS voice decodes its own acoustic stage's output"
-        first_piece = utt.frames if utt.frames <= self.schedule.flow_at_once_frames else 0
-        return StagedDecoder(self.backend, utt.prior.full(), utt.sid_batch,
-                             self.schedule.flow_piece_frames, first_piece)
+        return StagedDecoder(self.backend, utt.prior.full(), utt.sid_batch, self.schedule.flow_piece_frames)
 
     def reference(self, utt: DecoderInput, precision: str = "fp32") -> np.ndarray:
         """The flow over the whole prior sample, then the vocoder over the whole latent: what

@@ -31,18 +31,17 @@ class StagedDecoder:
 
     def __init__(
         self, backend: StagedBackend, z_p: np.ndarray, sid: np.ndarray | None,
-        flow_piece_frames: int = 0, flow_first_piece_frames: int = 0,
+        flow_piece_frames: int = 0,
     ) -> None:
         self.backend = backend
         self.sid = sid
         self.z_p = z_p
         self.stages = backend.decoder_stages()
-        # The frame-rate stages (the flow's couplings, conv_pre) run ahead in pieces of at
-        # least `flow_piece_frames` (`flow_first_piece_frames` on their first call, which
-        # the time to first audio waits for): small calls cost more per frame.
+        # After their first call (which the time to first audio waits for, so it runs only what
+        # the first chunk needs), the frame-rate stages (the flow's couplings, conv_pre) run
+        # ahead in pieces of at least `flow_piece_frames`: small calls cost more per frame.
         self.frame_rate_stages = next((i for i, (f, _, _) in enumerate(self.stages) if f > 1), len(self.stages))
         self.flow_piece = flow_piece_frames
-        self.flow_first_piece = flow_first_piece_frames
         self.lengths = [int(z_p.shape[1])]
         for factor, _, _ in self.stages:
             self.lengths.append(self.lengths[-1] * factor)
@@ -87,6 +86,6 @@ class StagedDecoder:
             return
         lo = self.done[s]
         if s < self.frame_rate_stages:
-            piece = self.flow_piece if lo else self.flow_first_piece
-            target = min(self.lengths[s + 1], max(target, lo + piece))
+            if lo:
+                target = min(self.lengths[s + 1], max(target, lo + self.flow_piece))
         self.buffers[s][:, lo:target] = self._run(s, target)
