@@ -30,8 +30,8 @@ from torch import nn
 from service.models.kokoro.albert import Albert
 from service.models.kokoro.hparams import KokoroHParams
 from service.models.kokoro.istftnet import Decoder, Generator
-from service.models.kokoro.layers import fold_weight_norm
 from service.models.kokoro.prosody import ProsodyPredictor, TextEncoder
+from service.models.weight_norm import fold_weight_norm
 
 
 class AcousticOutput(NamedTuple):

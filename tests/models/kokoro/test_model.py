@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from service.models.kokoro.hparams import KokoroHParams
-from service.models.kokoro.layers import fold_weight_norm
 from service.models.kokoro.model import KokoroModel
 from service.models.kokoro.official import official_kmodel
 from service.models.kokoro.weights import KOKORO_V1_CONFIG
+from service.models.weight_norm import fold_weight_norm
 
 # Kokoro-82M v1.0's config.json (its vocabulary is not needed: the tests feed ids).
 CONFIG: dict[str, Any] = {**KOKORO_V1_CONFIG, "vocab": {}}

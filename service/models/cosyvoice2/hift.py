@@ -1,0 +1,213 @@
+"""CosyVoice2's vocoder, HiFT: an F0 predictor, a harmonic-plus-noise sine source and an
+iSTFTNet generator that fuses the source's spectrum at every upsampling stage (HiFTNet,
+arXiv 2309.09493), 80-band mel at 50 Hz in, 24 kHz audio out.
+
+Loads the official `hift.pt` state dict as it is (weight norm in either spelling is folded
+into plain convolutions). Every random draw (the harmonics' start phases, the source's
+additive noise) comes from a `torch.Generator` the caller owns, in the order the official
+`HiFTGenerator` draws them, so a seeded generator gives the official waveform."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from service.models.weight_norm import fold_weight_norm
+
+
+@dataclass(frozen=True)
+class HiftConfig:
+    """`hift` in the official cosyvoice2.yaml (CosyVoice2-0.5B's values as defaults)."""
+
+    in_channels: int = 80
+    base_channels: int = 512
+    nb_harmonics: int = 8
+    sampling_rate: int = 24000
+    nsf_alpha: float = 0.1  # sine amplitude
+    nsf_sigma: float = 0.003  # noise std in voiced frames
+    nsf_voiced_threshold: float = 10.0  # Hz
+    upsample_rates: tuple[int, ...] = (8, 5, 3)
+    upsample_kernel_sizes: tuple[int, ...] = (16, 11, 7)
+    n_fft: int = 16
+    hop_len: int = 4
+    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
+    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    source_resblock_kernel_sizes: tuple[int, ...] = (7, 7, 11)
+    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    lrelu_slope: float = 0.1
+    audio_limit: float = 0.99
+    f0_cond_channels: int = 512
+    f0_layers: int = field(default=5, repr=False)
+
+    @property
+    def samples_per_frame(self) -> int:
+        return math.prod(self.upsample_rates) * self.hop_len
+
+
+def _snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Snake with the official guard against alpha = 0 (linear-scale alphas)."""
+    a = alpha[None, :, None]
+    return x + (1.0 / (a + 1e-9)) * torch.sin(x * a).pow(2)
+
+
+class ResBlock(nn.Module):
+    """Snake, dilated conv, Snake, conv, residual; once per dilation."""
+
+    def __init__(self, channels: int, kernel: int, dilations: tuple[int, ...]) -> None:
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            nn.Conv1d(channels, channels, kernel, dilation=d, padding=(kernel * d - d) // 2) for d in dilations)
+        self.convs2 = nn.ModuleList(
+            nn.Conv1d(channels, channels, kernel, padding=(kernel - 1) // 2) for _ in dilations)
+        self.alphas1 = nn.ParameterList(nn.Parameter(torch.ones(channels)) for _ in dilations)
+        self.alphas2 = nn.ParameterList(nn.Parameter(torch.ones(channels)) for _ in dilations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.alphas1, self.alphas2, strict=True):
+            x = x + c2(_snake(c1(_snake(x, a1)), a2))
+        return x
+
+
+class F0Predictor(nn.Module):
+    """Five conv+ELU layers and a linear head: |F0| in Hz per mel frame."""
+
+    def __init__(self, config: HiftConfig) -> None:
+        super().__init__()
+        c = config.f0_cond_channels
+        self.convs = nn.ModuleList(
+            nn.Conv1d(config.in_channels if i == 0 else c, c, 3, padding=1) for i in range(config.f0_layers))
+        self.classifier = nn.Linear(c, 1)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        x = mel
+        for conv in self.convs:
+            x = F.elu(conv(x))
+        return torch.abs(self.classifier(x.transpose(1, 2)).squeeze(-1))
+
+
+class SineSource(nn.Module):
+    """F0 (at the audio rate) -> one excitation channel: the fundamental and its harmonics,
+    their phase summed at the frame rate and interpolated back (as upstream's 24 kHz source
+    does), silenced where unvoiced, plus noise, merged by a linear layer and tanh."""
+
+    def __init__(self, config: HiftConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.merge = nn.Linear(config.nb_harmonics + 1, 1)
+
+    def forward(self, f0: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """f0: [B, T, 1] Hz at the audio rate -> [B, 1, T]."""
+        cfg = self.config
+        dim = cfg.nb_harmonics + 1
+        scale = cfg.samples_per_frame
+        harmonics = torch.arange(1, dim + 1, dtype=f0.dtype, device=f0.device)
+        rad = (f0 * harmonics / cfg.sampling_rate) % 1
+        start = torch.rand(f0.shape[0], dim, generator=generator, device=f0.device, dtype=f0.dtype)
+        start[:, 0] = 0
+        rad[:, 0, :] = rad[:, 0, :] + start
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / scale, mode="linear").transpose(1, 2)
+        phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+        phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=float(scale), mode="linear").transpose(1, 2)
+        sines = torch.sin(phase) * cfg.nsf_alpha
+        uv = (f0 > cfg.nsf_voiced_threshold).to(f0.dtype)
+        noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
+        # Drawn into a tensor laid out as `sines` is (frame-major after the transposes), as the
+        # official randn_like does: torch fills strided and contiguous tensors in different orders.
+        noise = noise_amp * torch.empty_like(sines).normal_(generator=generator)
+        excitation = sines * uv + noise
+        return torch.tanh(self.merge(excitation)).transpose(1, 2)
+
+
+class HiFT(nn.Module):
+    """Mel [B, 80, T] -> audio [B, T * samples_per_frame]."""
+
+    def __init__(self, config: HiftConfig) -> None:
+        super().__init__()
+        self.config = cfg = config
+        self.f0_predictor = F0Predictor(cfg)
+        self.source = SineSource(cfg)
+        base = cfg.base_channels
+        self.conv_pre = nn.Conv1d(cfg.in_channels, base, 7, padding=3)
+        self.ups = nn.ModuleList(
+            nn.ConvTranspose1d(base >> i, base >> (i + 1), k, u, padding=(k - u) // 2)
+            for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes, strict=True)))
+        spec = cfg.n_fft + 2
+        # The source's spectrum is brought down to each stage's rate: the product of the later
+        # stages' upsampling rates.
+        down = [math.prod(cfg.upsample_rates[i + 1:]) for i in range(len(cfg.upsample_rates))]
+        self.source_downs = nn.ModuleList(
+            nn.Conv1d(spec, base >> (i + 1), 1) if u == 1
+            else nn.Conv1d(spec, base >> (i + 1), u * 2, u, padding=u // 2)
+            for i, u in enumerate(down))
+        self.source_resblocks = nn.ModuleList(
+            ResBlock(base >> (i + 1), k, d) for i, (k, d) in
+            enumerate(zip(cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes, strict=True)))
+        self.resblocks = nn.ModuleList(
+            ResBlock(base >> (i + 1), k, d) for i in range(len(self.ups))
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes, strict=True))
+        self.conv_post = nn.Conv1d(base >> len(self.ups), spec, 7, padding=3)
+        # Periodic Hann computed in float64 and rounded once, as upstream's scipy window is.
+        n = torch.arange(cfg.n_fft, dtype=torch.float64)
+        window = (0.5 - 0.5 * torch.cos(2 * math.pi * n / cfg.n_fft)).float()
+        self.window: torch.Tensor
+        self.register_buffer("window", window, persistent=False)
+
+    def source_signal(self, mel: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """The excitation [B, 1, T * samples_per_frame] the generator fuses."""
+        f0 = self.f0_predictor(mel)
+        f0 = f0[:, :, None].repeat_interleave(self.config.samples_per_frame, dim=1)
+        return self.source(f0, generator)
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        spec = torch.stft(source[:, 0], cfg.n_fft, cfg.hop_len, cfg.n_fft, window=self.window, return_complex=True)
+        s = torch.cat([spec.real, spec.imag], dim=1)
+        x = self.conv_pre(mel)
+        kernels = len(cfg.resblock_kernel_sizes)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, cfg.lrelu_slope))
+            if i == len(self.ups) - 1:
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](s))
+            xs = self.resblocks[i * kernels](x)
+            for j in range(1, kernels):
+                xs = xs + self.resblocks[i * kernels + j](x)
+            x = xs / kernels
+        x = self.conv_post(F.leaky_relu(x))  # the official post activation uses leaky_relu's default slope
+        bins = cfg.n_fft // 2 + 1
+        magnitude = torch.clip(torch.exp(x[:, :bins]), max=1e2)
+        phase = torch.sin(x[:, bins:])
+        audio = torch.istft(torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase)),
+                            cfg.n_fft, cfg.hop_len, cfg.n_fft, window=self.window)
+        return torch.clamp(audio, -cfg.audio_limit, cfg.audio_limit)
+
+    def forward(self, mel: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        return self.decode(mel, self.source_signal(mel, generator))
+
+
+def hift_state_dict(official: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The official `HiFTGenerator` state dict (weight norm folded or not) under our names."""
+    ours: dict[str, torch.Tensor] = {}
+    for key, value in fold_weight_norm(official).items():
+        name = key
+        if key.startswith("f0_predictor.condnet."):  # Sequential of conv, ELU, ...: convs at even indices
+            index, rest = key[len("f0_predictor.condnet."):].split(".", 1)
+            name = f"f0_predictor.convs.{int(index) // 2}.{rest}"
+        elif key.startswith("m_source.l_linear."):
+            name = "source.merge." + key[len("m_source.l_linear."):]
+        elif ".activations1." in key or ".activations2." in key:  # Snake alphas
+            head, _, rest = key.replace(".activations", ".alphas", 1).partition(".alphas")
+            name = f"{head}.alphas{rest.removesuffix('.alpha')}"
+        ours[name] = value
+    return ours
+
+
+def load_hift(config: HiftConfig, official: Mapping[str, torch.Tensor]) -> HiFT:
+    model = HiFT(config)
+    model.load_state_dict(hift_state_dict(official), strict=True)
+    return model.eval()

@@ -1,0 +1,64 @@
+"""Our HiFT against the official `HiFTGenerator` (token2wav-cosyvoice, the upstream tree) on the
+same random weights, mel and seed."""
+
+from __future__ import annotations
+
+import torch
+from cosyvoice.hifigan import f0_predictor, generator  # the official tree: a test dependency (scripts/dev-setup)
+
+from service.models.cosyvoice2.hift import HiftConfig, load_hift
+
+# CosyVoice2-0.5B's vocoder with fewer channels, so the test runs in seconds on a CPU.
+SMALL = HiftConfig(base_channels=64, f0_cond_channels=32)
+
+
+def official_hift(config: HiftConfig, seed: int) -> torch.nn.Module:
+    """The official class with `config`'s shapes and every parameter random (Snake alphas and
+    weight-norm gains too, so a misplaced one shows)."""
+    model = generator.HiFTGenerator(
+        in_channels=config.in_channels, base_channels=config.base_channels, nb_harmonics=config.nb_harmonics,
+        sampling_rate=config.sampling_rate, nsf_alpha=config.nsf_alpha, nsf_sigma=config.nsf_sigma,
+        nsf_voiced_threshold=config.nsf_voiced_threshold, upsample_rates=list(config.upsample_rates),
+        upsample_kernel_sizes=list(config.upsample_kernel_sizes),
+        istft_params={"n_fft": config.n_fft, "hop_len": config.hop_len},
+        resblock_kernel_sizes=list(config.resblock_kernel_sizes),
+        resblock_dilation_sizes=[list(d) for d in config.resblock_dilation_sizes],
+        source_resblock_kernel_sizes=list(config.source_resblock_kernel_sizes),
+        source_resblock_dilation_sizes=[list(d) for d in config.source_resblock_dilation_sizes],
+        lrelu_slope=config.lrelu_slope, audio_limit=config.audio_limit,
+        f0_predictor=f0_predictor.ConvRNNF0Predictor(in_channels=config.in_channels,
+                                                     cond_channels=config.f0_cond_channels))
+    rng = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("alpha"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=rng))
+            elif name.endswith("original0"):  # weight-norm gain
+                p.copy_(0.5 + 0.5 * torch.rand(p.shape, generator=rng))
+            else:
+                p.copy_(torch.randn(p.shape, generator=rng) * 0.1)
+    return model.eval()
+
+
+def test_waveform_equals_the_official_vocoder() -> None:
+    theirs = official_hift(SMALL, seed=0)
+    ours = load_hift(SMALL, theirs.state_dict())
+    mel = torch.randn(2, SMALL.in_channels, 37, generator=torch.Generator().manual_seed(1))
+    # F0 from random weights stays near 0 Hz: scale the head so it spans speech pitches and
+    # unvoiced frames (|F0| under the threshold), exercising the sine source's phase and harmonics.
+    with torch.no_grad():
+        spread = float(ours.f0_predictor(mel).std())
+        for model in (theirs, ours):
+            model.f0_predictor.classifier.weight.mul_(100.0 / spread)
+            model.f0_predictor.classifier.bias.fill_(120.0)
+    torch.manual_seed(7)
+    want, _ = theirs.inference(mel)
+    with torch.no_grad():
+        got = ours(mel, torch.Generator().manual_seed(7))
+        f0 = ours.f0_predictor(mel)
+    assert (f0 > SMALL.nsf_voiced_threshold).any() and (f0 <= SMALL.nsf_voiced_threshold).any()
+    assert got.shape == want.shape == (2, 37 * SMALL.samples_per_frame)
+    peak = float(want.abs().max())
+    assert peak > 0.01
+    err = float((got - want).abs().max())
+    assert err <= 1e-4 * max(1.0, peak), err
