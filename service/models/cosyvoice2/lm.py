@@ -1,0 +1,220 @@
+"""CosyVoice2's speech-token LM: a Qwen2 decoder (pre-norm, grouped-query attention with rotary
+positions, SwiGLU MLP) that reads the prompt as embeddings and writes 25 Hz speech tokens.
+
+The input is [sos, text tokens (the Qwen2 vocabulary), task id, prompt speech tokens]; each
+step's last hidden state goes through `llm_decoder` to scores over the speech vocabulary plus
+three stop tokens, and the chosen token's `speech_embedding` is the next input. Loads the
+official `llm.pt` state dict (`Qwen2LM` around `Qwen2ForCausalLM`) by its names.
+
+The attention reads and writes a KV cache the caller owns (`KVCache`): one row per session, so a
+step over many sessions is one batched call (the engine's continuous batching)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class Qwen2Config:
+    """The Qwen2 backbone (`config.json` of the official tokenizer folder; CosyVoice2-0.5B's
+    values as defaults) and the speech vocabulary around it (`llm` in cosyvoice2.yaml)."""
+
+    hidden_size: int = 896
+    num_layers: int = 24
+    num_heads: int = 14
+    num_kv_heads: int = 2
+    intermediate_size: int = 4864
+    vocab_size: int = 151936
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    speech_token_size: int = 6561
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def speech_vocab(self) -> int:
+        """Speech tokens, then end of speech (`speech_token_size`) and two more stop tokens."""
+        return self.speech_token_size + 3
+
+
+SOS_EOS, TASK_ID = 0, 1  # rows of `llm_embedding`
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim]."""
+        freqs = positions.float()[:, :, None] * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+@dataclass
+class KVCache:
+    """Keys and values per layer, [rows, kv_heads, capacity, head_dim], and each row's length."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor  # [rows], int64
+
+    @classmethod
+    def empty(cls, config: Qwen2Config, rows: int, capacity: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> KVCache:
+        shape = (rows, config.num_kv_heads, capacity, config.head_dim)
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
+                   torch.zeros(rows, dtype=torch.long, device=device))
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys[0].shape[2])
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        self.config = config
+        d, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
+        self.q_proj = nn.Linear(config.hidden_size, h * d)
+        self.k_proj = nn.Linear(config.hidden_size, kv * d)
+        self.v_proj = nn.Linear(config.hidden_size, kv * d)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, start: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] at positions start..start+T-1 of each row; their keys and values are
+        written into the cache rows, then the queries attend over the cache under `mask`
+        [B, 1, T, capacity] (True: may attend)."""
+        cfg = self.config
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        index = (start[:, None] + torch.arange(t, device=x.device)[None, :])[:, None, :, None]
+        index = index.expand(b, cfg.num_kv_heads, t, cfg.head_dim)
+        keys.scatter_(2, index, k.to(keys.dtype))
+        values.scatter_(2, index, v.to(values.dtype))
+        groups = cfg.num_heads // cfg.num_kv_heads
+        out = F.scaled_dot_product_attention(
+            q, keys.to(q.dtype).repeat_interleave(groups, dim=1), values.to(q.dtype).repeat_interleave(groups, dim=1),
+            attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, start: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SpeechLM(nn.Module):
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config)
+        self.llm_embedding = nn.Embedding(2, config.hidden_size)  # sos/eos, task id
+        self.speech_embedding = nn.Embedding(config.speech_vocab, config.hidden_size)
+        self.llm_decoder = nn.Linear(config.hidden_size, config.speech_vocab)
+
+    def prompt(self, text: torch.Tensor, prompt_speech: torch.Tensor | None = None) -> torch.Tensor:
+        """[sos, text, task id, prompt speech tokens] as embeddings [T, D] (one session)."""
+        parts = [self.llm_embedding.weight[SOS_EOS:SOS_EOS + 1], self.embed_tokens(text),
+                 self.llm_embedding.weight[TASK_ID:TASK_ID + 1]]
+        if prompt_speech is not None and prompt_speech.numel():
+            parts.append(self.speech_embedding(prompt_speech))
+        return torch.cat(parts, dim=0)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, rows: torch.Tensor, lengths: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Embeddings x [B, T, D] appended to cache rows `rows` (each row's new tokens are its
+        first `lengths[i]` of T; None: all T) -> speech-vocabulary log-probabilities [B, V] after
+        each row's last new token. The rows' cache lengths advance."""
+        b, t, _ = x.shape
+        device = x.device
+        new = torch.full((b,), t, dtype=torch.long, device=device) if lengths is None else lengths
+        start = cache.lengths[rows]
+        positions = start[:, None] + torch.arange(t, device=device)[None, :]
+        cos, sin = self.rotary(positions, x.dtype)
+        slots = torch.arange(cache.capacity, device=device)
+        # Each query sees the cache up to its own position: the row's past and its new tokens so far.
+        mask = (slots[None, None, :] <= positions[:, :, None])[:, None]
+        h = x
+        for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
+            k_rows, v_rows = keys[rows], values[rows]
+            h = layer(h, cos, sin, k_rows, v_rows, start, mask)
+            keys[rows], values[rows] = k_rows, v_rows
+        last = self.norm(h[torch.arange(b, device=device), new - 1])
+        cache.lengths[rows] = start + new
+        return self.llm_decoder(last).log_softmax(dim=-1)
+
+
+def lm_state_dict(official: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The official `Qwen2LM` state dict under our names (the Qwen2 head `lm_head` is unused)."""
+    ours: dict[str, torch.Tensor] = {}
+    for key, value in official.items():
+        if key.startswith("llm.model.model."):
+            ours[key[len("llm.model.model."):]] = value
+        elif not key.startswith("llm.model.lm_head."):
+            ours[key] = value
+    return ours
+
+
+def load_lm(config: Qwen2Config, official: Mapping[str, torch.Tensor]) -> SpeechLM:
+    model = SpeechLM(config)
+    model.load_state_dict(lm_state_dict(official), strict=True)
+    return model.eval()

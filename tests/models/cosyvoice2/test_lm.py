@@ -1,0 +1,110 @@
+"""Our speech-token LM against the official `Qwen2LM` (around transformers' `Qwen2ForCausalLM`)
+on the same random weights: log-probabilities at the prompt and at each decoding step, alone and
+batched with another session of a different length."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+from transformers import Qwen2Config as HFQwen2Config
+from transformers import Qwen2ForCausalLM
+
+from service.models.cosyvoice2.lm import KVCache, Qwen2Config, load_lm
+
+SMALL = Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                    vocab_size=300, speech_token_size=50)
+
+
+@pytest.fixture(scope="module")
+def official_llm() -> types.ModuleType:
+    """The official module. Its file_utils imports torchaudio for reading WAVs, which the LM never
+    calls and whose wheels are built against an older torch than ours: that one import is given
+    the names llm.py takes from it (the standard logging module) and nothing else."""
+    if "cosyvoice.utils.file_utils" not in sys.modules:
+        shim = types.ModuleType("cosyvoice.utils.file_utils")
+        shim.logging = logging  # type: ignore[attr-defined]
+        sys.modules["cosyvoice.utils.file_utils"] = shim
+    from cosyvoice.llm import llm
+
+    return llm
+
+
+def official_lm(llm: types.ModuleType, config: Qwen2Config, seed: int) -> torch.nn.Module:
+    hf = HFQwen2Config(hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+                       num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                       intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+                       rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=True)
+    encoder = llm.Qwen2Encoder.__new__(llm.Qwen2Encoder)  # its __init__ loads pretrained weights by path
+    torch.nn.Module.__init__(encoder)
+    encoder.model = Qwen2ForCausalLM(hf)
+    model = llm.Qwen2LM(config.hidden_size, config.hidden_size, config.speech_token_size, encoder, sampling=None)
+    rng = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 + 0.1 * torch.randn(p.shape, generator=rng)) if name.endswith("layernorm.weight")
+                    or name.endswith("norm.weight") else torch.randn(p.shape, generator=rng) * 0.2)
+    return model.eval()
+
+
+def official_steps(model: torch.nn.Module, text: torch.Tensor, prompt_speech: torch.Tensor,
+                   tokens: list[int]) -> list[torch.Tensor]:
+    """Log-probabilities after the prompt, then after each of `tokens` fed back, as the official
+    inference loop computes them."""
+    with torch.inference_mode():
+        emb = model.llm.model.model.embed_tokens(text[None])
+        sos = model.llm_embedding.weight[0].reshape(1, 1, -1)
+        task = model.llm_embedding.weight[1].reshape(1, 1, -1)
+        lm_input = torch.cat([sos, emb, task, model.speech_embedding(prompt_speech[None])], dim=1)
+        out, cache, total = [], None, lm_input.shape[1]
+        for token in [None, *tokens]:
+            if token is not None:
+                lm_input = model.speech_embedding.weight[token].reshape(1, 1, -1)
+            masks = torch.tril(torch.ones((1, total, total))).to(torch.bool)
+            y, cache = model.llm.forward_one_step(lm_input, masks=masks, cache=cache)
+            out.append(model.llm_decoder(y[:, -1]).log_softmax(dim=-1)[0])
+            total += 1
+    return out
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_log_probs_equal_the_official_lm_alone_and_batched(official_llm: types.ModuleType) -> None:
+    theirs = official_lm(official_llm, SMALL, seed=0)
+    ours = load_lm(SMALL, theirs.state_dict())
+    g = torch.Generator().manual_seed(1)
+    sessions = [(torch.randint(0, SMALL.vocab_size, (11,), generator=g), torch.randint(0, 50, (5,), generator=g)),
+                (torch.randint(0, SMALL.vocab_size, (4,), generator=g), torch.randint(0, 50, (2,), generator=g))]
+    tokens = [[3, 17, 42], [8, 0, 49]]
+    want = [official_steps(theirs, text, speech, toks) for (text, speech), toks in zip(sessions, tokens, strict=True)]
+    with torch.inference_mode():
+        prompts = [ours.prompt(text, speech) for text, speech in sessions]
+        # Alone: each session in its own cache row, one at a time.
+        alone = KVCache.empty(SMALL, rows=2, capacity=32)
+        for i, (prompt, toks) in enumerate(zip(prompts, tokens, strict=True)):
+            row = torch.tensor([i])
+            got = [ours(prompt[None], alone, row)[0]]
+            for t in toks:
+                got.append(ours(ours.speech_embedding.weight[t][None, None], alone, row)[0])
+            for step, (a, b) in enumerate(zip(got, want[i], strict=True)):
+                assert max_rel(a, b) <= 1e-4, (i, step, max_rel(a, b))
+        # Batched: both prompts in one padded call (rows in reverse order), then every step together.
+        batched = KVCache.empty(SMALL, rows=2, capacity=32)
+        rows = torch.tensor([1, 0])
+        lengths = torch.tensor([len(p) for p in prompts])
+        x = torch.zeros(2, int(lengths.max()), SMALL.hidden_size)
+        for i, p in enumerate(prompts):
+            x[i, :len(p)] = p
+        steps = [ours(x, batched, rows, lengths)]
+        for k in range(3):
+            feed = ours.speech_embedding.weight[torch.tensor([tokens[0][k], tokens[1][k]])][:, None]
+            steps.append(ours(feed, batched, rows))
+        for step, got_b in enumerate(steps):
+            for i in range(2):
+                assert max_rel(got_b[i], want[i][step]) <= 1e-4, (i, step, max_rel(got_b[i], want[i][step]))
+        assert batched.lengths.tolist() == [len(prompts[1]) + 3, len(prompts[0]) + 3]
