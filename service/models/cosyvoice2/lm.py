@@ -218,3 +218,42 @@ def load_lm(config: Qwen2Config, official: Mapping[str, torch.Tensor]) -> Speech
     model = SpeechLM(config)
     model.load_state_dict(lm_state_dict(official), strict=True)
     return model.eval()
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Repetition-aware sampling (`ras_sampling` in cosyvoice2.yaml): nucleus sampling (top_p,
+    at most top_k candidates), unless the pick already filled tau_r of the last win_size tokens;
+    then a draw from the whole distribution."""
+
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+
+
+def _ras(logp: torch.Tensor, decoded: list[int], config: SamplingConfig, generator: torch.Generator | None) -> int:
+    probs = logp.softmax(dim=0)
+    sorted_probs, order = probs.sort(descending=True, stable=True)
+    # Candidates while the mass taken before each is under top_p (the last one may cross it).
+    before = torch.cat([sorted_probs.new_zeros(1), torch.cumsum(sorted_probs, dim=0)[:-1]])
+    count = max(1, min(config.top_k, int((before < config.top_p).sum())))
+    pick = int(order[torch.multinomial(sorted_probs[:count], 1, replacement=True, generator=generator)])
+    recent = decoded[-config.win_size:]
+    if sum(t == pick for t in recent) >= config.win_size * config.tau_r:
+        pick = int(torch.multinomial(probs, 1, replacement=True, generator=generator))
+    return pick
+
+
+def sample_token(logp: torch.Tensor, decoded: list[int], config: SamplingConfig,
+                 generator: torch.Generator | None, redraw: int | None = None, max_trials: int = 100) -> int:
+    """One speech token from log-probabilities [V] (one session), drawing from `generator`
+    (the session's own RNG) the numbers the official sampler draws from the global one.
+    `redraw`: a token not to end on yet (end of speech before the minimum length): drawn
+    again, at most `max_trials` times, as upstream does."""
+    for _ in range(max_trials + 1):
+        pick = _ras(logp, decoded, config, generator)
+        if pick != redraw:
+            return pick
+    raise RuntimeError(f"sampling gave token {redraw} (end of speech) {max_trials + 1} times in a row "
+                       "before the minimum length; the LM's scores put nearly all mass on it")

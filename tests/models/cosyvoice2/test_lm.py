@@ -13,7 +13,7 @@ import torch
 from transformers import Qwen2Config as HFQwen2Config
 from transformers import Qwen2ForCausalLM
 
-from service.models.cosyvoice2.lm import KVCache, Qwen2Config, load_lm
+from service.models.cosyvoice2.lm import KVCache, Qwen2Config, SamplingConfig, load_lm, sample_token
 
 SMALL = Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
                     vocab_size=300, speech_token_size=50)
@@ -108,3 +108,35 @@ def test_log_probs_equal_the_official_lm_alone_and_batched(official_llm: types.M
             for i in range(2):
                 assert max_rel(got_b[i], want[i][step]) <= 1e-4, (i, step, max_rel(got_b[i], want[i][step]))
         assert batched.lengths.tolist() == [len(prompts[1]) + 3, len(prompts[0]) + 3]
+
+
+def test_sampling_draws_what_the_official_sampler_draws() -> None:
+    """Same scores, same seed (ours from a session generator, theirs from the global RNG): the
+    same tokens, through nucleus picks, repetition fallbacks and end-of-speech redraws."""
+    from cosyvoice.utils.common import ras_sampling
+
+    config = SamplingConfig()
+    g = torch.Generator().manual_seed(3)
+    # Peaked scores so that tokens repeat and the repetition rule fires.
+    scores = [(torch.randn(SMALL.speech_vocab, generator=g) * 4).log_softmax(0) for _ in range(60)]
+    eos = SMALL.speech_token_size
+    for i in (5, 6):  # ends of speech the first steps must redraw
+        scores[i][eos] = scores[i].max()
+    theirs: list[int] = []
+    redraws = 0
+    torch.manual_seed(11)
+    for i, s in enumerate(scores):
+        for _ in range(101):
+            top = int(ras_sampling(s, theirs, 25, top_p=config.top_p, top_k=config.top_k,
+                                   win_size=config.win_size, tau_r=config.tau_r))
+            if i >= 10 or top != eos:
+                break
+            redraws += 1
+        theirs.append(top)
+    assert redraws > 0
+    ours: list[int] = []
+    session = torch.Generator().manual_seed(11)
+    for i, s in enumerate(scores):
+        ours.append(sample_token(s, ours, config, session, redraw=eos if i < 10 else None))
+    assert ours == theirs
+    assert len(set(ours)) < len(ours)  # repeats happened, so the fallback path ran
