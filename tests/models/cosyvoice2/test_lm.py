@@ -4,8 +4,6 @@ batched with another session of a different length."""
 
 from __future__ import annotations
 
-import logging
-import sys
 import types
 
 import pytest
@@ -21,13 +19,7 @@ SMALL = Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, i
 
 @pytest.fixture(scope="module")
 def official_llm() -> types.ModuleType:
-    """The official module. Its file_utils imports torchaudio for reading WAVs, which the LM never
-    calls and whose wheels are built against an older torch than ours: that one import is given
-    the names llm.py takes from it (the standard logging module) and nothing else."""
-    if "cosyvoice.utils.file_utils" not in sys.modules:
-        shim = types.ModuleType("cosyvoice.utils.file_utils")
-        shim.logging = logging  # type: ignore[attr-defined]
-        sys.modules["cosyvoice.utils.file_utils"] = shim
+    """The official module (its logging glue is given by conftest.py)."""
     from cosyvoice.llm import llm
 
     return llm

@@ -1,0 +1,66 @@
+"""Conditional flow matching at inference: from noise to mel in a few Euler steps on a cosine
+time schedule, with classifier-free guidance (the estimator run with and without its conditions,
+the two velocities mixed), as CosyVoice2's `CausalConditionalCFM` does.
+
+The noise is upstream's fixed buffer (seed 0, 80 x 15 000 frames), sliced to the utterance's
+length: the same tokens give the same mel, and a streamed utterance, decoded again over a longer
+prefix, sees the same noise under the frames it has already produced."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from service.models.cosyvoice2.estimator import Estimator
+
+
+@dataclass(frozen=True)
+class CfmConfig:
+    """`flow.decoder.cfm_params` in cosyvoice2.yaml, and the solver's step count."""
+
+    n_timesteps: int = 10
+    inference_cfg_rate: float = 0.7
+    t_scheduler: str = "cosine"
+    temperature: float = 1.0
+    noise_frames: int = 50 * 300  # the fixed noise buffer: 300 s of mel at 50 Hz
+    noise_seed: int = 0
+    mel_bins: int = 80
+
+
+def fixed_noise(config: CfmConfig) -> torch.Tensor:
+    """[1, mel_bins, noise_frames]: upstream's buffer (its global RNG seeded, then one draw)."""
+    g = torch.Generator().manual_seed(config.noise_seed)
+    return torch.randn([1, config.mel_bins, config.noise_frames], generator=g)
+
+
+def time_span(config: CfmConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.linspace(0, 1, config.n_timesteps + 1, device=device, dtype=dtype)
+    if config.t_scheduler == "cosine":
+        t = 1 - torch.cos(t * 0.5 * math.pi)
+    return t
+
+
+def solve(estimator: Estimator, noise: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor,
+          cond: torch.Tensor, config: CfmConfig, streaming: bool = False) -> torch.Tensor:
+    """Mel [B, 80, T] for B utterances at once. noise: the fixed buffer; mu, cond [B, 80, T];
+    mask [B, 1, T]; spks [B, 80]. Each step runs the estimator once over 2B rows: the B
+    conditioned, then the same B with mu, speaker and prompt zeroed (the unconditioned half)."""
+    b, _, frames = mu.shape
+    x = noise[:, :, :frames].to(mu.device, mu.dtype).expand(b, -1, -1) * config.temperature
+    span = time_span(config, mu.dtype, mu.device)
+    t, dt = span[0], span[1] - span[0]
+    rate = config.inference_cfg_rate
+    mask2 = torch.cat([mask, mask])
+    mu2 = torch.cat([mu, torch.zeros_like(mu)])
+    spks2 = torch.cat([spks, torch.zeros_like(spks)])
+    cond2 = torch.cat([cond, torch.zeros_like(cond)])
+    for step in range(1, len(span)):
+        v = estimator(torch.cat([x, x]), mask2, mu2, t.expand(2 * b), spks2, cond2, streaming=streaming)
+        guided, free = v[:b], v[b:]
+        x = x + dt * ((1.0 + rate) * guided - rate * free)
+        t = t + dt
+        if step < len(span) - 1:
+            dt = span[step + 1] - t
+    return x.float()
