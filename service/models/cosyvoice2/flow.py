@@ -1,0 +1,88 @@
+"""CosyVoice2's token-to-mel flow: speech tokens (after the prompt's) through the token encoder to
+the mel rate, projected to 80 bands as the flow's condition mu; the speaker embedding (normalised,
+projected to 80) and the prompt's mel condition the solver; the prompt's frames are cut from the
+result. Module names follow the official `CausalMaskedDiffWithXvec`, so `flow.pt` loads as it is."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from service.models.cosyvoice2.cfm import CfmConfig, fixed_noise, solve
+from service.models.cosyvoice2.encoder import EncoderConfig, TokenEncoder
+from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    """`flow` in cosyvoice2.yaml (CosyVoice2-0.5B's values as defaults)."""
+
+    vocab_size: int = 6561
+    output_size: int = 80
+    spk_embed_dim: int = 192
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    cfm: CfmConfig = field(default_factory=CfmConfig)
+
+
+class _Decoder(nn.Module):
+    """Holds the estimator under upstream's name (`decoder.estimator`)."""
+
+    def __init__(self, config: EstimatorConfig) -> None:
+        super().__init__()
+        self.estimator = Estimator(config)
+
+
+class Flow(nn.Module):
+    def __init__(self, config: FlowConfig) -> None:
+        super().__init__()
+        self.config = config
+        size = config.encoder.size
+        self.input_embedding = nn.Embedding(config.vocab_size, size)
+        self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.output_size)
+        self.encoder = TokenEncoder(config.encoder)
+        self.encoder_proj = nn.Linear(size, config.output_size)
+        self.decoder = _Decoder(config.estimator)
+        self.noise: torch.Tensor
+        self.register_buffer("noise", fixed_noise(config.cfm), persistent=False)
+
+    def speaker(self, embedding: torch.Tensor) -> torch.Tensor:
+        """A speaker embedding [B, 192] (CAM++ x-vector) as the solver's condition [B, 80]."""
+        return self.spk_embed_affine_layer(F.normalize(embedding, dim=1))
+
+    def mu(self, tokens: torch.Tensor, finalize: bool, streaming: bool) -> torch.Tensor:
+        """Encoder condition [1, 80, 2 * T'] for one utterance's tokens [1, T] (prompt tokens
+        first). Not `finalize`: the last `pre_lookahead_len` tokens are only the lookahead of the
+        others (their frames come with the next chunk)."""
+        x = self.input_embedding(torch.clamp(tokens, min=0))
+        context = None
+        if not finalize:
+            k = self.config.encoder.pre_lookahead_len
+            x, context = x[:, :-k], x[:, -k:]
+        h, _ = self.encoder(x, torch.tensor([x.shape[1]], device=x.device), context=context, streaming=streaming)
+        return self.encoder_proj(h).transpose(1, 2)
+
+    def forward(self, tokens: torch.Tensor, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
+                embedding: torch.Tensor, streaming: bool = False, finalize: bool = True) -> torch.Tensor:
+        """Mel [1, 80, frames] for `tokens` [1, T] after the prompt (prompt_tokens [1, P],
+        prompt_mel [1, P', 80] its mel, embedding [1, 192] the speaker)."""
+        spks = self.speaker(embedding)
+        mu = self.mu(torch.cat([prompt_tokens, tokens], dim=1), finalize, streaming)
+        frames = mu.shape[2]
+        prompt_frames = prompt_mel.shape[1]
+        cond = torch.zeros(1, frames, self.config.output_size, device=mu.device, dtype=mu.dtype)
+        cond[:, :prompt_frames] = prompt_mel
+        mask = torch.ones(1, 1, frames, device=mu.device, dtype=mu.dtype)
+        mel = solve(self.decoder.estimator, self.noise, mu, mask, spks, cond.transpose(1, 2), self.config.cfm,
+                    streaming=streaming)
+        return mel[:, :, prompt_frames:]
+
+
+def load_flow(config: FlowConfig, official: Mapping[str, torch.Tensor]) -> Flow:
+    model = Flow(config)
+    model.load_state_dict(dict(official), strict=True)
+    return model.eval()

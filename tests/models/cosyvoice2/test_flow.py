@@ -1,0 +1,75 @@
+"""Our token-to-mel flow against the official `CausalMaskedDiffWithXvec` (conformer encoder,
+estimator, solver) on the same random weights, tokens, prompt and speaker: full context, and the
+streaming calls upstream makes (chunk masks; lookahead tokens held back until the last call)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from cosyvoice.flow.flow import CausalMaskedDiffWithXvec
+from cosyvoice.flow.flow_matching import CausalConditionalCFM
+from cosyvoice.transformer.upsample_encoder import UpsampleConformerEncoder
+
+from service.models.cosyvoice2.encoder import EncoderConfig
+from service.models.cosyvoice2.estimator import EstimatorConfig
+from service.models.cosyvoice2.flow import FlowConfig, load_flow
+
+from .test_estimator import official as official_estimator
+
+# Upstream fixes the encoder's width at 512 (its lookahead and upsample layers); the rest is small.
+SMALL = FlowConfig(
+    vocab_size=97,
+    encoder=EncoderConfig(attention_heads=8, linear_units=64, num_blocks=2, num_up_blocks=1, static_chunk_size=5),
+    estimator=EstimatorConfig(channels=(64,), attention_head_dim=16, n_blocks=1, num_mid_blocks=1, num_heads=2,
+                              static_chunk_size=10),
+)
+
+
+def official_flow(config: FlowConfig, seed: int) -> torch.nn.Module:
+    enc = config.encoder
+    encoder = UpsampleConformerEncoder(
+        input_size=enc.size, output_size=enc.size, attention_heads=enc.attention_heads,
+        linear_units=enc.linear_units, num_blocks=enc.num_blocks, dropout_rate=0.0, positional_dropout_rate=0.0,
+        attention_dropout_rate=0.0, normalize_before=True, input_layer="linear", pos_enc_layer_type="rel_pos_espnet",
+        selfattention_layer_type="rel_selfattn", use_cnn_module=False, macaron_style=False,
+        static_chunk_size=enc.static_chunk_size)
+    encoder.up_encoders = encoder.up_encoders[:enc.num_up_blocks]
+    params = SimpleNamespace(solver="euler", sigma_min=1e-6, t_scheduler="cosine", training_cfg_rate=0.2,
+                             inference_cfg_rate=config.cfm.inference_cfg_rate)
+    decoder = CausalConditionalCFM(in_channels=240, cfm_params=params, n_spks=1, spk_emb_dim=80,
+                                   estimator=official_estimator(config.estimator, seed=seed + 1))
+    model = CausalMaskedDiffWithXvec(input_size=enc.size, output_size=80, spk_embed_dim=config.spk_embed_dim,
+                                     vocab_size=config.vocab_size, input_frame_rate=25, token_mel_ratio=2,
+                                     pre_lookahead_len=enc.pre_lookahead_len, encoder=encoder, decoder=decoder)
+    rng = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("decoder."):
+                continue  # the estimator's own random weights (official_estimator)
+            if "norm" in name or name.endswith("out.1.weight") or name.endswith("out.1.bias"):
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=rng))
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 16
+                p.copy_(torch.randn(p.shape, generator=rng) / fan_in ** 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize(("streaming", "finalize"), [(False, True), (True, True), (True, False)])
+def test_mel_equals_the_official_flow(streaming: bool, finalize: bool) -> None:
+    theirs = official_flow(SMALL, seed=0)
+    ours = load_flow(SMALL, theirs.state_dict())
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, SMALL.vocab_size, (1, 13), generator=g)
+    prompt_tokens = torch.randint(0, SMALL.vocab_size, (1, 4), generator=g)
+    prompt_mel = torch.randn(1, 8, 80, generator=g)
+    embedding = torch.randn(1, SMALL.spk_embed_dim, generator=g)
+    with torch.no_grad():
+        want, _ = theirs.inference(tokens, torch.tensor([13]), prompt_tokens, torch.tensor([4]), prompt_mel,
+                                   torch.tensor([8]), embedding, streaming=streaming, finalize=finalize)
+        got = ours(tokens, prompt_tokens, prompt_mel, embedding, streaming=streaming, finalize=finalize)
+    assert got.shape == want.shape
+    assert float(want.abs().max()) > 0.1
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err <= 1e-4, err
