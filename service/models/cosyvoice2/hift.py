@@ -120,6 +120,9 @@ class SineSource(nn.Module):
         # official randn_like does: torch fills strided and contiguous tensors in different orders.
         noise = noise_amp * torch.empty_like(sines).normal_(generator=generator)
         excitation = sines * uv + noise
+        # Upstream also draws a noise branch it never uses: drawn and dropped here too, so a
+        # session's generator stays in step with upstream's RNG from one chunk to the next.
+        torch.empty_like(uv).normal_(generator=generator)
         return torch.tanh(self.merge(excitation)).transpose(1, 2)
 
 
@@ -157,11 +160,17 @@ class HiFT(nn.Module):
         self.window: torch.Tensor
         self.register_buffer("window", window, persistent=False)
 
-    def source_signal(self, mel: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """The excitation [B, 1, T * samples_per_frame] the generator fuses."""
+    def source_signal(self, mel: torch.Tensor, generator: torch.Generator | None,
+                      cache: torch.Tensor | None = None) -> torch.Tensor:
+        """The excitation [B, 1, T * samples_per_frame] the generator fuses; `cache` (the end
+        of the previous chunk's excitation, under the frames this chunk repeats) replaces its
+        start, so the sine's phase runs on without a jump."""
         f0 = self.f0_predictor(mel)
         f0 = f0[:, :, None].repeat_interleave(self.config.samples_per_frame, dim=1)
-        return self.source(f0, generator)
+        source = self.source(f0, generator)
+        if cache is not None and cache.shape[2]:
+            source[:, :, :cache.shape[2]] = cache
+        return source
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -186,8 +195,11 @@ class HiFT(nn.Module):
                             cfg.n_fft, cfg.hop_len, cfg.n_fft, window=self.window)
         return torch.clamp(audio, -cfg.audio_limit, cfg.audio_limit)
 
-    def forward(self, mel: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        return self.decode(mel, self.source_signal(mel, generator))
+    def forward(self, mel: torch.Tensor, generator: torch.Generator | None = None,
+                cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Audio [B, samples] and the excitation it was made from [B, 1, samples]."""
+        source = self.source_signal(mel, generator, cache)
+        return self.decode(mel, source), source
 
 
 def hift_state_dict(official: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

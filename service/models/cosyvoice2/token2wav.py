@@ -1,0 +1,107 @@
+"""Streaming tokens to audio as upstream's CosyVoice2 does it: every `token_hop_len` new tokens
+(plus the 3-token lookahead), the flow runs again over all tokens so far with chunk masks and the
+new frames are vocoded; the vocoder's last 8 mel frames and their excitation are kept and the
+next chunk starts from them, its first 8 frames' audio cross-faded (Hamming) with the previous
+chunk's held-back tail. The last call runs the flow at full context over every token.
+
+`Token2WavState` is one utterance's; the session owns it (and the vocoder's random generator), so
+many utterances can stream through one `Token2Wav` at once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from service.models.cosyvoice2.flow import Flow
+from service.models.cosyvoice2.hift import HiFT
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    token_hop_len: int = 25  # tokens per chunk: the flow's static chunk (training's)
+    mel_cache_len: int = 8  # vocoder frames carried into the next chunk
+
+
+@dataclass
+class Token2WavState:
+    """One utterance's progress: tokens already turned into audio, and the vocoder cache."""
+
+    generator: torch.Generator
+    prompt_tokens: torch.Tensor  # [1, P]
+    prompt_mel: torch.Tensor  # [1, P', 80]
+    embedding: torch.Tensor  # [1, 192]
+    token_offset: int = 0
+    cache_mel: torch.Tensor | None = None
+    cache_source: torch.Tensor | None = None
+    cache_speech: torch.Tensor | None = None
+    done: bool = field(default=False)
+
+
+class Token2Wav:
+    def __init__(self, flow: Flow, hift: HiFT, config: StreamConfig | None = None) -> None:
+        self.flow, self.hift = flow, hift
+        self.config = config or StreamConfig()
+        self.mel_ratio = flow.config.encoder.up_stride
+        self.lookahead = flow.config.encoder.pre_lookahead_len
+        self.source_cache_len = self.config.mel_cache_len * hift.config.samples_per_frame
+        self.window = _hamming(2 * self.source_cache_len)
+
+    def hop(self, state: Token2WavState) -> int:
+        """Tokens the next chunk turns into audio: the first chunk also rounds the prompt's
+        tokens up to a whole chunk, so every chunk boundary falls on the flow's chunk grid."""
+        hop = self.config.token_hop_len
+        if state.token_offset:
+            return hop
+        prompt = state.prompt_tokens.shape[1]
+        return hop + math.ceil(prompt / hop) * hop - prompt
+
+    def ready(self, state: Token2WavState, tokens: int) -> bool:
+        """Can a chunk (not the last) be made from `tokens` tokens so far?"""
+        return tokens - state.token_offset >= self.hop(state) + self.lookahead
+
+    def chunk(self, state: Token2WavState, tokens: torch.Tensor, finalize: bool) -> torch.Tensor:
+        """Audio [1, samples] for the next chunk of `tokens` [1, T] (all tokens so far). Not
+        `finalize`: only when `ready`, and the chunk's last `source_cache_len` samples are held
+        back for the cross-fade; `finalize`: everything left."""
+        if state.done:
+            raise ValueError("this utterance's last chunk was already made")
+        hop = self.hop(state)
+        if not finalize:
+            if not self.ready(state, tokens.shape[1]):
+                raise ValueError(f"a chunk needs {hop + self.lookahead} tokens past the offset; "
+                                 f"{tokens.shape[1] - state.token_offset} are")
+            tokens = tokens[:, :state.token_offset + hop + self.lookahead]
+        mel = self.flow(tokens, state.prompt_tokens, state.prompt_mel, state.embedding,
+                        streaming=not finalize, finalize=finalize)
+        mel = mel[:, :, state.token_offset * self.mel_ratio:]
+        if state.cache_mel is not None:
+            mel = torch.cat([state.cache_mel, mel], dim=2)
+        speech, source = self.hift(mel, state.generator, state.cache_source)
+        if state.cache_speech is not None:
+            speech = self._cross_fade(speech, state.cache_speech)
+        if finalize:
+            state.done = True
+            return speech
+        n = self.source_cache_len
+        state.cache_mel = mel[:, :, -self.config.mel_cache_len:]
+        state.cache_source = source[:, :, -n:]
+        state.cache_speech = speech[:, -n:]
+        state.token_offset += hop
+        return speech[:, :-n]
+
+    def _cross_fade(self, speech: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """The chunk's first samples faded in over the previous chunk's held-back tail (window
+        products in float64, as upstream's NumPy window makes them)."""
+        n = self.window.shape[0] // 2
+        out = speech.clone()
+        head = speech[..., :n].double() * self.window[:n] + previous[..., -n:].double() * self.window[n:]
+        out[..., :n] = head.to(speech.dtype)
+        return out
+
+
+def _hamming(length: int) -> torch.Tensor:
+    """Symmetric Hamming window in float64 (NumPy's `hamming`)."""
+    n = torch.arange(length, dtype=torch.float64)
+    return 0.54 - 0.46 * torch.cos(2 * math.pi * n / (length - 1))
