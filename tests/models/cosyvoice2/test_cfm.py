@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cosyvoice.flow.flow_matching import CausalConditionalCFM
 
 from service.models.cosyvoice2.cfm import CfmConfig, fixed_noise, solve
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
+from service.models.cosyvoice2.official import official
 
 from .test_estimator import official as official_estimator
 
@@ -33,7 +33,8 @@ def test_mel_equals_the_official_solver(streaming: bool) -> None:
     est = official_estimator(SMALL, seed=2)
     params = SimpleNamespace(solver="euler", sigma_min=1e-6, t_scheduler=config.t_scheduler,
                              training_cfg_rate=0.2, inference_cfg_rate=config.inference_cfg_rate)
-    theirs = CausalConditionalCFM(in_channels=240, cfm_params=params, n_spks=1, spk_emb_dim=80, estimator=est)
+    cfm = official("cosyvoice.flow.flow_matching").CausalConditionalCFM
+    theirs = cfm(in_channels=240, cfm_params=params, n_spks=1, spk_emb_dim=80, estimator=est)
     ours = Estimator(SMALL).eval()
     ours.load_state_dict(est.state_dict(), strict=True)
     noise = fixed_noise(config)

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cosyvoice.flow.decoder import CausalConditionalDecoder  # the official tree: a test dependency
 
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
+from service.models.cosyvoice2.official import official_estimator
 
 
 def official(config: EstimatorConfig, seed: int) -> torch.nn.Module:
-    model = CausalConditionalDecoder(
-        in_channels=config.in_channels, out_channels=config.out_channels, channels=list(config.channels),
-        dropout=0.0, attention_head_dim=config.attention_head_dim, n_blocks=config.n_blocks,
-        num_mid_blocks=config.num_mid_blocks, num_heads=config.num_heads, act_fn="gelu",
-        static_chunk_size=config.static_chunk_size, num_decoding_left_chunks=-1)
+    """The official class with `config`'s shapes and random weights (LayerNorms near 1 and 0)."""
+    model = official_estimator(config)
     rng = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -4,17 +4,13 @@ streaming calls upstream makes (chunk masks; lookahead tokens held back until th
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from cosyvoice.flow.flow import CausalMaskedDiffWithXvec
-from cosyvoice.flow.flow_matching import CausalConditionalCFM
-from cosyvoice.transformer.upsample_encoder import UpsampleConformerEncoder
 
 from service.models.cosyvoice2.encoder import EncoderConfig
 from service.models.cosyvoice2.estimator import EstimatorConfig
 from service.models.cosyvoice2.flow import FlowConfig, load_flow
+from service.models.cosyvoice2.official import official_flow as official_flow_class
 
 from .test_estimator import official as official_estimator
 
@@ -28,21 +24,9 @@ SMALL = FlowConfig(
 
 
 def official_flow(config: FlowConfig, seed: int) -> torch.nn.Module:
-    enc = config.encoder
-    encoder = UpsampleConformerEncoder(
-        input_size=enc.size, output_size=enc.size, attention_heads=enc.attention_heads,
-        linear_units=enc.linear_units, num_blocks=enc.num_blocks, dropout_rate=0.0, positional_dropout_rate=0.0,
-        attention_dropout_rate=0.0, normalize_before=True, input_layer="linear", pos_enc_layer_type="rel_pos_espnet",
-        selfattention_layer_type="rel_selfattn", use_cnn_module=False, macaron_style=False,
-        static_chunk_size=enc.static_chunk_size)
-    encoder.up_encoders = encoder.up_encoders[:enc.num_up_blocks]
-    params = SimpleNamespace(solver="euler", sigma_min=1e-6, t_scheduler="cosine", training_cfg_rate=0.2,
-                             inference_cfg_rate=config.cfm.inference_cfg_rate)
-    decoder = CausalConditionalCFM(in_channels=240, cfm_params=params, n_spks=1, spk_emb_dim=80,
-                                   estimator=official_estimator(config.estimator, seed=seed + 1))
-    model = CausalMaskedDiffWithXvec(input_size=enc.size, output_size=80, spk_embed_dim=config.spk_embed_dim,
-                                     vocab_size=config.vocab_size, input_frame_rate=25, token_mel_ratio=2,
-                                     pre_lookahead_len=enc.pre_lookahead_len, encoder=encoder, decoder=decoder)
+    """The official class with `config`'s shapes and random weights (the estimator's from
+    test_estimator's rule)."""
+    model = official_flow_class(config, estimator=official_estimator(config.estimator, seed=seed + 1))
     rng = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -4,9 +4,9 @@ same random weights, mel and seed."""
 from __future__ import annotations
 
 import torch
-from cosyvoice.hifigan import f0_predictor, generator  # the official tree: a test dependency (scripts/dev-setup)
 
 from service.models.cosyvoice2.hift import HiftConfig, load_hift
+from service.models.cosyvoice2.official import official_hift as official_hift_class
 
 # CosyVoice2-0.5B's vocoder with fewer channels, so the test runs in seconds on a CPU.
 SMALL = HiftConfig(base_channels=64, f0_cond_channels=32)
@@ -15,19 +15,7 @@ SMALL = HiftConfig(base_channels=64, f0_cond_channels=32)
 def official_hift(config: HiftConfig, seed: int) -> torch.nn.Module:
     """The official class with `config`'s shapes and every parameter random (Snake alphas and
     weight-norm gains too, so a misplaced one shows)."""
-    model = generator.HiFTGenerator(
-        in_channels=config.in_channels, base_channels=config.base_channels, nb_harmonics=config.nb_harmonics,
-        sampling_rate=config.sampling_rate, nsf_alpha=config.nsf_alpha, nsf_sigma=config.nsf_sigma,
-        nsf_voiced_threshold=config.nsf_voiced_threshold, upsample_rates=list(config.upsample_rates),
-        upsample_kernel_sizes=list(config.upsample_kernel_sizes),
-        istft_params={"n_fft": config.n_fft, "hop_len": config.hop_len},
-        resblock_kernel_sizes=list(config.resblock_kernel_sizes),
-        resblock_dilation_sizes=[list(d) for d in config.resblock_dilation_sizes],
-        source_resblock_kernel_sizes=list(config.source_resblock_kernel_sizes),
-        source_resblock_dilation_sizes=[list(d) for d in config.source_resblock_dilation_sizes],
-        lrelu_slope=config.lrelu_slope, audio_limit=config.audio_limit,
-        f0_predictor=f0_predictor.ConvRNNF0Predictor(in_channels=config.in_channels,
-                                                     cond_channels=config.f0_cond_channels))
+    model = official_hift_class(config)
     rng = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -4,41 +4,24 @@ batched with another session of a different length."""
 
 from __future__ import annotations
 
-import types
-
-import pytest
 import torch
-from transformers import Qwen2Config as HFQwen2Config
-from transformers import Qwen2ForCausalLM
 
 from service.models.cosyvoice2.lm import KVCache, Qwen2Config, SamplingConfig, load_lm, sample_token
+from service.models.cosyvoice2.official import official
+from service.models.cosyvoice2.official import official_lm as official_lm_class
 
 SMALL = Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
                     vocab_size=300, speech_token_size=50)
 
 
-@pytest.fixture(scope="module")
-def official_llm() -> types.ModuleType:
-    """The official module (its logging glue is given by conftest.py)."""
-    from cosyvoice.llm import llm
-
-    return llm
-
-
-def official_lm(llm: types.ModuleType, config: Qwen2Config, seed: int) -> torch.nn.Module:
-    hf = HFQwen2Config(hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
-                       num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-                       intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-                       rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=True)
-    encoder = llm.Qwen2Encoder.__new__(llm.Qwen2Encoder)  # its __init__ loads pretrained weights by path
-    torch.nn.Module.__init__(encoder)
-    encoder.model = Qwen2ForCausalLM(hf)
-    model = llm.Qwen2LM(config.hidden_size, config.hidden_size, config.speech_token_size, encoder, sampling=None)
+def official_lm(config: Qwen2Config, seed: int) -> torch.nn.Module:
+    """The official `Qwen2LM` with `config`'s shapes and random weights (norms near 1)."""
+    model = official_lm_class(config)
     rng = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_((1.0 + 0.1 * torch.randn(p.shape, generator=rng)) if name.endswith("layernorm.weight")
-                    or name.endswith("norm.weight") else torch.randn(p.shape, generator=rng) * 0.2)
+            p.copy_((1.0 + 0.1 * torch.randn(p.shape, generator=rng)) if name.endswith("norm.weight")
+                    else torch.randn(p.shape, generator=rng) * 0.2)
     return model.eval()
 
 
@@ -66,8 +49,8 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def test_log_probs_equal_the_official_lm_alone_and_batched(official_llm: types.ModuleType) -> None:
-    theirs = official_lm(official_llm, SMALL, seed=0)
+def test_log_probs_equal_the_official_lm_alone_and_batched() -> None:
+    theirs = official_lm(SMALL, seed=0)
     ours = load_lm(SMALL, theirs.state_dict())
     g = torch.Generator().manual_seed(1)
     sessions = [(torch.randint(0, SMALL.vocab_size, (11,), generator=g), torch.randint(0, 50, (5,), generator=g)),
@@ -105,7 +88,7 @@ def test_log_probs_equal_the_official_lm_alone_and_batched(official_llm: types.M
 def test_sampling_draws_what_the_official_sampler_draws() -> None:
     """Same scores, same seed (ours from a session generator, theirs from the global RNG): the
     same tokens, through nucleus picks, repetition fallbacks and end-of-speech redraws."""
-    from cosyvoice.utils.common import ras_sampling
+    ras_sampling = official("cosyvoice.utils.common").ras_sampling
 
     config = SamplingConfig()
     g = torch.Generator().manual_seed(3)

@@ -4,12 +4,14 @@ prompt, speaker and seed: every chunk's audio, the cross-fades and the last call
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
-from cosyvoice.cli.model import CosyVoice2Model
 
 from service.models.cosyvoice2.flow import load_flow
 from service.models.cosyvoice2.hift import load_hift
+from service.models.cosyvoice2.official import official
 from service.models.cosyvoice2.token2wav import Token2Wav, Token2WavState
 
 from .test_flow import SMALL as SMALL_FLOW
@@ -18,7 +20,7 @@ from .test_hift import SMALL as SMALL_HIFT
 from .test_hift import official_hift
 
 
-def official_stream(model: CosyVoice2Model, tokens: list[int], prompt_tokens: torch.Tensor,
+def official_stream(model: Any, tokens: list[int], prompt_tokens: torch.Tensor,
                     prompt_mel: torch.Tensor, embedding: torch.Tensor) -> list[torch.Tensor]:
     """The chunks upstream's `tts(stream=True)` yields once the LM has written `tokens` (its
     loop, without the LM thread and the polling sleep)."""
@@ -45,7 +47,7 @@ def test_streamed_audio_equals_the_official_streaming_path() -> None:
     with torch.no_grad():  # lift F0 into speech pitches (random weights give ~0 Hz)
         hift.f0_predictor.classifier.weight.mul_(300.0)
         hift.f0_predictor.classifier.bias.fill_(120.0)
-    official = CosyVoice2Model(llm=None, flow=flow, hift=hift, fp16=False)
+    upstream = official("cosyvoice.cli.model").CosyVoice2Model(llm=None, flow=flow, hift=hift, fp16=False)
     ours = Token2Wav(load_flow(SMALL_FLOW, flow.state_dict()), load_hift(SMALL_HIFT, hift.state_dict()))
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, SMALL_FLOW.vocab_size, (80,), generator=g).tolist()
@@ -54,7 +56,7 @@ def test_streamed_audio_equals_the_official_streaming_path() -> None:
     embedding = torch.randn(1, SMALL_FLOW.spk_embed_dim, generator=g)
     torch.manual_seed(7)
     with torch.no_grad():
-        want = official_stream(official, tokens, prompt_tokens, prompt_mel, embedding)
+        want = official_stream(upstream, tokens, prompt_tokens, prompt_mel, embedding)
     state = Token2WavState(torch.Generator().manual_seed(7), prompt_tokens, prompt_mel, embedding)
     got = []
     with torch.no_grad():
