@@ -54,11 +54,17 @@ class _Ref:
     expression: str
 
 
-def _loader() -> Any:
-    import yaml
+def _yaml() -> Any:
+    try:
+        import yaml
+    except ImportError as exc:
+        raise ConfigError("reading a CosyVoice2 directory needs PyYAML: pip install 'cadenza[cosyvoice2]'") from exc
+    return yaml
 
-    class Loader(yaml.SafeLoader):
-        pass
+
+def _loader() -> Any:
+    yaml = _yaml()
+    loader: Any = type("Loader", (yaml.SafeLoader,), {})  # a subclass, so the constructors stay ours
 
     def tagged(loader: Any, suffix: str, node: Any) -> Any:
         kind, _, target = suffix.partition(":")
@@ -73,13 +79,16 @@ def _loader() -> Any:
     def ref(loader: Any, node: Any) -> _Ref:
         return _Ref(str(loader.construct_scalar(node)))
 
-    Loader.add_multi_constructor("!", tagged)
-    Loader.add_constructor("!ref", ref)
-    return Loader
+    loader.add_multi_constructor("!", tagged)
+    loader.add_constructor("!ref", ref)
+    return loader
 
 
 def _resolve(value: Any, top: dict[str, Any]) -> Any:
     if isinstance(value, _Ref):
+        names = re.findall(r"<([\w.]+)>", value.expression)
+        if missing := [n for n in names if n not in top]:
+            raise ConfigError(f"{CONFIG_FILE}: reference to undefined {', '.join(missing)}")
         if m := re.fullmatch(r"\s*<([\w.]+)>\s*", value.expression):
             return _resolve(top[m.group(1)], top)
         expr = re.sub(r"<([\w.]+)>", lambda m: repr(_resolve(top[m.group(1)], top)), value.expression)
@@ -97,7 +106,7 @@ def _resolve(value: Any, top: dict[str, Any]) -> Any:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """The file as plain data (tags as `_Tagged`, references resolved)."""
-    import yaml
+    yaml = _yaml()
 
     try:
         data = yaml.load(path.read_text("utf-8"), Loader=_loader())

@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Write a random-weight CosyVoice2 model directory in the official release's layout:
+cosyvoice2.yaml, llm.pt, flow.pt, hift.pt and CosyVoice-BlankEN/config.json (the Qwen2 shape).
+
+The weights are the official classes' (the upstream tree, a test dependency) with every
+parameter drawn from a seeded generator, saved as upstream saves them, so Cadenza's loader and
+the official code can be compared on the same files without the real weights (which come from
+the user). --size full gives CosyVoice2-0.5B's shapes (about 2 GB; for GPU measurements);
+--size small shrinks every width a CPU test does not need (the flow encoder stays 512 wide, as
+upstream's lookahead and upsample layers require).
+
+Run it with the checkout's Python after scripts/dev-setup, e.g.
+  .venv/bin/python scripts/make_cosyvoice2_checkpoint.py --size small /tmp/cv2-small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from service.models.cosyvoice2.config import QWEN_DIR, CosyVoice2Config  # noqa: E402
+from service.models.cosyvoice2.encoder import EncoderConfig  # noqa: E402
+from service.models.cosyvoice2.estimator import EstimatorConfig  # noqa: E402
+from service.models.cosyvoice2.flow import FlowConfig  # noqa: E402
+from service.models.cosyvoice2.hift import HiftConfig  # noqa: E402
+from service.models.cosyvoice2.lm import Qwen2Config  # noqa: E402
+
+SIZES = {
+    "full": CosyVoice2Config(),
+    "small": CosyVoice2Config(
+        lm=Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                       vocab_size=300),
+        flow=FlowConfig(encoder=EncoderConfig(linear_units=64, num_blocks=1),
+                        estimator=EstimatorConfig(channels=(64,), attention_head_dim=16, n_blocks=1,
+                                                  num_mid_blocks=1, num_heads=2)),
+        hift=HiftConfig(base_channels=64, f0_cond_channels=32),
+    ),
+}
+
+
+def yaml_text(c: CosyVoice2Config) -> str:
+    """cosyvoice2.yaml for `c`, in upstream's HyperPyYAML form (the inference-time sections)."""
+    enc, est, h = c.flow.encoder, c.flow.estimator, c.hift
+
+    def seq(values: tuple[int, ...]) -> str:
+        return "[" + ", ".join(str(v) for v in values) + "]"
+
+    return f"""# CosyVoice2 model configuration (random-weight test checkpoint, scripts/make_cosyvoice2_checkpoint.py)
+__set_seed1: !apply:random.seed [1986]
+__set_seed3: !apply:torch.manual_seed [1986]
+
+sample_rate: {c.sample_rate}
+llm_input_size: {c.lm.hidden_size}
+llm_output_size: {c.lm.hidden_size}
+spk_embed_dim: {c.flow.spk_embed_dim}
+qwen_pretrain_path: ''
+token_frame_rate: 25
+token_mel_ratio: {enc.up_stride}
+
+chunk_size: {c.stream.token_hop_len}
+num_decoding_left_chunks: -1
+
+llm: !new:cosyvoice.llm.llm.Qwen2LM
+    llm_input_size: !ref <llm_input_size>
+    llm_output_size: !ref <llm_output_size>
+    speech_token_size: {c.lm.speech_token_size}
+    length_normalized_loss: True
+    lsm_weight: 0
+    mix_ratio: [5, 15]
+    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
+        pretrain_path: !ref <qwen_pretrain_path>
+    sampling: !name:cosyvoice.utils.common.ras_sampling
+        top_p: {c.sampling.top_p}
+        top_k: {c.sampling.top_k}
+        win_size: {c.sampling.win_size}
+        tau_r: {c.sampling.tau_r}
+
+flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
+    input_size: {enc.size}
+    output_size: {c.flow.output_size}
+    spk_embed_dim: !ref <spk_embed_dim>
+    output_type: 'mel'
+    vocab_size: {c.flow.vocab_size}
+    input_frame_rate: !ref <token_frame_rate>
+    only_mask_loss: True
+    token_mel_ratio: !ref <token_mel_ratio>
+    pre_lookahead_len: {enc.pre_lookahead_len}
+    encoder: !new:cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder
+        output_size: {enc.size}
+        attention_heads: {enc.attention_heads}
+        linear_units: {enc.linear_units}
+        num_blocks: {enc.num_blocks}
+        dropout_rate: 0.1
+        positional_dropout_rate: 0.1
+        attention_dropout_rate: 0.1
+        normalize_before: True
+        input_layer: 'linear'
+        pos_enc_layer_type: 'rel_pos_espnet'
+        selfattention_layer_type: 'rel_selfattn'
+        input_size: {enc.size}
+        use_cnn_module: False
+        macaron_style: False
+        static_chunk_size: !ref <chunk_size>
+    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
+        in_channels: 240
+        n_spks: 1
+        spk_emb_dim: {c.flow.output_size}
+        cfm_params: !new:omegaconf.DictConfig
+            content:
+                sigma_min: 1e-06
+                solver: 'euler'
+                t_scheduler: '{c.flow.cfm.t_scheduler}'
+                training_cfg_rate: 0.2
+                inference_cfg_rate: {c.flow.cfm.inference_cfg_rate}
+                reg_loss_type: 'l1'
+        estimator: !new:cosyvoice.flow.decoder.CausalConditionalDecoder
+            in_channels: {est.in_channels}
+            out_channels: {est.out_channels}
+            channels: {seq(est.channels)}
+            dropout: 0.0
+            attention_head_dim: {est.attention_head_dim}
+            n_blocks: {est.n_blocks}
+            num_mid_blocks: {est.num_mid_blocks}
+            num_heads: {est.num_heads}
+            act_fn: 'gelu'
+            static_chunk_size: !ref <chunk_size> * <token_mel_ratio>
+            num_decoding_left_chunks: !ref <num_decoding_left_chunks>
+
+hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
+    in_channels: {h.in_channels}
+    base_channels: {h.base_channels}
+    nb_harmonics: {h.nb_harmonics}
+    sampling_rate: !ref <sample_rate>
+    nsf_alpha: {h.nsf_alpha}
+    nsf_sigma: {h.nsf_sigma}
+    nsf_voiced_threshold: {h.nsf_voiced_threshold:g}
+    upsample_rates: {seq(h.upsample_rates)}
+    upsample_kernel_sizes: {seq(h.upsample_kernel_sizes)}
+    istft_params:
+        n_fft: {h.n_fft}
+        hop_len: {h.hop_len}
+    resblock_kernel_sizes: {seq(h.resblock_kernel_sizes)}
+    resblock_dilation_sizes: [{", ".join(seq(d) for d in h.resblock_dilation_sizes)}]
+    source_resblock_kernel_sizes: {seq(h.source_resblock_kernel_sizes)}
+    source_resblock_dilation_sizes: [{", ".join(seq(d) for d in h.source_resblock_dilation_sizes)}]
+    lrelu_slope: {h.lrelu_slope}
+    audio_limit: {h.audio_limit}
+    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor
+        num_class: 1
+        in_channels: {h.in_channels}
+        cond_channels: {h.f0_cond_channels}
+"""
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter from a seeded generator: norm gains near 1, Snake alphas and weight-norm
+    gains in [0.5, 1.5), biases small, weights scaled by their fan-in."""
+    rng = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "alpha" or name.endswith("original0") or name.endswith("weight_g"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=rng))
+            elif p.dim() == 1 and ("norm" in name or name.endswith("out.1.weight") or "block.2." in name):
+                p.copy_((1.0 if leaf == "weight" else 0.0) + 0.1 * torch.randn(p.shape, generator=rng))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=rng))
+            else:
+                fan_in = p[0].numel() if p.dim() > 1 else 1
+                p.copy_(torch.randn(p.shape, generator=rng) / fan_in ** 0.5)
+
+
+def write(out: Path, config: CosyVoice2Config, seed: int, weights: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cosyvoice2.yaml").write_text(yaml_text(config), "utf-8")
+    from service.models.cosyvoice2.official import official_models, qwen2_json
+
+    (out / QWEN_DIR).mkdir(exist_ok=True)
+    (out / QWEN_DIR / "config.json").write_text(json.dumps(qwen2_json(config.lm), indent=2) + "\n", "utf-8")
+    if not weights:
+        return
+    for k, (name, model) in enumerate(zip(("llm", "flow", "hift"), official_models(config), strict=True)):
+        randomize(model, seed + k)
+        torch.save(model.state_dict(), out / f"{name}.pt")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/make_cosyvoice2_checkpoint.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path, help="directory to write (created; files in it are replaced)")
+    p.add_argument("--size", choices=sorted(SIZES), default="small", help="model shapes (default: small)")
+    p.add_argument("--seed", type=int, default=0, help="weights' generator seed (default: 0)")
+    p.add_argument("--config-only", action="store_true", help="write cosyvoice2.yaml and the Qwen2 config only")
+    args = p.parse_args(argv)
+    write(args.out, SIZES[args.size], args.seed, weights=not args.config_only)
+    print(f"wrote a random-weight CosyVoice2 ({args.size}) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
