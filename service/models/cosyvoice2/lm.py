@@ -11,7 +11,7 @@ step over many sessions is one batched call (the engine's continuous batching)."
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -257,3 +257,40 @@ def sample_token(logp: torch.Tensor, decoded: list[int], config: SamplingConfig,
             return pick
     raise RuntimeError(f"sampling gave token {redraw} (end of speech) {max_trials + 1} times in a row "
                        "before the minimum length; the LM's scores put nearly all mass on it")
+
+
+@dataclass(frozen=True)
+class LengthLimits:
+    """Speech tokens per text token (upstream's `min_token_text_ratio` / `max_token_text_ratio`)."""
+
+    min_ratio: float = 2.0
+    max_ratio: float = 20.0
+
+
+def generate(lm: SpeechLM, text: torch.Tensor, prompt_text: torch.Tensor, prompt_speech: torch.Tensor,
+             sampling: SamplingConfig, generator: torch.Generator | None, limits: LengthLimits | None = None,
+             ) -> Iterator[int]:
+    """One session's speech tokens, as upstream's `Qwen2LM.inference` makes them: the prompt's
+    text before the text, end of speech not taken before `min_ratio` tokens per text token,
+    at most `max_ratio` per text token; the two other stop tokens are not spoken (the last input
+    is fed again). The engine batches these steps across sessions; this loop is the reference."""
+    limits = limits or LengthLimits()
+    cfg = lm.config
+    eos = cfg.speech_token_size
+    n_text = int(text.shape[0])
+    min_len, max_len = int(n_text * limits.min_ratio), int(n_text * limits.max_ratio)
+    prompt = lm.prompt(torch.cat([prompt_text, text]), prompt_speech)
+    cache = KVCache.empty(cfg, rows=1, capacity=prompt.shape[0] + max_len, dtype=prompt.dtype, device=prompt.device)
+    row = torch.tensor([0], device=prompt.device)
+    x = prompt[None]
+    out: list[int] = []
+    for i in range(max_len):
+        logp = lm(x, cache, row)[0]
+        token = sample_token(logp, out, sampling, generator, redraw=eos if i < min_len else None)
+        if token == eos:
+            return
+        if token > eos:
+            continue  # a stop token other than end of speech: not spoken, the same input again
+        yield token
+        out.append(token)
+        x = lm.speech_embedding.weight[token][None, None]

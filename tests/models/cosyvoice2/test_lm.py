@@ -4,9 +4,11 @@ batched with another session of a different length."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from service.models.cosyvoice2.lm import KVCache, Qwen2Config, SamplingConfig, load_lm, sample_token
+from service.models.cosyvoice2.lm import KVCache, Qwen2Config, SamplingConfig, generate, load_lm, sample_token
 from service.models.cosyvoice2.official import official
 from service.models.cosyvoice2.official import official_lm as official_lm_class
 
@@ -28,7 +30,8 @@ def official_lm(config: Qwen2Config, seed: int) -> torch.nn.Module:
 def official_steps(model: torch.nn.Module, text: torch.Tensor, prompt_speech: torch.Tensor,
                    tokens: list[int]) -> list[torch.Tensor]:
     """Log-probabilities after the prompt, then after each of `tokens` fed back, as the official
-    inference loop computes them."""
+    inference loop computes them (each step's mask over cache and step, as the transformers
+    release upstream pins builds it; see test_generation_writes_the_official_tokens)."""
     with torch.inference_mode():
         emb = model.llm.model.model.embed_tokens(text[None])
         sos = model.llm_embedding.weight[0].reshape(1, 1, -1)
@@ -115,3 +118,40 @@ def test_sampling_draws_what_the_official_sampler_draws() -> None:
         ours.append(sample_token(s, ours, config, session, redraw=eos if i < 10 else None))
     assert ours == theirs
     assert len(set(ours)) < len(ours)  # repeats happened, so the fallback path ran
+
+
+def test_generation_writes_the_official_tokens() -> None:
+    """A whole session: prompt text and speech, then upstream's inference loop with its sampler
+    against ours with a session generator, same seed: the same speech tokens, end included."""
+    import functools
+
+    theirs = official_lm(SMALL, seed=4)
+    ours = load_lm(SMALL, theirs.state_dict())
+    common = official("cosyvoice.utils.common")
+    theirs.sampling = functools.partial(common.ras_sampling, top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
+    # Upstream's loop passes a one-position mask with each decode step; under the transformers
+    # release upstream pins (4.51) that mask covers the cache too, under ours (5.x) the step would
+    # see only itself. Give its steps the mask over cache and step that its pinned release builds.
+    step = theirs.llm.forward_one_step
+
+    def forward_one_step(xs: torch.Tensor, masks: torch.Tensor, cache: Any = None) -> Any:
+        past = 0 if cache is None else cache.get_seq_length()
+        total = past + xs.shape[1]
+        return step(xs, masks=torch.ones(1, total, total, dtype=torch.bool).tril(), cache=cache)
+
+    theirs.llm.forward_one_step = forward_one_step
+    g = torch.Generator().manual_seed(2)
+    text = torch.randint(0, SMALL.vocab_size, (3,), generator=g)
+    prompt_text = torch.randint(0, SMALL.vocab_size, (2,), generator=g)
+    prompt_speech = torch.randint(0, SMALL.speech_token_size, (4,), generator=g)
+    with torch.inference_mode():
+        # Random weights rarely end speech: bias the end-of-speech score so that it ends
+        # somewhere between the minimum and maximum length.
+        for model in (theirs, ours):
+            model.llm_decoder.bias[SMALL.speech_token_size] += 4.0
+        torch.manual_seed(9)
+        want = list(theirs.inference(text[None], torch.tensor([3]), prompt_text[None], torch.tensor([2]),
+                                     prompt_speech[None], torch.tensor([4]), embedding=torch.zeros(1, 0)))
+        got = list(generate(ours, text, prompt_text, prompt_speech, SamplingConfig(), torch.Generator().manual_seed(9)))
+    assert got == want
+    assert 0 < len(got) < 60  # ended by end of speech before the maximum (20 per text token)
