@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from service.models.cosyvoice2.estimator import attention_mask
+
 
 @dataclass(frozen=True)
 class EncoderConfig:
@@ -152,17 +154,6 @@ class Upsample(nn.Module):
         return self.conv(F.pad(h, (self.stride * 2, 0)))
 
 
-def chunk_mask(valid: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[B, T, T] (or [B, 1, T] at full context) from the frame mask [B, 1, T]; streaming lets a
-    query see keys up to the end of its own chunk. Rows with no key attend to all, as upstream."""
-    t = valid.shape[-1]
-    mask = valid
-    if chunk > 0:
-        pos = torch.arange(t, device=valid.device)
-        mask = valid & (pos[None, :] < ((pos // chunk + 1) * chunk)[:, None])[None]
-    return mask | ~mask.any(dim=-1, keepdim=True)
-
-
 class TokenEncoder(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -186,7 +177,7 @@ class TokenEncoder(nn.Module):
         if context is not None and context.shape[1]:
             context = self.embed(context)
         pos = relative_positions(cfg.size, t).to(x.device, x.dtype)
-        mask = chunk_mask(valid, cfg.static_chunk_size if streaming else 0)
+        mask = attention_mask(valid, cfg.static_chunk_size if streaming else 0)
         x = self.pre_lookahead_layer(x, context)
         for layer in self.encoders:
             x = layer(x, mask, pos)
@@ -196,7 +187,7 @@ class TokenEncoder(nn.Module):
         valid = (torch.arange(t, device=x.device)[None, :] < lengths[:, None])[:, None]
         x = self.up_embed(x)
         pos = relative_positions(cfg.size, t).to(x.device, x.dtype)
-        mask = chunk_mask(valid, cfg.static_chunk_size * cfg.up_stride if streaming else 0)
+        mask = attention_mask(valid, cfg.static_chunk_size * cfg.up_stride if streaming else 0)
         for layer in self.up_encoders:
             x = layer(x, mask, pos)
         return self.after_norm(x), lengths
