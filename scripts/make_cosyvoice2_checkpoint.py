@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Write a random-weight CosyVoice2 model directory in the official release's layout:
-cosyvoice2.yaml, llm.pt, flow.pt, hift.pt and CosyVoice-BlankEN/config.json (the Qwen2 shape).
+cosyvoice2.yaml, llm.pt, flow.pt, hift.pt, spk2info.pt (saved speakers) and the Qwen2 folder
+CosyVoice-BlankEN/ (config.json, and a small byte-level BPE tokenizer in Qwen2's files:
+vocab.json, merges.txt, tokenizer_config.json).
 
 The weights are the official classes' (the upstream tree, a test dependency) with every
 parameter drawn from a seeded generator, saved as upstream saves them, so Cadenza's loader and
@@ -37,7 +39,7 @@ SIZES = {
     "full": CosyVoice2Config(),
     "small": CosyVoice2Config(
         lm=Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
-                       vocab_size=300),
+                       vocab_size=320),
         flow=FlowConfig(encoder=EncoderConfig(linear_units=64, num_blocks=1),
                         estimator=EstimatorConfig(channels=(64,), attention_head_dim=16, n_blocks=1,
                                                   num_mid_blocks=1, num_heads=2)),
@@ -178,17 +180,78 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=rng) / fan_in ** 0.5)
 
 
+# What the test tokenizer learns its merges from (any English text would do).
+CORPUS = """The quick brown fox jumps over the lazy dog. Thank you for calling; how can I help you today?
+Hello from Cadenza, a streaming text to speech server. Please hold while I check the weather in the city.
+Your appointment is on Monday at three o'clock. We have received your payment, and the order is on its way."""
+# Qwen2's own added tokens (`added_tokens_decoder` in its tokenizer_config.json), in id order after the vocabulary.
+QWEN_ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+SPECIALS_ADDED_BY_COSYVOICE = 16  # upstream's QwenTokenizer adds these after QWEN_ADDED
+PROMPT_TEXT = "This is the prompt speaker talking."
+# Added to the end-of-speech score of the random LM: speech then ends after 2-10 tokens per text
+# token (the LM's limits are 2 and 20), instead of running to the maximum every time.
+END_OF_SPEECH_BIAS = 3.0
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE in Qwen2's file layout, its vocabulary leaving room for Qwen2's added
+    tokens and the ones upstream's QwenTokenizer adds, all below the LM's `vocab_size`."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    base = min(vocab_size - len(QWEN_ADDED) - SPECIALS_ADDED_BY_COSYVOICE, 256 + 400)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS.splitlines(), vocab_size=base, min_frequency=1, show_progress=False)
+    bpe.model.save(str(folder))
+    added = {str(base + i): {"content": t, "lstrip": False, "rstrip": False, "normalized": False,
+                             "single_word": False, "special": True} for i, t in enumerate(QWEN_ADDED)}
+    config = {"add_prefix_space": False, "added_tokens_decoder": added, "bos_token": None,
+              "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>", "errors": "replace",
+              "model_max_length": 32768, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+              "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", "utf-8")
+
+
+def speakers(config: CosyVoice2Config, folder: Path, seed: int) -> dict[str, dict[str, torch.Tensor]]:
+    """spk2info.pt's entries as upstream writes them: a zero-shot speaker (`add_zero_shot_spk`:
+    prompt text and speech tokens, prompt mel, embeddings) and an SFT one (an embedding only)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    tok = Tokenizer(BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    text = torch.tensor([tok.encode(PROMPT_TEXT).ids], dtype=torch.int32)
+    rng = torch.Generator().manual_seed(seed)
+    n = 40  # prompt speech tokens (1.6 s)
+    speech = torch.randint(0, config.lm.speech_token_size, (1, n), generator=rng, dtype=torch.int32)
+    feat = torch.randn(1, 2 * n, config.flow.output_size, generator=rng) - 5.0
+    embedding = torch.randn(1, config.flow.spk_embed_dim, generator=rng)
+    length = lambda t: torch.tensor([t.shape[1]], dtype=torch.int32)  # noqa: E731
+    zero_shot = {"prompt_text": text, "prompt_text_len": length(text),
+                 "llm_prompt_speech_token": speech, "llm_prompt_speech_token_len": length(speech),
+                 "flow_prompt_speech_token": speech, "flow_prompt_speech_token_len": length(speech),
+                 "prompt_speech_feat": feat, "prompt_speech_feat_len": length(feat),
+                 "llm_embedding": embedding, "flow_embedding": embedding}
+    return {"prompt_a": zero_shot, "sft_b": {"embedding": torch.randn(1, config.flow.spk_embed_dim, generator=rng)}}
+
+
 def write(out: Path, config: CosyVoice2Config, seed: int, weights: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "cosyvoice2.yaml").write_text(yaml_text(config), "utf-8")
     from service.models.cosyvoice2.official import official_models, qwen2_json
 
-    (out / QWEN_DIR).mkdir(exist_ok=True)
-    (out / QWEN_DIR / "config.json").write_text(json.dumps(qwen2_json(config.lm), indent=2) + "\n", "utf-8")
+    qwen = out / QWEN_DIR
+    qwen.mkdir(exist_ok=True)
+    (qwen / "config.json").write_text(json.dumps(qwen2_json(config.lm), indent=2) + "\n", "utf-8")
+    write_tokenizer(qwen, config.lm.vocab_size)
     if not weights:
         return
+    torch.save(speakers(config, qwen, seed), out / "spk2info.pt")
     for k, (name, model) in enumerate(zip(("llm", "flow", "hift"), official_models(config), strict=True)):
         randomize(model, seed + k)
+        if name == "llm":  # random scores almost never end speech: end it after a few tokens per text token
+            with torch.no_grad():
+                model.llm_decoder.bias[config.lm.speech_token_size] += END_OF_SPEECH_BIAS
         torch.save(model.state_dict(), out / f"{name}.pt")
 
 

@@ -212,10 +212,19 @@ def _check_stdout_for_wav() -> None:
 
 
 def _voice_and_dir(voice: str | None, voices_dir: str | None) -> tuple[str | None, str | None]:
-    """--voice PATH.onnx serves that file by its name, from its folder."""
+    """--voice PATH.onnx serves that file by its name, from its folder; --voice DIR (a model
+    directory, e.g. CosyVoice2's) serves it by its name, from the folder it is in."""
     from pathlib import Path
 
     check_voices_dir(voices_dir)
+    if voice is not None and Path(voice).is_dir():
+        from service.models.registry import recognise
+
+        directory = Path(voice).resolve()
+        if voices_dir is not None and Path(voices_dir).resolve() != directory.parent:
+            raise UsageError("--voice DIR serves the voices of the folder DIR is in; with --voices, "
+                             "give --voice as a name")
+        return recognise(directory).name, str(directory.parent)
     if voice is None or Path(voice).suffix != ".onnx":
         return voice, voices_dir
     path = Path(voice).resolve()

@@ -198,7 +198,11 @@ class Executor:
         return self.config.slots if pool is None else len(pool.free)
 
     def release(self, session: SessionState, u: UtteranceState) -> None:
-        """Give back the slot an utterance holds (done, failed or cancelled)."""
+        """Give back the slot an utterance holds (done, failed or cancelled), and its place in
+        an autoregressive family's token stage."""
+        stage_of_tokens = session.spec.runtime.tokens
+        if u.status is UtteranceStatus.TOKENS and stage_of_tokens is not None and u.decoder_input is not None:
+            stage_of_tokens.release(u.decoder_input)
         if u.slot is not None:
             pool = self.slots(session.spec.runtime, u.precision)
             pool.decoder.free(u.slot)
@@ -274,10 +278,13 @@ class Executor:
         except Exception as exc:
             log.exception("autoregressive step of %d rows failed", len(rows))
             return [(s, exc) for s, _ in rows]
+        failed: list[Failure] = []
         for (s, u), finished in zip(rows, done, strict=True):
-            if finished:
+            if isinstance(finished, Exception):
+                failed.append((s, finished))
+            elif finished:
                 self._decodable(s, u)
-        return []
+        return failed
 
     # --- decoder steps ---------------------------------------------------------------------------
 

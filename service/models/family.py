@@ -1,6 +1,6 @@
 """The model-family contract: everything the engine, the API and the tools know of a model.
 
-A family (VITS/Piper today) lives in its own folder under `service/models/` and is listed in
+A family (VITS/Piper, Kokoro, CosyVoice2) lives in its own folder under `service/models/` and is listed in
 `service.models.registry`. It gives:
 
 * `Family`: recognises its voices from their files (`VoiceInfo`, read without loading
@@ -23,8 +23,7 @@ How the next families map onto it:
   `TokenStage` (`VoiceRuntime.tokens`); the acoustic stage tokenises and prefills, its `step` decodes
   one token for every utterance still making tokens over a KV cache in slots, and the scheduler's
   plan holds those rows (`Plan.tokens`) beside acoustic batches and decoder steps. Today an
-  utterance is decoded once its tokens are complete; feeding the decoder chunk by chunk while
-  tokens are still being made is that family's work.
+  utterance is decoded once its tokens are complete (`service.models.cosyvoice2.runtime`).
 
 Nothing here imports torch: the server's API process reads voices and options through it."""
 
@@ -361,9 +360,14 @@ class TokenStage(Protocol):
     """An autoregressive family's decoder input made token by token (its state in the family's own
     cache, e.g. a KV cache in device slots)."""
 
-    def step(self, rows: Sequence[DecoderInput | None]) -> Sequence[bool]:
+    def step(self, rows: Sequence[DecoderInput | None]) -> Sequence[bool | Exception]:
         """One batched step adding a token to each row's decoder input; True for a row whose input
-        is now complete (it is then decoded)."""
+        is now complete (it is then decoded), the exception for a row that failed alone (its
+        session fails; the others go on)."""
+        ...
+
+    def release(self, utt: DecoderInput) -> None:
+        """`utt` makes no more tokens (its session ended first): free what it holds in the stage."""
         ...
 
 

@@ -13,6 +13,7 @@ from service.models.family import ChunkSchedule, Family, TextFrontend, VoiceInfo
 FAMILIES: dict[str, str] = {
     "vits": "service.models.vits.family:FAMILY",
     "kokoro": "service.models.kokoro.family:FAMILY",
+    "cosyvoice2": "service.models.cosyvoice2.family:FAMILY",
 }
 
 _loaded: dict[str, Family] = {}
@@ -47,7 +48,8 @@ def recognise(path: Path) -> VoiceInfo:
         raise VoiceNotFoundError(f"voice file {path} does not exist")
     raise VoiceNotFoundError(f"{path} is not a voice of any known family ({', '.join(FAMILIES)}); "
                              "a Piper voice is <name>.onnx with <name>.onnx.json beside it, a Kokoro voice "
-                             "<dir>/voices/<pack>.bin with kokoro-v1.0.int8.onnx in <dir>")
+                             "<dir>/voices/<pack>.bin with kokoro-v1.0.int8.onnx in <dir>, a CosyVoice2 voice "
+                             "the model directory (cosyvoice2.yaml, llm.pt, flow.pt, hift.pt)")
 
 
 def builtin_voices() -> list[VoiceInfo]:

@@ -21,9 +21,9 @@ from service.models.cosyvoice2.flow import FlowConfig
 from service.models.cosyvoice2.hift import HiftConfig
 from service.models.cosyvoice2.lm import Qwen2Config, SamplingConfig
 from service.models.cosyvoice2.token2wav import StreamConfig
+from service.models.cosyvoice2.voices import CONFIG_FILE, QWEN_DIR
 
-CONFIG_FILE = "cosyvoice2.yaml"
-QWEN_DIR = "CosyVoice-BlankEN"
+__all__ = ["CONFIG_FILE", "QWEN_DIR", "ConfigError", "CosyVoice2Config", "read_config", "read_yaml"]
 
 
 class ConfigError(ValueError):

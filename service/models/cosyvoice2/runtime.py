@@ -1,0 +1,450 @@
+"""A CosyVoice2 voice on torch, as the engine drives it (`service.models.family.VoiceRuntime`).
+
+* The acoustic stage tokenises nothing (the frontend gave Qwen2 ids): it builds each sentence's
+  LM prompt ([sos, prompt text, text, task, prompt speech tokens]), prefills it into a row of the
+  shared KV cache (one padded batch for every sentence of the call) and draws the first speech
+  token.
+* The token stage (`SpeechTokens`, the engine's `TokenStage`) then adds one token to every
+  sentence still making tokens in one batched LM step, drawing each sentence's token from its own
+  generator, as upstream's `Qwen2LM.inference` draws them (minimum and maximum length per text
+  token, end of speech redrawn before the minimum, the two other stop tokens not spoken). A
+  sentence's KV row is given back when its tokens are complete.
+* The slot decoder (`TokenAudioSlots`) turns a sentence's tokens into audio with upstream's
+  streaming token-to-audio (`Token2Wav`: flow chunks of 25 tokens + 3 lookahead, HiFT with its
+  cache and cross-fade), chunk by chunk as the engine's steps ask for audio, in FP32 or in FP16
+  with FP32 pins; the guard and the engine's FP32 redo work as for any slot decoder.
+
+A sentence's seed gives its tokens and its vocoder noise, so it sounds the same alone or batched.
+Today a sentence is decoded once all its tokens are made."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from service.models.cosyvoice2.lm import KVCache, LengthLimits, SpeechLM, sample_token
+from service.models.cosyvoice2.model import CosyVoice2, load_model
+from service.models.cosyvoice2.text import MAX_SENTENCE_TOKENS
+from service.models.cosyvoice2.token2wav import Token2Wav, Token2WavState
+from service.models.cosyvoice2.voices import SPEAKERS_FILE
+from service.models.family import (
+    AcousticJob,
+    Capabilities,
+    ChunkSchedule,
+    DecoderInput,
+    PendingAudio,
+    Prior,
+    StepRows,
+    UtteranceDecoder,
+    VoiceInfo,
+)
+
+# Module patterns (fnmatch over `TokenAudio`) kept in FP32 in the FP16 decoder. Why each:
+# - hift.source: the sine source sums F0 into a phase over the whole chunk; FP16 keeps 11 bits
+#   of a phase that grows to thousands of radians.
+# - hift.conv_post: its output goes through exp() (the magnitude).
+# - hift.f0_predictor: F0 feeds that phase.
+# `cadenza precision sensitivity --voice DIR` measures each on the served path.
+COSYVOICE2_FP32_PINS: tuple[str, ...] = ("hift.source", "hift.conv_post", "hift.f0_predictor")
+COSYVOICE2_PIN_CANDIDATES: tuple[str, ...] = (
+    "flow.encoder", "flow.decoder.estimator.down_blocks.*", "flow.decoder.estimator.mid_blocks.*",
+    "flow.decoder.estimator.up_blocks.*", "flow.decoder.estimator.final_proj", "hift.f0_predictor", "hift.source",
+    "hift.ups.*", "hift.resblocks.*", "hift.conv_post",
+)
+
+
+@dataclass(frozen=True)
+class Speaker:
+    """A saved speaker as the LM and the flow take it (empty prompts for an SFT speaker)."""
+
+    prompt_text: torch.Tensor  # [Lt] Qwen2 ids
+    llm_prompt_speech: torch.Tensor  # [P] speech tokens
+    flow_prompt_tokens: torch.Tensor  # [1, P']
+    prompt_mel: torch.Tensor  # [1, 2P', 80]
+    embedding: torch.Tensor  # [1, 192]
+
+
+def _ids(value: Any) -> torch.Tensor:
+    return torch.as_tensor(value).reshape(-1).long() if value is not None else torch.zeros(0, dtype=torch.long)
+
+
+def load_speakers(path: Path, mel_bins: int, embed_dim: int) -> list[Speaker]:
+    """`spk2info.pt`'s speakers in name order (`voices.speaker_names`' order); one speaker with
+    no prompt and a zero embedding when there is no file."""
+    if not path.is_file():
+        empty = torch.zeros(0, dtype=torch.long)
+        return [Speaker(empty, empty, empty[None], torch.zeros(1, 0, mel_bins), torch.zeros(1, embed_dim))]
+    table = torch.load(path, map_location="cpu", weights_only=True)
+    out = []
+    for name in sorted(str(n) for n in table):
+        entry = table[name]
+        embedding = entry.get("flow_embedding", entry.get("embedding"))
+        if embedding is None:
+            raise ValueError(f"{path}: speaker {name!r} has no embedding ('flow_embedding' or 'embedding')")
+        flow_tokens = _ids(entry.get("flow_prompt_speech_token"))
+        mel = entry.get("prompt_speech_feat")
+        mel = torch.zeros(1, 0, mel_bins) if mel is None else torch.as_tensor(mel).float().reshape(1, -1, mel_bins)
+        # upstream keeps the prompt mel at exactly two frames per prompt token
+        n = min(mel.shape[1] // 2, flow_tokens.shape[0])
+        out.append(Speaker(_ids(entry.get("prompt_text")), _ids(entry.get("llm_prompt_speech_token")),
+                           flow_tokens[:n][None], mel[:, : 2 * n], torch.as_tensor(embedding).float().reshape(1, -1)))
+    return out
+
+
+class TokenPrior:
+    """A sentence's decoder input as a `Prior`: its speech tokens (columns are mel frames; no
+    noise drawn by the engine; `key` seeds the vocoder's generator)."""
+
+    def __init__(self, utt: SpeechUtterance) -> None:
+        self.utt = utt
+        self.key = utt.key
+        self.device_values = None
+        self.src = np.arange(utt.frames)
+
+    @property
+    def mean(self) -> np.ndarray:
+        return np.zeros((1, self.frames), dtype=np.float32)
+
+    @property
+    def sigma(self) -> np.ndarray:
+        return np.zeros((1, self.frames), dtype=np.float32)
+
+    @property
+    def frames(self) -> int:
+        return self.utt.frames
+
+    @property
+    def phonemes(self) -> int:
+        return self.utt.frames
+
+
+@dataclass
+class SpeechUtterance:
+    """One sentence: its prompt, its speech tokens so far and its place in the KV cache (a
+    `service.models.family.DecoderInput`)."""
+
+    text: str
+    text_ids: list[int]
+    speaker: Speaker
+    sid: int | None
+    seed: int  # its tokens' draws
+    key: int  # the vocoder's generator seed
+    sampler: torch.Generator  # seeded with `seed`
+    min_tokens: int
+    max_tokens: int
+    mel_ratio: int
+    tokens: list[int] = field(default_factory=list)
+    steps: int = 0  # LM steps taken (stop tokens that are not spoken count)
+    fed_prompt: bool = False  # the last LM input was the prompt (a stop token other than end of speech after it)
+    row: int | None = None  # KV cache row while making tokens
+    complete: bool = False
+    failed: Exception | None = None  # its tokens could not be drawn (the LM's scores)
+    word_spans: list[tuple[str, int, int]] = field(default_factory=list)
+
+    @property
+    def frames(self) -> int:
+        return len(self.tokens) * self.mel_ratio
+
+    @property
+    def prior(self) -> TokenPrior:
+        return TokenPrior(self)
+
+
+class SpeechTokens:
+    """The token stage: a KV cache with a row per sentence making tokens (grown by doubling when
+    full), prefill and batched single-token steps (`service.models.family.TokenStage`)."""
+
+    def __init__(self, model: CosyVoice2, device: torch.device, rows: int = 8) -> None:
+        self.lm: SpeechLM = model.lm
+        self.sampling = model.config.sampling
+        self.device = device
+        self.eos = self.lm.config.speech_token_size
+        longest_prompt = 2 + 2 * MAX_SENTENCE_TOKENS + 1024  # prompt text + text + prompt speech tokens
+        self.capacity = longest_prompt + int(MAX_SENTENCE_TOKENS * LengthLimits().max_ratio)
+        self.cache = KVCache.empty(self.lm.config, rows, self.capacity, device=device)
+        self.free = list(range(rows))
+
+    def _take_row(self) -> int:
+        if not self.free:
+            rows = len(self.cache.lengths)
+            grown = KVCache.empty(self.lm.config, 2 * rows, self.capacity, device=self.device)
+            for old, new in zip(self.cache.keys + self.cache.values, grown.keys + grown.values, strict=True):
+                new[:rows] = old
+            grown.lengths[:rows] = self.cache.lengths
+            self.cache = grown
+            self.free = list(range(rows, 2 * rows))
+        row = self.free.pop()
+        self.cache.lengths[row] = 0
+        return row
+
+    def release(self, utt: DecoderInput) -> None:
+        """The sentence makes no more tokens (done, or its session ended): give its row back."""
+        assert isinstance(utt, SpeechUtterance)
+        if utt.row is not None:
+            self.free.append(utt.row)
+            utt.row = None
+
+    def _prompt(self, utt: SpeechUtterance) -> torch.Tensor:
+        text = torch.cat([utt.speaker.prompt_text, torch.tensor(utt.text_ids, dtype=torch.long)])
+        prompt_speech = utt.speaker.llm_prompt_speech
+        if len(utt.speaker.prompt_text) + len(utt.text_ids) + 2 + len(prompt_speech) > self.capacity - utt.max_tokens:
+            raise ValueError("the speaker's prompt is too long for the KV cache: use a shorter prompt recording")
+        return self.lm.prompt(text.to(self.device), prompt_speech.to(self.device))
+
+    @torch.inference_mode()
+    def prefill(self, utts: list[SpeechUtterance]) -> None:
+        """Each sentence's prompt into a fresh row (one padded batch) and its first token."""
+        self._feed_prompts(utts)
+
+    def _feed_prompts(self, utts: list[SpeechUtterance]) -> None:
+        if not utts:
+            return
+        prompts = [self._prompt(u) for u in utts]
+        for u in utts:
+            if u.row is None:
+                u.row = self._take_row()
+        lengths = torch.tensor([p.shape[0] for p in prompts], device=self.device)
+        x = torch.zeros(len(utts), int(lengths.max()), self.lm.config.hidden_size, device=self.device)
+        for i, p in enumerate(prompts):
+            x[i, : p.shape[0]] = p
+        rows = torch.tensor([u.row for u in utts], device=self.device)
+        logp = self.lm(x, self.cache, rows, lengths)
+        for u, scores in zip(utts, logp.cpu(), strict=True):
+            self._draw(u, scores, prompt=True)
+
+    @torch.inference_mode()
+    def step(self, rows: Sequence[DecoderInput | None]) -> list[bool | Exception]:
+        utts = [u for u in rows if isinstance(u, SpeechUtterance) and not u.complete]
+        again = [u for u in utts if u.fed_prompt]  # a stop token right after the prompt: the prompt again, appended
+        going = [u for u in utts if not u.fed_prompt]
+        self._feed_prompts(again)
+        if going:
+            last = torch.tensor([u.tokens[-1] for u in going], device=self.device)
+            x = self.lm.speech_embedding(last)[:, None]
+            logp = self.lm(x, self.cache, torch.tensor([u.row for u in going], device=self.device))
+            for u, scores in zip(going, logp.cpu(), strict=True):
+                self._draw(u, scores, prompt=False)
+        return [u.failed if isinstance(u, SpeechUtterance) and u.failed else
+                not isinstance(u, SpeechUtterance) or u.complete for u in rows]
+
+    def _draw(self, u: SpeechUtterance, logp: torch.Tensor, prompt: bool) -> None:
+        """The next token from the LM's scores, as `lm.generate` takes it; a sentence whose
+        scores cannot be sampled fails alone."""
+        redraw = self.eos if u.steps < u.min_tokens else None
+        try:
+            token = sample_token(logp, u.tokens, self.sampling, u.sampler, redraw=redraw)
+        except RuntimeError as exc:
+            u.failed, u.complete = exc, True
+            self.release(u)
+            return
+        u.steps += 1
+        if token == self.eos:
+            u.complete = True
+        elif token < self.eos:
+            u.tokens.append(token)
+            u.fed_prompt = False
+        else:
+            u.fed_prompt = prompt or u.fed_prompt  # not spoken: the same input again
+        if u.steps >= u.max_tokens:
+            u.complete = True
+        if u.complete:
+            self.release(u)
+
+
+class TokenAudio(nn.Module):
+    """The flow and the vocoder in one module (what mixed precision converts and pins)."""
+
+    def __init__(self, model: CosyVoice2) -> None:
+        super().__init__()
+        self.flow, self.hift = model.flow, model.hift
+        self.stream = model.config.stream
+
+
+@dataclass
+class _Slot:
+    utt: SpeechUtterance
+    state: Token2WavState
+    tokens: torch.Tensor
+    audio: torch.Tensor  # [samples] made so far
+
+
+class TokenAudioSlots:
+    """The slot decoder (`service.models.family.StreamingDecoder`): each slot streams its
+    sentence through `Token2Wav` as the steps reach its audio (a chunk is made when a step needs
+    audio past what is made), and each step hands out the next frames of each row's audio."""
+
+    lag = 0
+
+    def __init__(self, runtime: CosyVoice2Runtime, precision: str, slots: int) -> None:
+        self.runtime, self.precision, self.capacity = runtime, precision, slots
+        self.hop = runtime.hop
+        self.step_seconds: dict[tuple[int, int], float] = {}
+        self.token2wav = runtime.token2wav(precision)
+        self._slots: dict[int, _Slot] = {}
+
+    def start(self, slot: int, prior: Prior) -> bool:
+        assert isinstance(prior, TokenPrior), "a CosyVoice2 voice decodes its own speech tokens"
+        self._slots[slot] = self._fresh(prior.utt)
+        return True
+
+    def _fresh(self, utt: SpeechUtterance) -> _Slot:
+        return _Slot(utt, self.runtime.stream_state(utt, self.precision),
+                     torch.tensor([utt.tokens], dtype=torch.long, device=self.runtime.device),
+                     torch.zeros(0, device=self.runtime.device))
+
+    def free(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    def capture_all(self) -> None:
+        """No CUDA graphs yet: chunk shapes vary with each sentence's prompt and tokens."""
+
+    @torch.inference_mode()
+    def step(self, rows: StepRows) -> torch.Tensor:
+        size = rows.frames * self.hop
+        dtype = torch.float16 if self.precision == "fp16" else torch.float32
+        out = torch.zeros(len(rows.slots), size, device=self.runtime.device, dtype=dtype)
+        for row, (slot, fed) in enumerate(zip(rows.slots, rows.fed, strict=True)):
+            s = self._slots[slot]
+            end = min(s.utt.frames * self.hop, (fed + rows.frames) * self.hop)
+            while s.audio.shape[0] < end and not s.state.done:
+                s.audio = torch.cat([s.audio, self._chunk(s)])
+            piece = s.audio[fed * self.hop : fed * self.hop + size]
+            out[row, : piece.shape[0]] = piece
+        return out
+
+    def _chunk(self, s: _Slot) -> torch.Tensor:
+        finalize = not self.token2wav.ready(s.state, s.tokens.shape[1])
+        return self.token2wav.chunk(s.state, s.tokens, finalize)[0].float()
+
+
+_MODELS: dict[tuple[str, str], CosyVoice2] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def shared_model(directory: Path, device: str) -> CosyVoice2:
+    """One loaded model per directory and device."""
+    key = (str(directory.resolve()), device)
+    with _MODELS_LOCK:
+        model = _MODELS.get(key)
+        if model is None:
+            model = load_model(directory)
+            model.lm.to(device)
+            model.flow.to(device)
+            model.hift.to(device)
+            _MODELS[key] = model
+    return model
+
+
+class CosyVoice2Runtime:
+    """A CosyVoice2 directory on torch for one engine thread: FP32, and on CUDA FP16 decoding
+    with FP32 pins (the LM runs in FP32)."""
+
+    backend_name = "torch"
+    pin_candidates = COSYVOICE2_PIN_CANDIDATES
+
+    def __init__(self, info: VoiceInfo, device: str, schedule: ChunkSchedule | None = None,
+                 pins: tuple[str, ...] = COSYVOICE2_FP32_PINS) -> None:
+        self.info = info
+        self.device = torch.device(device)
+        self.capabilities = Capabilities(slot_decoder=True, asynchronous=self.device.type == "cuda")
+        self.schedule = schedule or ChunkSchedule()
+        self.model = shared_model(info.model_path, device)
+        config = self.model.config
+        self.speakers = load_speakers(info.model_path / SPEAKERS_FILE, config.flow.output_size,
+                                      config.flow.spk_embed_dim)
+        self.fp32_pins = tuple(pins)
+        self.limits = LengthLimits()
+        self._tokens = SpeechTokens(self.model, self.device)
+        self._audio: dict[str, tuple[Token2Wav, torch.dtype]] = {}
+
+    @property
+    def sample_rate(self) -> int:
+        return self.info.sample_rate
+
+    @property
+    def hop(self) -> int:
+        return self.model.hift.config.samples_per_frame
+
+    @property
+    def tokens(self) -> SpeechTokens:
+        return self._tokens
+
+    def precisions(self) -> tuple[str, ...]:
+        return ("fp32", "fp16") if self.device.type == "cuda" else ("fp32",)
+
+    def token2wav(self, precision: str) -> Token2Wav:
+        """The streaming token-to-audio stage in `precision` (FP16: a pinned twin, made once)."""
+        if precision not in self.precisions():
+            raise ValueError(f"CosyVoice2 on {self.device.type} runs {' or '.join(self.precisions())}, not {precision}")
+        found = self._audio.get(precision)
+        if found is None:
+            if precision == "fp32":
+                module, dtype = TokenAudio(self.model), torch.float32
+            else:
+                from service.models.mixed_precision import to_mixed_precision
+
+                module, dtype = to_mixed_precision(TokenAudio(self.model), self.fp32_pins, torch.float16), torch.float16
+            found = self._audio[precision] = (Token2Wav(module.flow, module.hift, module.stream), dtype)
+        return found[0]
+
+    def stream_state(self, utt: SpeechUtterance, precision: str) -> Token2WavState:
+        """A fresh streaming state for `utt`: its speaker's flow prompt, its vocoder generator."""
+        dtype = self._audio[precision][1] if precision in self._audio else torch.float32
+        generator = torch.Generator(device=self.device).manual_seed(utt.key)
+        sp = utt.speaker
+        return Token2WavState(generator, sp.flow_prompt_tokens.to(self.device),
+                              sp.prompt_mel.to(self.device, dtype), sp.embedding.to(self.device, dtype))
+
+    def prepare(self, max_batch: int) -> None:
+        """Nothing is captured before serving."""
+
+    def acoustic_batch(self, jobs: list[AcousticJob]) -> Sequence[DecoderInput]:
+        """Each sentence's LM prompt prefilled (one padded batch) and its first token drawn."""
+        utts = []
+        for job in jobs:
+            if job.params.length_scale not in (None, 1.0):
+                raise ValueError("CosyVoice2 voices speak at their own pace: leave the speaking rate at its default")
+            speaker = self.speakers[job.sid or 0]
+            n_text = len(job.sentence.phoneme_ids)
+            seed, key = (int(v) for v in job.rng.integers(0, 1 << 62, size=2))
+            utts.append(SpeechUtterance(
+                job.sentence.text, list(job.sentence.phoneme_ids), speaker, job.sid, seed, key,
+                torch.Generator().manual_seed(seed), int(n_text * self.limits.min_ratio),
+                int(n_text * self.limits.max_ratio), self.model.token2wav.mel_ratio))
+        self._tokens.prefill(utts)
+        out: list[DecoderInput] = list(utts)
+        return out
+
+    def streaming_decoder(self, precision: str, slots: int, *, max_rows: int, graphs: bool,
+                          graph_frames: tuple[int, ...]) -> TokenAudioSlots:
+        self.token2wav(precision)  # an unsupported precision fails here, before serving
+        return TokenAudioSlots(self, precision, slots)
+
+    def streaming_lag(self) -> int:
+        return TokenAudioSlots.lag
+
+    def utterance_decoder(self, utt: DecoderInput) -> UtteranceDecoder:
+        raise ValueError("CosyVoice2 voices decode through their slot decoder (--decoder auto or slots)")
+
+    @torch.inference_mode()
+    def reference(self, utt: DecoderInput, precision: str = "fp32") -> np.ndarray:
+        """The sentence's audio as upstream's streaming path makes it, every chunk at once (the
+        streamed audio is not a full-context decode: the flow's chunk masks differ)."""
+        assert isinstance(utt, SpeechUtterance), "a CosyVoice2 voice decodes its own speech tokens"
+        decoder = TokenAudioSlots(self, precision, 1)
+        slot = decoder._fresh(utt)
+        while not slot.state.done:
+            slot.audio = torch.cat([slot.audio, decoder._chunk(slot)])
+        return slot.audio.cpu().numpy()
+
+    def guard_async(self, device_audio: Any) -> PendingAudio:
+        from service.models.device_audio import guard_async
+
+        return guard_async(device_audio)
