@@ -48,3 +48,17 @@ def builtin_ort(onnx_cache_dir: str) -> VoiceRuntime:
     from service.voices import builtin_voice_info
 
     return open_voice(builtin_voice_info(), "onnxruntime", "cpu", cache_dir=Path(onnx_cache_dir))
+
+
+@pytest.fixture(scope="session")
+def cosyvoice2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight CosyVoice2 directory in the official layout, small shapes
+    (scripts/make_cosyvoice2_checkpoint.py), alone in its parent folder (a --voices folder)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("cosyvoice2") / "CosyVoice2-test"
+    script = TESTS_DIR.parent / "scripts" / "make_cosyvoice2_checkpoint.py"
+    subprocess.run([sys.executable, str(script), str(out), "--size", "small", "--seed", "3"], check=True,
+                   capture_output=True, text=True)
+    return out

@@ -30,7 +30,7 @@ COSYVOICE_SPECIAL_TOKENS = (
 # The most text tokens in one sentence (upstream cuts paragraphs at 80 tokens): the LM makes at
 # most 20 speech tokens per text token, and the KV cache holds a whole sentence.
 MAX_SENTENCE_TOKENS = 80
-_SENTENCE_END = re.compile(r"(?<=[.!?;。！？；…])[\"'”’)\]]*\s+|\n+")
+_SENTENCE_END = re.compile(r"(?<=[.!?;。！？；…])\s+|(?<=[.!?;。！？；…][\"'”’)\]])\s+|\n+")
 
 
 class QwenTokenizer:

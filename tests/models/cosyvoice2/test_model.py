@@ -34,8 +34,8 @@ def test_the_full_size_configuration_is_cosyvoice2_0_5b(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make(tmp_path_factory.mktemp("cv2") / "small", "--size", "small", "--seed", "3")
+def small(cosyvoice2_dir: Path) -> Path:
+    return cosyvoice2_dir
 
 
 def test_a_random_weight_directory_loads_and_matches_the_official_classes(small: Path) -> None:

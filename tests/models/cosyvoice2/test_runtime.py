@@ -1,0 +1,164 @@
+"""A CosyVoice2 directory served (`CosyVoice2Runtime`), on the random-weight test directory:
+batched token steps give each sentence what it gets alone, the slot decoder's steps stream
+exactly the reference audio, KV cache rows grow and come back, a sentence whose scores cannot be
+sampled fails alone, and the whole path equals the official code (`cadenza voices check`)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from service.audio.quality import psnr_db
+from service.models import registry
+from service.models.cosyvoice2.runtime import CosyVoice2Runtime, SpeechUtterance, load_speakers
+from service.models.family import AcousticJob, StepRows, SynthesisParams, TextFrontend, utterance_rng
+
+TEXTS = ["Hello there.", "Thank you for calling, how can I help you today?", "Goodbye!"]
+
+
+@pytest.fixture(scope="module")
+def runtime(cosyvoice2_dir: Path) -> CosyVoice2Runtime:
+    rt = registry.open_voice(registry.recognise(cosyvoice2_dir), "auto", "cpu")
+    assert isinstance(rt, CosyVoice2Runtime)
+    return rt
+
+
+@pytest.fixture(scope="module")
+def frontend(runtime: CosyVoice2Runtime) -> TextFrontend:
+    return registry.open_frontend(runtime.info.frontend_key)
+
+
+def jobs(frontend: TextFrontend, texts: list[str], seed: int = 1, sid: int | None = 0) -> list[AcousticJob]:
+    sentences = [s for t in texts for s in frontend.sentences(t)]
+    return [AcousticJob(s, sid, SynthesisParams(seed=seed), utterance_rng(seed, s.phoneme_ids)) for s in sentences]
+
+
+def tokens_of(runtime: CosyVoice2Runtime, batch: list[AcousticJob]) -> list[SpeechUtterance]:
+    utts = [u for u in runtime.acoustic_batch(batch) if isinstance(u, SpeechUtterance)]
+    while not all(u.complete for u in utts):
+        runtime.tokens.step(utts)
+    return utts
+
+
+def test_speakers_are_the_saved_ones_in_name_order(runtime: CosyVoice2Runtime, cosyvoice2_dir: Path) -> None:
+    table = torch.load(cosyvoice2_dir / "spk2info.pt", weights_only=True)
+    zero_shot, sft = load_speakers(cosyvoice2_dir / "spk2info.pt", 80, 192)
+    assert torch.equal(zero_shot.prompt_text, table["prompt_a"]["prompt_text"][0].long())
+    assert torch.equal(zero_shot.llm_prompt_speech, table["prompt_a"]["llm_prompt_speech_token"][0].long())
+    assert zero_shot.prompt_mel.shape == (1, 2 * zero_shot.flow_prompt_tokens.shape[1], 80)
+    assert torch.equal(sft.embedding, table["sft_b"]["embedding"])
+    assert sft.prompt_text.numel() == sft.llm_prompt_speech.numel() == sft.prompt_mel.numel() == 0
+    assert len(runtime.speakers) == runtime.info.num_speakers == 2
+
+
+def test_batched_steps_give_each_sentence_what_it_gets_alone(runtime: CosyVoice2Runtime,
+                                                              frontend: TextFrontend) -> None:
+    together = tokens_of(runtime, jobs(frontend, TEXTS) + jobs(frontend, TEXTS[:1], sid=1))
+    alone = [tokens_of(runtime, [job])[0] for job in jobs(frontend, TEXTS) + jobs(frontend, TEXTS[:1], sid=1)]
+    assert [u.tokens for u in together] == [u.tokens for u in alone]
+    assert together[0].tokens != together[-1].tokens  # another speaker, another prompt: other tokens
+    for a, b in zip(together, alone, strict=True):
+        assert a.min_tokens <= len(a.tokens) <= a.max_tokens
+        np.testing.assert_allclose(runtime.reference(a), runtime.reference(b), atol=1e-5)
+
+
+def test_the_slot_decoders_steps_stream_exactly_the_reference(runtime: CosyVoice2Runtime,
+                                                               frontend: TextFrontend) -> None:
+    utts = tokens_of(runtime, jobs(frontend, TEXTS[1:2], seed=4) + jobs(frontend, TEXTS[2:], seed=5))
+    decoder = runtime.streaming_decoder("fp32", 4, max_rows=4, graphs=False, graph_frames=())
+    for slot, u in enumerate(utts):
+        assert decoder.start(slot, u.prior)
+    fed, pieces = [0, 0], [[], []]
+    frames = 40  # a first step, then steps of 64 frames: not the chunk grid of the token-to-audio stage
+    while any(f < u.frames for f, u in zip(fed, utts, strict=True)):
+        audio = decoder.step(StepRows([0, 1], list(fed), frames, None)).numpy()
+        for row in range(2):
+            pieces[row].append(audio[row])
+            fed[row] += frames
+        frames = 64
+    for row, u in enumerate(utts):
+        streamed = np.concatenate(pieces[row])
+        want = runtime.reference(u)
+        assert len(want) == u.frames * runtime.hop
+        np.testing.assert_array_equal(streamed[: len(want)], want)
+        assert not streamed[len(want):].any()  # past the end: zeros
+        assert np.abs(want).max() > 0.01
+
+
+def test_kv_rows_grow_when_full_and_come_back(runtime: CosyVoice2Runtime, frontend: TextFrontend) -> None:
+    stage = runtime.tokens
+    many = jobs(frontend, TEXTS * 4, seed=7)
+    utts = [u for u in runtime.acoustic_batch(many) if isinstance(u, SpeechUtterance)]
+    rows = len(stage.cache.lengths)
+    assert rows >= len(many) and len({u.row for u in utts}) == len(many)
+    stage.release(utts[0])  # its session ended before its tokens did
+    assert utts[0].row is None and len(stage.free) == rows - len(many) + 1
+    rest = utts[1:]
+    while not all(u.complete for u in rest):
+        stage.step(rest)
+    assert len(stage.free) == rows
+    again = tokens_of(runtime, jobs(frontend, TEXTS * 4, seed=7)[1:])  # the rows reused: the same tokens
+    assert [u.tokens for u in again] == [u.tokens for u in rest]
+
+
+def test_a_sentence_whose_scores_cannot_be_sampled_fails_alone(cosyvoice2_dir: Path, tmp_path: Path) -> None:
+    """An LM that puts all its mass on end of speech: a sentence that may end draws it and is
+    complete; one that may not end yet fails after upstream's 100 redraws, alone."""
+    broken = tmp_path / "CosyVoice2-eos"
+    shutil.copytree(cosyvoice2_dir, broken)
+    state = torch.load(broken / "llm.pt", weights_only=True)
+    state["llm_decoder.bias"][runtime_eos(state)] += 100.0
+    torch.save(state, broken / "llm.pt")
+    rt = registry.open_voice(registry.recognise(broken), "auto", "cpu")
+    assert isinstance(rt, CosyVoice2Runtime)
+    sentences = registry.open_frontend(rt.info.frontend_key).sentences("Hello there. Goodbye.")
+    batch = [AcousticJob(s, 0, SynthesisParams(seed=1), utterance_rng(1, s.phoneme_ids)) for s in sentences]
+    prefilled = rt.acoustic_batch(batch)  # the first draw fails: reported by the next step, per sentence
+    assert all(isinstance(u, SpeechUtterance) and u.failed and u.row is None for u in prefilled)
+    assert all(isinstance(r, RuntimeError) for r in rt.tokens.step(prefilled))
+    may_end, may_not = make_two(rt, batch)
+    may_end.min_tokens = 0
+    results = rt.tokens.step([may_end, may_not])
+    assert results[0] is True and may_end.complete and not may_end.failed
+    assert isinstance(results[1], RuntimeError) and "end of speech" in str(results[1])
+    assert len(rt.tokens.free) == len(rt.tokens.cache.lengths)  # both rows given back
+
+
+def runtime_eos(state: dict[str, torch.Tensor]) -> int:
+    return int(state["llm_decoder.weight"].shape[0]) - 3
+
+
+def make_two(rt: CosyVoice2Runtime, batch: list[AcousticJob]) -> list[SpeechUtterance]:
+    """Two sentences past their prefill, as the acoustic stage leaves them (their first token
+    drawn by hand: the broken LM cannot draw one)."""
+    out = []
+    for job in batch:
+        utt = SpeechUtterance(job.sentence.text, list(job.sentence.phoneme_ids), rt.speakers[0], 0, 1, 2,
+                              torch.Generator().manual_seed(1), 2 * len(job.sentence.phoneme_ids),
+                              20 * len(job.sentence.phoneme_ids), 2, tokens=[5])
+        utt.row = rt.tokens._take_row()
+        rt.tokens.cache.lengths[utt.row] = 3
+        out.append(utt)
+    return out
+
+
+def test_a_speaking_rate_is_refused_with_what_to_change(runtime: CosyVoice2Runtime,
+                                                         frontend: TextFrontend) -> None:
+    job = jobs(frontend, ["Hello."])[0]
+    job.params = SynthesisParams(length_scale=1.5)
+    with pytest.raises(ValueError, match="leave the speaking rate at its default"):
+        runtime.acoustic_batch([job])
+
+
+def test_the_voice_equals_the_official_code(runtime: CosyVoice2Runtime, frontend: TextFrontend) -> None:
+    """`cadenza voices check`'s comparison: the official LM's tokens and its streamed audio
+    against ours, same weights and seeds (the README's figure: min_psnr_db >= 60)."""
+    parity = registry.family("cosyvoice2").parity(runtime, None)
+    for sentence in frontend.sentences("Hello, and welcome to Cadenza. Is there anything else?"):
+        theirs, ours = parity.pair(sentence)
+        assert len(theirs) == len(ours) > 0
+        assert psnr_db(theirs, ours) >= 60
