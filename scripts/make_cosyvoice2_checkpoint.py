@@ -191,6 +191,9 @@ PROMPT_TEXT = "This is the prompt speaker talking."
 # Added to the end-of-speech score of the random LM: speech then ends after 2-10 tokens per text
 # token (the LM's limits are 2 and 20), instead of running to the maximum every time.
 END_OF_SPEECH_BIAS = 3.0
+# The random vocoder's F0 (Hz) and spectral logits brought into a trained one's ranges (`speech_like`).
+F0_CENTRE_HZ, F0_SPREAD_HZ = 160.0, 60.0
+SPECTRAL_SCALE, LOG_MAGNITUDE = 0.1, -1.0
 
 
 def write_tokenizer(folder: Path, vocab_size: int) -> None:
@@ -235,6 +238,18 @@ def speakers(config: CosyVoice2Config, folder: Path, seed: int) -> dict[str, dic
     return {"prompt_a": zero_shot, "sft_b": {"embedding": torch.randn(1, config.flow.spk_embed_dim, generator=rng)}}
 
 
+def speech_like(hift: torch.nn.Module) -> None:
+    """Random vocoder weights in a trained one's ranges: F0 at speaking pitches (random weights
+    give ~1 Hz, no sine at all) and spectral logits near zero (random ones reach +-25: every
+    magnitude at its clip and the audio at its limit, clipped noise that says nothing of precision)."""
+    bins = hift.istft_params["n_fft"] // 2 + 1
+    with torch.no_grad():
+        hift.f0_predictor.classifier.weight.mul_(F0_SPREAD_HZ)
+        hift.f0_predictor.classifier.bias.fill_(F0_CENTRE_HZ)
+        hift.conv_post.parametrizations.weight.original0.mul_(SPECTRAL_SCALE)  # weight norm's gain
+        hift.conv_post.bias[:bins].fill_(LOG_MAGNITUDE)
+
+
 def write(out: Path, config: CosyVoice2Config, seed: int, weights: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "cosyvoice2.yaml").write_text(yaml_text(config), "utf-8")
@@ -252,6 +267,8 @@ def write(out: Path, config: CosyVoice2Config, seed: int, weights: bool = True) 
         if name == "llm":  # random scores almost never end speech: end it after a few tokens per text token
             with torch.no_grad():
                 model.llm_decoder.bias[config.lm.speech_token_size] += END_OF_SPEECH_BIAS
+        if name == "hift":
+            speech_like(model)
         torch.save(model.state_dict(), out / f"{name}.pt")
 
 

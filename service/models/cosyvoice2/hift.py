@@ -165,7 +165,7 @@ class HiFT(nn.Module):
         """The excitation [B, 1, T * samples_per_frame] the generator fuses; `cache` (the end
         of the previous chunk's excitation, under the frames this chunk repeats) replaces its
         start, so the sine's phase runs on without a jump."""
-        f0 = self.f0_predictor(mel)
+        f0 = self.f0_predictor(mel.to(self.f0_predictor.classifier.weight.dtype))
         f0 = f0[:, :, None].repeat_interleave(self.config.samples_per_frame, dim=1)
         source = self.source(f0, generator)
         if cache is not None and cache.shape[2]:
@@ -173,9 +173,12 @@ class HiFT(nn.Module):
         return source
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """The STFT of the excitation and the inverse STFT run in FP32 whatever the model's
+        precision (FFTs have no FP16 kernel on the CPU, and exp() of the magnitude needs the range)."""
         cfg = self.config
-        spec = torch.stft(source[:, 0], cfg.n_fft, cfg.hop_len, cfg.n_fft, window=self.window, return_complex=True)
-        s = torch.cat([spec.real, spec.imag], dim=1)
+        window = self.window.float()
+        spec = torch.stft(source[:, 0].float(), cfg.n_fft, cfg.hop_len, cfg.n_fft, window=window, return_complex=True)
+        s = torch.cat([spec.real, spec.imag], dim=1).to(mel.dtype)
         x = self.conv_pre(mel)
         kernels = len(cfg.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
@@ -187,19 +190,21 @@ class HiFT(nn.Module):
             for j in range(1, kernels):
                 xs = xs + self.resblocks[i * kernels + j](x)
             x = xs / kernels
-        x = self.conv_post(F.leaky_relu(x))  # the official post activation uses leaky_relu's default slope
+        # the official post activation uses leaky_relu's default slope
+        x = self.conv_post(F.leaky_relu(x).to(self.conv_post.weight.dtype))
         bins = cfg.n_fft // 2 + 1
+        x = x.float()
         magnitude = torch.clip(torch.exp(x[:, :bins]), max=1e2)
         phase = torch.sin(x[:, bins:])
         audio = torch.istft(torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase)),
-                            cfg.n_fft, cfg.hop_len, cfg.n_fft, window=self.window)
+                            cfg.n_fft, cfg.hop_len, cfg.n_fft, window=window)
         return torch.clamp(audio, -cfg.audio_limit, cfg.audio_limit)
 
     def forward(self, mel: torch.Tensor, generator: torch.Generator | None = None,
                 cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Audio [B, samples] and the excitation it was made from [B, 1, samples]."""
         source = self.source_signal(mel, generator, cache)
-        return self.decode(mel, source), source
+        return self.decode(mel.to(self.conv_pre.weight.dtype), source), source
 
 
 def hift_state_dict(official: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

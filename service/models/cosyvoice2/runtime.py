@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from service.models.cosyvoice2.lm import KVCache, LengthLimits, SpeechLM, sample_token
 from service.models.cosyvoice2.model import CosyVoice2, load_model
@@ -46,17 +45,17 @@ from service.models.family import (
     VoiceInfo,
 )
 
-# Module patterns (fnmatch over `TokenAudio`) kept in FP32 in the FP16 decoder. Why each:
-# - hift.source: the sine source sums F0 into a phase over the whole chunk; FP16 keeps 11 bits
-#   of a phase that grows to thousands of radians.
-# - hift.conv_post: its output goes through exp() (the magnitude).
-# - hift.f0_predictor: F0 feeds that phase.
+# In the FP16 decoder the flow and the vocoder's F0 path (F0 predictor, sine source) stay whole in
+# FP32, outputs included: the sine source sums F0 into a phase over each chunk, so a mel or an F0
+# rounded to FP16 (1/4 Hz steps at 300 Hz) drifts that phase and the waveform with it. FP16 runs
+# the vocoder's convolution stack; these patterns (fnmatch over `HiFT`) are pinned in it. Why:
+# - conv_post: its output goes through exp() (the magnitude).
 # `cadenza precision sensitivity --voice DIR` measures each on the served path.
-COSYVOICE2_FP32_PINS: tuple[str, ...] = ("hift.source", "hift.conv_post", "hift.f0_predictor")
+COSYVOICE2_FP32_PINS: tuple[str, ...] = ("conv_post",)
+# The vocoder's F0 path, kept whole in FP32 (the FP32 model's own modules) beside the FP32 flow.
+FP32_STAGES: tuple[str, ...] = ("f0_predictor", "source")
 COSYVOICE2_PIN_CANDIDATES: tuple[str, ...] = (
-    "flow.encoder", "flow.decoder.estimator.down_blocks.*", "flow.decoder.estimator.mid_blocks.*",
-    "flow.decoder.estimator.up_blocks.*", "flow.decoder.estimator.final_proj", "hift.f0_predictor", "hift.source",
-    "hift.ups.*", "hift.resblocks.*", "hift.conv_post",
+    "conv_pre", "ups.*", "resblocks.*", "source_downs.*", "source_resblocks.*", "conv_post",
 )
 
 
@@ -258,15 +257,6 @@ class SpeechTokens:
             self.release(u)
 
 
-class TokenAudio(nn.Module):
-    """The flow and the vocoder in one module (what mixed precision converts and pins)."""
-
-    def __init__(self, model: CosyVoice2) -> None:
-        super().__init__()
-        self.flow, self.hift = model.flow, model.hift
-        self.stream = model.config.stream
-
-
 @dataclass
 class _Slot:
     utt: SpeechUtterance
@@ -362,7 +352,7 @@ class CosyVoice2Runtime:
         self.fp32_pins = tuple(pins)
         self.limits = LengthLimits()
         self._tokens = SpeechTokens(self.model, self.device)
-        self._audio: dict[str, tuple[Token2Wav, torch.dtype]] = {}
+        self._audio: dict[str, Token2Wav] = {}
 
     @property
     def sample_rate(self) -> int:
@@ -377,7 +367,8 @@ class CosyVoice2Runtime:
         return self._tokens
 
     def precisions(self) -> tuple[str, ...]:
-        return ("fp32", "fp16") if self.device.type == "cuda" else ("fp32",)
+        """FP16 decoding on any device (on the CPU for tests: the engine's automatic choice there is FP32)."""
+        return ("fp32", "fp16")
 
     def token2wav(self, precision: str) -> Token2Wav:
         """The streaming token-to-audio stage in `precision` (FP16: a pinned twin, made once)."""
@@ -385,22 +376,25 @@ class CosyVoice2Runtime:
             raise ValueError(f"CosyVoice2 on {self.device.type} runs {' or '.join(self.precisions())}, not {precision}")
         found = self._audio.get(precision)
         if found is None:
+            model = self.model
             if precision == "fp32":
-                module, dtype = TokenAudio(self.model), torch.float32
+                found = model.token2wav
             else:
                 from service.models.mixed_precision import to_mixed_precision
 
-                module, dtype = to_mixed_precision(TokenAudio(self.model), self.fp32_pins, torch.float16), torch.float16
-            found = self._audio[precision] = (Token2Wav(module.flow, module.hift, module.stream), dtype)
-        return found[0]
+                hift = to_mixed_precision(model.hift, self.fp32_pins, torch.float16)
+                for name in FP32_STAGES:  # FP32, outputs too
+                    setattr(hift, name, getattr(model.hift, name))
+                found = Token2Wav(model.flow, hift, model.config.stream)
+            self._audio[precision] = found
+        return found
 
     def stream_state(self, utt: SpeechUtterance, precision: str) -> Token2WavState:
         """A fresh streaming state for `utt`: its speaker's flow prompt, its vocoder generator."""
-        dtype = self._audio[precision][1] if precision in self._audio else torch.float32
         generator = torch.Generator(device=self.device).manual_seed(utt.key)
         sp = utt.speaker
-        return Token2WavState(generator, sp.flow_prompt_tokens.to(self.device),
-                              sp.prompt_mel.to(self.device, dtype), sp.embedding.to(self.device, dtype))
+        return Token2WavState(generator, sp.flow_prompt_tokens.to(self.device), sp.prompt_mel.to(self.device),
+                              sp.embedding.to(self.device))
 
     def prepare(self, max_batch: int) -> None:
         """Nothing is captured before serving."""
