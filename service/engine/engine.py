@@ -441,6 +441,12 @@ class TtsEngine:
         if not (math.isfinite(rate) and MIN_SPEAKING_RATE <= rate <= MAX_SPEAKING_RATE):
             raise InvalidArgument("config.speaking_rate",
                                   f"{rate} is outside {MIN_SPEAKING_RATE}..{MAX_SPEAKING_RATE} (1.0 = normal)")
+        if rate != 1.0 and not info.pace:
+            raise InvalidArgument("config.speaking_rate", f"voice {info.name} ({info.family}) speaks at its own pace; "
+                                  "leave speaking_rate at 1.0 (or unset)")
+        if c.custom_dictionary and not info.pronunciations:
+            raise InvalidArgument("config.custom_dictionary", f"voice {info.name} ({info.family}) reads text, not "
+                                  "phonemes; send no custom dictionary (spell the words as they should be read)")
         try:
             options = info.resolve_options(c.options or {})
         except ValueError as exc:

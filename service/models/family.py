@@ -92,6 +92,10 @@ class VoiceInfo:
     # Its first audio waits for a whole utterance (the decoder cannot start on part of one): the
     # segmenter cuts its streams into growing pieces (`service.text.segment`).
     decodes_whole_utterances: bool = False
+    # A request may change its pace (speaking rate) and its pronunciations (a custom dictionary of
+    # phonemes): False for a family that has neither control (CosyVoice2 reads text, at its own pace).
+    pace: bool = True
+    pronunciations: bool = True
 
     def option(self, name: str) -> OptionSpec:
         for spec in self.options:
