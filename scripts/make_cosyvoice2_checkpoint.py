@@ -259,9 +259,9 @@ def write(out: Path, config: CosyVoice2Config, seed: int, weights: bool = True) 
     qwen.mkdir(exist_ok=True)
     (qwen / "config.json").write_text(json.dumps(qwen2_json(config.lm), indent=2) + "\n", "utf-8")
     write_tokenizer(qwen, config.lm.vocab_size)
+    torch.save(speakers(config, qwen, seed), out / "spk2info.pt")
     if not weights:
         return
-    torch.save(speakers(config, qwen, seed), out / "spk2info.pt")
     for k, (name, model) in enumerate(zip(("llm", "flow", "hift"), official_models(config), strict=True)):
         randomize(model, seed + k)
         if name == "llm":  # random scores almost never end speech: end it after a few tokens per text token
@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, help="directory to write (created; files in it are replaced)")
     p.add_argument("--size", choices=sorted(SIZES), default="small", help="model shapes (default: small)")
     p.add_argument("--seed", type=int, default=0, help="weights' generator seed (default: 0)")
-    p.add_argument("--config-only", action="store_true", help="write cosyvoice2.yaml and the Qwen2 config only")
+    p.add_argument("--config-only", action="store_true",
+                   help="write everything but the weights (llm.pt, flow.pt, hift.pt)")
     args = p.parse_args(argv)
     write(args.out, SIZES[args.size], args.seed, weights=not args.config_only)
     print(f"wrote a random-weight CosyVoice2 ({args.size}) to {args.out}")

@@ -176,10 +176,11 @@ class HiFT(nn.Module):
         """The STFT of the excitation and the inverse STFT run in FP32 whatever the model's
         precision (FFTs have no FP16 kernel on the CPU, and exp() of the magnitude needs the range)."""
         cfg = self.config
+        dtype = self.window.dtype  # the model's precision (pinned modules cast their inputs to FP32 themselves)
         window = self.window.float()
         spec = torch.stft(source[:, 0].float(), cfg.n_fft, cfg.hop_len, cfg.n_fft, window=window, return_complex=True)
-        s = torch.cat([spec.real, spec.imag], dim=1).to(mel.dtype)
-        x = self.conv_pre(mel)
+        s = torch.cat([spec.real, spec.imag], dim=1).to(dtype)
+        x = self.conv_pre(mel.to(dtype))
         kernels = len(cfg.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
             x = up(F.leaky_relu(x, cfg.lrelu_slope))
@@ -190,8 +191,7 @@ class HiFT(nn.Module):
             for j in range(1, kernels):
                 xs = xs + self.resblocks[i * kernels + j](x)
             x = xs / kernels
-        # the official post activation uses leaky_relu's default slope
-        x = self.conv_post(F.leaky_relu(x).to(self.conv_post.weight.dtype))
+        x = self.conv_post(F.leaky_relu(x))  # the official post activation uses leaky_relu's default slope
         bins = cfg.n_fft // 2 + 1
         x = x.float()
         magnitude = torch.clip(torch.exp(x[:, :bins]), max=1e2)
@@ -204,7 +204,7 @@ class HiFT(nn.Module):
                 cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Audio [B, samples] and the excitation it was made from [B, 1, samples]."""
         source = self.source_signal(mel, generator, cache)
-        return self.decode(mel.to(self.conv_pre.weight.dtype), source), source
+        return self.decode(mel, source), source
 
 
 def hift_state_dict(official: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

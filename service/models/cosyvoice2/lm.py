@@ -112,10 +112,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, start: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] at positions start..start+T-1 of each row; their keys and values are
-        written into the cache rows, then the queries attend over the cache under `mask`
-        [B, 1, T, capacity] (True: may attend)."""
+                values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] at `positions` [B, T] of cache rows `rows` [B]: their keys and values are
+        written into the cache in place, then the queries attend over the rows' first
+        `mask.shape[-1]` positions under `mask` [B, 1, T, span] (True: may attend)."""
         cfg = self.config
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
@@ -123,14 +123,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        index = (start[:, None] + torch.arange(t, device=x.device)[None, :])[:, None, :, None]
-        index = index.expand(b, cfg.num_kv_heads, t, cfg.head_dim)
-        keys.scatter_(2, index, k.to(keys.dtype))
-        values.scatter_(2, index, v.to(values.dtype))
-        groups = cfg.num_heads // cfg.num_kv_heads
+        # keys[rows[i], :, positions[i, j]] = k[i, :, j]: advanced indices around a slice put [B, T] first
+        keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
+        values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
+        span = mask.shape[-1]
         out = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype).repeat_interleave(groups, dim=1), values.to(q.dtype).repeat_interleave(groups, dim=1),
-            attn_mask=mask)
+            q, keys[rows, :, :span].to(q.dtype), values[rows, :, :span].to(q.dtype), attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim))
 
 
@@ -154,8 +152,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, start: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, start, mask)
+                values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, rows, positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -179,25 +177,26 @@ class SpeechLM(nn.Module):
             parts.append(self.speech_embedding(prompt_speech))
         return torch.cat(parts, dim=0)
 
-    def forward(self, x: torch.Tensor, cache: KVCache, rows: torch.Tensor, lengths: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache, rows: torch.Tensor, lengths: torch.Tensor | None = None,
+                span: int | None = None) -> torch.Tensor:
         """Embeddings x [B, T, D] appended to cache rows `rows` (each row's new tokens are its
         first `lengths[i]` of T; None: all T) -> speech-vocabulary log-probabilities [B, V] after
-        each row's last new token. The rows' cache lengths advance."""
+        each row's last new token. The rows' cache lengths advance. `span`: a bound on the rows'
+        lengths after this call (the positions attention reads; None: the cache's capacity)."""
         b, t, _ = x.shape
         device = x.device
         new = torch.full((b,), t, dtype=torch.long, device=device) if lengths is None else lengths
         start = cache.lengths[rows]
         positions = start[:, None] + torch.arange(t, device=device)[None, :]
         cos, sin = self.rotary(positions, x.dtype)
-        slots = torch.arange(cache.capacity, device=device)
+        slots = torch.arange(cache.capacity if span is None else span, device=device)
         # Each query sees the cache up to its own position: the row's past and its new tokens so far.
         mask = (slots[None, None, :] <= positions[:, :, None])[:, None]
+        # Padding past a row's new tokens is written (and later overwritten) but never read.
+        positions = positions.clamp(max=cache.capacity - 1)
         h = x
         for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
-            k_rows, v_rows = keys[rows], values[rows]
-            h = layer(h, cos, sin, k_rows, v_rows, start, mask)
-            keys[rows], values[rows] = k_rows, v_rows
+            h = layer(h, cos, sin, keys, values, rows, positions, mask)
         last = self.norm(h[torch.arange(b, device=device), new - 1])
         cache.lengths[rows] = start + new
         return self.llm_decoder(last).log_softmax(dim=-1)

@@ -143,6 +143,7 @@ class SpeechUtterance:
     steps: int = 0  # LM steps taken (stop tokens that are not spoken count)
     fed_prompt: bool = False  # the last LM input was the prompt (a stop token other than end of speech after it)
     row: int | None = None  # KV cache row while making tokens
+    cached: int = 0  # positions its row holds
     complete: bool = False
     failed: Exception | None = None  # its tokens could not be drawn (the LM's scores)
     word_spans: list[tuple[str, int, int]] = field(default_factory=list)
@@ -208,13 +209,15 @@ class SpeechTokens:
         prompts = [self._prompt(u) for u in utts]
         for u in utts:
             if u.row is None:
-                u.row = self._take_row()
+                u.row, u.cached = self._take_row(), 0
         lengths = torch.tensor([p.shape[0] for p in prompts], device=self.device)
         x = torch.zeros(len(utts), int(lengths.max()), self.lm.config.hidden_size, device=self.device)
         for i, p in enumerate(prompts):
             x[i, : p.shape[0]] = p
         rows = torch.tensor([u.row for u in utts], device=self.device)
-        logp = self.lm(x, self.cache, rows, lengths)
+        for u, p in zip(utts, prompts, strict=True):
+            u.cached += p.shape[0]
+        logp = self.lm(x, self.cache, rows, lengths, span=max(u.cached for u in utts))
         for u, scores in zip(utts, logp.cpu(), strict=True):
             self._draw(u, scores, prompt=True)
 
@@ -227,7 +230,10 @@ class SpeechTokens:
         if going:
             last = torch.tensor([u.tokens[-1] for u in going], device=self.device)
             x = self.lm.speech_embedding(last)[:, None]
-            logp = self.lm(x, self.cache, torch.tensor([u.row for u in going], device=self.device))
+            for u in going:
+                u.cached += 1
+            logp = self.lm(x, self.cache, torch.tensor([u.row for u in going], device=self.device),
+                           span=max(u.cached for u in going))
             for u, scores in zip(going, logp.cpu(), strict=True):
                 self._draw(u, scores, prompt=False)
         return [u.failed if isinstance(u, SpeechUtterance) and u.failed else

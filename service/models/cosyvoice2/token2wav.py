@@ -94,6 +94,8 @@ class Token2Wav:
     def _cross_fade(self, speech: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """The chunk's first samples faded in over the previous chunk's held-back tail (window
         products in float64, as upstream's NumPy window makes them)."""
+        if self.window.device != speech.device:
+            self.window = self.window.to(speech.device)
         n = self.window.shape[0] // 2
         out = speech.clone()
         head = speech[..., :n].double() * self.window[:n] + previous[..., -n:].double() * self.window[n:]

@@ -141,7 +141,7 @@ def make_two(rt: CosyVoice2Runtime, batch: list[AcousticJob]) -> list[SpeechUtte
                               torch.Generator().manual_seed(1), 2 * len(job.sentence.phoneme_ids),
                               20 * len(job.sentence.phoneme_ids), 2, tokens=[5])
         utt.row = rt.tokens._take_row()
-        rt.tokens.cache.lengths[utt.row] = 3
+        rt.tokens.cache.lengths[utt.row], utt.cached = 3, 3
         out.append(utt)
     return out
 
