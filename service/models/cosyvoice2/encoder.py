@@ -129,13 +129,23 @@ class PreLookahead(nn.Module):
         self.conv1 = nn.Conv1d(size, size, lookahead + 1)
         self.conv2 = nn.Conv1d(size, size, 3)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
-        h = x.transpose(1, 2)
-        if context is not None and context.shape[1]:
-            h = torch.cat([h, context.transpose(1, 2)], dim=2)
-            h = F.pad(h, (0, self.lookahead - context.shape[1]))
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None, lengths: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """x [B, T, D]; `context` [B, C, D] (C <= lookahead) follows each row's last valid
+        position (`lengths`; None: all T), zeros after it, as each row alone would see."""
+        b, t, d = x.shape
+        if lengths is None:
+            h = x.transpose(1, 2)
+            if context is not None and context.shape[1]:
+                h = torch.cat([h, context.transpose(1, 2)], dim=2)
+            h = F.pad(h, (0, t + self.lookahead - h.shape[2]))
         else:
-            h = F.pad(h, (0, self.lookahead))
+            padded = x.new_zeros(b, t + self.lookahead, d)
+            for i, n in enumerate(lengths.tolist()):
+                padded[i, :n] = x[i, :n]
+                if context is not None and context.shape[1]:
+                    padded[i, n : n + context.shape[1]] = context[i]
+            h = padded.transpose(1, 2)
         h = F.leaky_relu(self.conv1(h))
         h = self.conv2(F.pad(h, (2, 0)))
         return h.transpose(1, 2) + x
@@ -178,7 +188,8 @@ class TokenEncoder(nn.Module):
             context = self.embed(context)
         pos = relative_positions(cfg.size, t).to(x.device, x.dtype)
         mask = attention_mask(valid, cfg.static_chunk_size if streaming else 0)
-        x = self.pre_lookahead_layer(x, context)
+        batched = bool((lengths < t).any())  # rows of other lengths: each row's lookahead at its own end
+        x = self.pre_lookahead_layer(x, context, lengths if batched else None)
         for layer in self.encoders:
             x = layer(x, mask, pos)
         x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)

@@ -5,7 +5,7 @@ result. Module names follow the official `CausalMaskedDiffWithXvec`, so `flow.pt
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,16 @@ class _Decoder(nn.Module):
         self.estimator = Estimator(config)
 
 
+@dataclass(frozen=True)
+class FlowRequest:
+    """One utterance's flow call: its tokens so far [1, T] after its prompt's."""
+
+    tokens: torch.Tensor
+    prompt_tokens: torch.Tensor  # [1, P]
+    prompt_mel: torch.Tensor  # [1, P', 80]
+    embedding: torch.Tensor  # [1, 192]
+
+
 class Flow(nn.Module):
     def __init__(self, config: FlowConfig) -> None:
         super().__init__()
@@ -65,6 +75,37 @@ class Flow(nn.Module):
             x, context = x[:, :-k], x[:, -k:]
         h, _ = self.encoder(x, torch.tensor([x.shape[1]], device=x.device), context=context, streaming=streaming)
         return self.encoder_proj(h).transpose(1, 2)
+
+    def batch(self, requests: Sequence[FlowRequest], streaming: bool, finalize: bool) -> list[torch.Tensor]:
+        """Several utterances' calls at once (each row as alone, to kernel rounding: padding is
+        masked everywhere and each row's lookahead context follows its own last token) -> each
+        one's mel [1, 80, frames]."""
+        if len(requests) == 1:
+            r = requests[0]
+            return [self(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=streaming, finalize=finalize)]
+        k = 0 if finalize else self.config.encoder.pre_lookahead_len
+        full = [torch.cat([r.prompt_tokens, r.tokens], dim=1)[0] for r in requests]
+        lengths = torch.tensor([f.shape[0] - k for f in full], device=full[0].device)
+        top = int(lengths.max())
+        ids = torch.zeros(len(requests), top, dtype=torch.long, device=full[0].device)
+        for i, f in enumerate(full):
+            ids[i, : f.shape[0] - k] = f[: f.shape[0] - k]
+        x = self.input_embedding(torch.clamp(ids, min=0))
+        context = None
+        if k:
+            context = self.input_embedding(torch.clamp(torch.stack([f[-k:] for f in full]), min=0))
+        h, frames = self.encoder(x, lengths, context=context, streaming=streaming)
+        mu = self.encoder_proj(h).transpose(1, 2)
+        span = mu.shape[2]
+        valid = torch.arange(span, device=mu.device)[None, :] < frames[:, None]
+        mu = mu * valid[:, None].to(mu.dtype)
+        cond = torch.zeros(len(requests), self.config.output_size, span, device=mu.device, dtype=mu.dtype)
+        for i, r in enumerate(requests):
+            cond[i, :, : r.prompt_mel.shape[1]] = r.prompt_mel[0].T
+        spks = self.speaker(torch.cat([r.embedding for r in requests]))
+        mel = solve(self.decoder.estimator, self.noise, mu, valid[:, None].to(mu.dtype), spks, cond, self.config.cfm,
+                    streaming=streaming)
+        return [mel[i : i + 1, :, r.prompt_mel.shape[1] : int(frames[i])] for i, r in enumerate(requests)]
 
     def forward(self, tokens: torch.Tensor, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
                 embedding: torch.Tensor, streaming: bool = False, finalize: bool = True) -> torch.Tensor:

@@ -303,21 +303,33 @@ class TokenAudioSlots:
 
     @torch.inference_mode()
     def step(self, rows: StepRows) -> torch.Tensor:
+        """Rows whose audio falls short of the step make their next chunk together: one batched
+        flow call per round (final chunks in their own call), then the vocoder row by row (its
+        convolutions see each row's own ends only when alone), until every row has its span."""
         size = rows.frames * self.hop
+        short = {}
+        for slot, fed in zip(rows.slots, rows.fed, strict=True):
+            s = self._slots[slot]
+            short[slot] = (s, min(s.utt.frames * self.hop, (fed + rows.frames) * self.hop))
+        while pending := [s for s, end in short.values() if s.audio.shape[0] < end and not s.state.done]:
+            self._chunks(pending)
         dtype = torch.float16 if self.precision == "fp16" else torch.float32
         out = torch.zeros(len(rows.slots), size, device=self.runtime.device, dtype=dtype)
         for row, (slot, fed) in enumerate(zip(rows.slots, rows.fed, strict=True)):
-            s = self._slots[slot]
-            end = min(s.utt.frames * self.hop, (fed + rows.frames) * self.hop)
-            while s.audio.shape[0] < end and not s.state.done:
-                s.audio = torch.cat([s.audio, self._chunk(s)])
-            piece = s.audio[fed * self.hop : fed * self.hop + size]
+            piece = self._slots[slot].audio[fed * self.hop : fed * self.hop + size]
             out[row, : piece.shape[0]] = piece
         return out
 
-    def _chunk(self, s: _Slot) -> torch.Tensor:
-        finalize = not self.token2wav.ready(s.state, s.tokens.shape[1])
-        return self.token2wav.chunk(s.state, s.tokens, finalize)[0].float()
+    def _chunks(self, slots: list[_Slot]) -> None:
+        """The next chunk of each slot's audio (a final chunk where too few tokens are left)."""
+        t2w = self.token2wav
+        for finalize in (False, True):
+            group = [s for s in slots if t2w.ready(s.state, s.tokens.shape[1]) != finalize]
+            if not group:
+                continue
+            requests = [t2w.request(s.state, s.tokens, finalize) for s in group]
+            for s, mel in zip(group, t2w.flow.batch(requests, streaming=not finalize, finalize=finalize), strict=True):
+                s.audio = torch.cat([s.audio, t2w.vocode(s.state, mel, finalize)[0].float()])
 
 
 _MODELS: dict[tuple[str, str], CosyVoice2] = {}
@@ -441,7 +453,7 @@ class CosyVoice2Runtime:
         decoder = TokenAudioSlots(self, precision, 1)
         slot = decoder._fresh(utt)
         while not slot.state.done:
-            slot.audio = torch.cat([slot.audio, decoder._chunk(slot)])
+            decoder._chunks([slot])
         return slot.audio.cpu().numpy()
 
     def guard_async(self, device_audio: Any) -> PendingAudio:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.models.cosyvoice2.flow import Flow
+from service.models.cosyvoice2.flow import Flow, FlowRequest
 from service.models.cosyvoice2.hift import HiFT
 
 
@@ -65,16 +65,26 @@ class Token2Wav:
         """Audio [1, samples] for the next chunk of `tokens` [1, T] (all tokens so far). Not
         `finalize`: only when `ready`, and the chunk's last `source_cache_len` samples are held
         back for the cross-fade; `finalize`: everything left."""
+        r = self.request(state, tokens, finalize)
+        mel = self.flow(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=not finalize,
+                        finalize=finalize)
+        return self.vocode(state, mel, finalize)
+
+    def request(self, state: Token2WavState, tokens: torch.Tensor, finalize: bool) -> FlowRequest:
+        """The flow call the next chunk needs (`Flow.batch` runs many sessions' at once)."""
         if state.done:
             raise ValueError("this utterance's last chunk was already made")
-        hop = self.hop(state)
         if not finalize:
+            hop = self.hop(state)
             if not self.ready(state, tokens.shape[1]):
                 raise ValueError(f"a chunk needs {hop + self.lookahead} tokens past the offset; "
                                  f"{tokens.shape[1] - state.token_offset} are")
             tokens = tokens[:, :state.token_offset + hop + self.lookahead]
-        mel = self.flow(tokens, state.prompt_tokens, state.prompt_mel, state.embedding,
-                        streaming=not finalize, finalize=finalize)
+        return FlowRequest(tokens, state.prompt_tokens, state.prompt_mel, state.embedding)
+
+    def vocode(self, state: Token2WavState, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
+        """The chunk's audio from the flow's mel for its request (all frames after the prompt)."""
+        hop = self.hop(state)
         mel = mel[:, :, state.token_offset * self.mel_ratio:]
         if state.cache_mel is not None:
             mel = torch.cat([state.cache_mel, mel], dim=2)

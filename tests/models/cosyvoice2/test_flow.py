@@ -9,7 +9,7 @@ import torch
 
 from service.models.cosyvoice2.encoder import EncoderConfig
 from service.models.cosyvoice2.estimator import EstimatorConfig
-from service.models.cosyvoice2.flow import FlowConfig, load_flow
+from service.models.cosyvoice2.flow import FlowConfig, FlowRequest, load_flow
 from service.models.cosyvoice2.official import official_flow as official_flow_class
 
 from .test_estimator import official as official_estimator
@@ -57,3 +57,22 @@ def test_mel_equals_the_official_flow(streaming: bool, finalize: bool) -> None:
     assert float(want.abs().max()) > 0.1
     err = float((got - want).abs().max() / want.abs().max())
     assert err <= 1e-4, err
+
+
+@pytest.mark.parametrize(("streaming", "finalize"), [(True, False), (False, True)])
+def test_a_batch_of_utterances_gives_each_its_mel_alone(streaming: bool, finalize: bool) -> None:
+    """Other prompts, speakers and token counts in one call (the slot decoder's step): each
+    row's mel equals its call alone, to kernel rounding."""
+    flow = load_flow(SMALL, official_flow(SMALL, seed=0).state_dict())
+    g = torch.Generator().manual_seed(1)
+    requests = [FlowRequest(torch.randint(0, SMALL.vocab_size, (1, t), generator=g),
+                            torch.randint(0, SMALL.vocab_size, (1, p), generator=g),
+                            torch.randn(1, 2 * p, 80, generator=g), torch.randn(1, 192, generator=g))
+                for t, p in ((23, 7), (13, 0), (33, 2))]
+    with torch.inference_mode():
+        alone = [flow(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=streaming, finalize=finalize)
+                 for r in requests]
+        together = flow.batch(requests, streaming=streaming, finalize=finalize)
+    for a, b in zip(alone, together, strict=True):
+        assert a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())

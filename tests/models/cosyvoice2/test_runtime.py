@@ -66,7 +66,7 @@ def test_batched_steps_give_each_sentence_what_it_gets_alone(runtime: CosyVoice2
         np.testing.assert_allclose(runtime.reference(a), runtime.reference(b), atol=1e-5)
 
 
-def test_the_slot_decoders_steps_stream_exactly_the_reference(runtime: CosyVoice2Runtime,
+def test_the_slot_decoders_steps_stream_the_reference(runtime: CosyVoice2Runtime,
                                                                frontend: TextFrontend) -> None:
     utts = tokens_of(runtime, jobs(frontend, TEXTS[1:2], seed=4) + jobs(frontend, TEXTS[2:], seed=5))
     decoder = runtime.streaming_decoder("fp32", 4, max_rows=4, graphs=False, graph_frames=())
@@ -84,7 +84,7 @@ def test_the_slot_decoders_steps_stream_exactly_the_reference(runtime: CosyVoice
         streamed = np.concatenate(pieces[row])
         want = runtime.reference(u)
         assert len(want) == u.frames * runtime.hop
-        np.testing.assert_array_equal(streamed[: len(want)], want)
+        np.testing.assert_allclose(streamed[: len(want)], want, atol=1e-5, rtol=0)  # rows' flows batched
         assert not streamed[len(want):].any()  # past the end: zeros
         assert np.abs(want).max() > 0.01
 
