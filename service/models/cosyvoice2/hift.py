@@ -10,7 +10,7 @@ additive noise) comes from a `torch.Generator` the caller owns, in the order the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +90,10 @@ class F0Predictor(nn.Module):
         return torch.abs(self.classifier(x.transpose(1, 2)).squeeze(-1))
 
 
+# One generator for a whole batch, or one per row.
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
+
+
 class SineSource(nn.Module):
     """F0 (at the audio rate) -> one excitation channel: the fundamental and its harmonics,
     their phase summed at the frame rate and interpolated back (as upstream's 24 kHz source
@@ -100,14 +104,18 @@ class SineSource(nn.Module):
         self.config = config
         self.merge = nn.Linear(config.nb_harmonics + 1, 1)
 
-    def forward(self, f0: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """f0: [B, T, 1] Hz at the audio rate -> [B, 1, T]."""
+    def forward(self, f0: torch.Tensor, generator: Generators) -> torch.Tensor:
+        """f0: [B, T, 1] Hz at the audio rate -> [B, 1, T]. One generator: the batch's draws in
+        upstream's order for that batch; a sequence: row i's from `generator[i]`, in the order
+        upstream draws them for row i alone."""
+        rows = list(generator) if isinstance(generator, Sequence) else [generator]
         cfg = self.config
         dim = cfg.nb_harmonics + 1
         scale = cfg.samples_per_frame
         harmonics = torch.arange(1, dim + 1, dtype=f0.dtype, device=f0.device)
         rad = (f0 * harmonics / cfg.sampling_rate) % 1
-        start = torch.rand(f0.shape[0], dim, generator=generator, device=f0.device, dtype=f0.dtype)
+        start = torch.cat([torch.rand(f0.shape[0] // len(rows), dim, generator=g, device=f0.device, dtype=f0.dtype)
+                           for g in rows])
         start[:, 0] = 0
         rad[:, 0, :] = rad[:, 0, :] + start
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / scale, mode="linear").transpose(1, 2)
@@ -118,11 +126,15 @@ class SineSource(nn.Module):
         noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
         # Drawn into a tensor laid out as `sines` is (frame-major after the transposes), as the
         # official randn_like does: torch fills strided and contiguous tensors in different orders.
-        noise = noise_amp * torch.empty_like(sines).normal_(generator=generator)
+        # Upstream also draws a noise branch it never uses (after this one): drawn and dropped here
+        # too, so a session's generator stays in step with upstream's RNG from one chunk to the next.
+        drawn = torch.empty_like(sines)
+        n = f0.shape[0] // len(rows)
+        for i, g in enumerate(rows):
+            drawn[i * n : (i + 1) * n].normal_(generator=g)
+            torch.empty_like(uv[i * n : (i + 1) * n]).normal_(generator=g)
+        noise = noise_amp * drawn
         excitation = sines * uv + noise
-        # Upstream also draws a noise branch it never uses: drawn and dropped here too, so a
-        # session's generator stays in step with upstream's RNG from one chunk to the next.
-        torch.empty_like(uv).normal_(generator=generator)
         return torch.tanh(self.merge(excitation)).transpose(1, 2)
 
 
@@ -160,7 +172,7 @@ class HiFT(nn.Module):
         self.window: torch.Tensor
         self.register_buffer("window", window, persistent=False)
 
-    def source_signal(self, mel: torch.Tensor, generator: torch.Generator | None,
+    def source_signal(self, mel: torch.Tensor, generator: Generators,
                       cache: torch.Tensor | None = None) -> torch.Tensor:
         """The excitation [B, 1, T * samples_per_frame] the generator fuses; `cache` (the end
         of the previous chunk's excitation, under the frames this chunk repeats) replaces its
@@ -200,9 +212,10 @@ class HiFT(nn.Module):
                             cfg.n_fft, cfg.hop_len, cfg.n_fft, window=window)
         return torch.clamp(audio, -cfg.audio_limit, cfg.audio_limit)
 
-    def forward(self, mel: torch.Tensor, generator: torch.Generator | None = None,
+    def forward(self, mel: torch.Tensor, generator: Generators = None,
                 cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Audio [B, samples] and the excitation it was made from [B, 1, samples]."""
+        """Audio [B, samples] and the excitation it was made from [B, 1, samples]; `generator`:
+        one for every row, or a sequence of one per row (each row then draws as alone)."""
         source = self.source_signal(mel, generator, cache)
         return self.decode(mel, source), source
 

@@ -304,8 +304,8 @@ class TokenAudioSlots:
     @torch.inference_mode()
     def step(self, rows: StepRows) -> torch.Tensor:
         """Rows whose audio falls short of the step make their next chunk together: one batched
-        flow call per round (final chunks in their own call), then the vocoder row by row (its
-        convolutions see each row's own ends only when alone), until every row has its span."""
+        flow call per round (final chunks in their own call), then the vocoder over the rows whose
+        input is as long (no padding: its convolutions would see it), until every row has its span."""
         size = rows.frames * self.hop
         short = {}
         for slot, fed in zip(rows.slots, rows.fed, strict=True):
@@ -328,8 +328,9 @@ class TokenAudioSlots:
             if not group:
                 continue
             requests = [t2w.request(s.state, s.tokens, finalize) for s in group]
-            for s, mel in zip(group, t2w.flow.batch(requests, streaming=not finalize, finalize=finalize), strict=True):
-                s.audio = torch.cat([s.audio, t2w.vocode(s.state, mel, finalize)[0].float()])
+            mels = t2w.flow.batch(requests, streaming=not finalize, finalize=finalize)
+            for s, audio in zip(group, t2w.vocode_batch([s.state for s in group], mels, finalize), strict=True):
+                s.audio = torch.cat([s.audio, audio[0].float()])
 
 
 _MODELS: dict[tuple[str, str], CosyVoice2] = {}

@@ -10,6 +10,7 @@ many utterances can stream through one `Token2Wav` at once."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,11 +85,33 @@ class Token2Wav:
 
     def vocode(self, state: Token2WavState, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
         """The chunk's audio from the flow's mel for its request (all frames after the prompt)."""
+        return self.vocode_batch([state], [mel], finalize)[0]
+
+    def vocode_batch(self, states: Sequence[Token2WavState], mels: Sequence[torch.Tensor],
+                     finalize: bool) -> list[torch.Tensor]:
+        """Several utterances' chunks through the vocoder: rows whose input is as long (and that
+        all carry, or all lack, a cache) share a call, each drawing from its own generator as
+        alone; its convolutions see no padding, so each row's audio is its audio alone."""
+        inputs = []
+        for state, mel in zip(states, mels, strict=True):
+            mel = mel[:, :, state.token_offset * self.mel_ratio:]
+            inputs.append(mel if state.cache_mel is None else torch.cat([state.cache_mel, mel], dim=2))
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, (state, mel) in enumerate(zip(states, inputs, strict=True)):
+            groups.setdefault((mel.shape[2], state.cache_source is not None), []).append(i)
+        out: dict[int, torch.Tensor] = {}
+        for (_, cached), rows in groups.items():
+            caches = [c for i in rows if (c := states[i].cache_source) is not None]
+            cache = torch.cat(caches) if cached else None
+            speech, source = self.hift(torch.cat([inputs[i] for i in rows]), [states[i].generator for i in rows], cache)
+            for j, i in enumerate(rows):
+                out[i] = self._finish(states[i], inputs[i], speech[j : j + 1], source[j : j + 1], finalize)
+        return [out[i] for i in range(len(states))]
+
+    def _finish(self, state: Token2WavState, mel: torch.Tensor, speech: torch.Tensor, source: torch.Tensor,
+                finalize: bool) -> torch.Tensor:
+        """Cross-fade with the previous chunk's tail; keep this chunk's tail and caches."""
         hop = self.hop(state)
-        mel = mel[:, :, state.token_offset * self.mel_ratio:]
-        if state.cache_mel is not None:
-            mel = torch.cat([state.cache_mel, mel], dim=2)
-        speech, source = self.hift(mel, state.generator, state.cache_source)
         if state.cache_speech is not None:
             speech = self._cross_fade(speech, state.cache_speech)
         if finalize:

@@ -50,3 +50,18 @@ def test_waveform_equals_the_official_vocoder() -> None:
     assert peak > 0.01
     err = float((got - want).abs().max())
     assert err <= 1e-4 * max(1.0, peak), err
+
+
+def test_rows_with_their_own_generators_each_draw_as_alone() -> None:
+    """The slot decoder's batched vocoder call: a generator per row gives each row the audio
+    it gets alone from that generator (the sine source's draws are per row)."""
+    hift = load_hift(SMALL, official_hift(SMALL, seed=0).state_dict())
+    mel = torch.randn(3, SMALL.in_channels, 21, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hift.f0_predictor.classifier.weight.mul_(100.0)
+        hift.f0_predictor.classifier.bias.fill_(150.0)
+        together, _ = hift(mel, [torch.Generator().manual_seed(s) for s in (3, 4, 5)])
+        alone = [hift(mel[i : i + 1], torch.Generator().manual_seed(s))[0] for i, s in enumerate((3, 4, 5))]
+    for i, a in enumerate(alone):
+        assert torch.allclose(together[i : i + 1], a, atol=1e-5)
+    assert not torch.allclose(alone[0], hift(mel[:1], torch.Generator().manual_seed(4))[0], atol=1e-3)
