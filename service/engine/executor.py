@@ -266,16 +266,15 @@ class Executor:
     # --- autoregressive steps --------------------------------------------------------------------
 
     def tokens(self, rows: list[tuple[SessionState, UtteranceState]]) -> list[Failure]:
-        """Batched autoregressive steps for `rows` (one voice), as many tokens as a decoder step
-        of `step_frames` consumes; an utterance whose decoder input is complete goes on to
-        decoding. Returns the sessions that failed, with why."""
+        """One batched autoregressive step for `rows` (one voice); an utterance whose decoder
+        input is complete goes on to decoding. Returns the sessions that failed, with why."""
         if not rows:
             return []
         stage_of_tokens = rows[0][0].spec.runtime.tokens
         assert stage_of_tokens is not None, "only an autoregressive family's utterances make tokens"
         try:
             with stage("tokens.step"), self.timeline.timed("tokens", rows=len(rows)):
-                done = stage_of_tokens.step([u.decoder_input for _, u in rows], self.config.step_frames)
+                done = stage_of_tokens.step([u.decoder_input for _, u in rows])
         except Exception as exc:
             log.exception("autoregressive step of %d rows failed", len(rows))
             return [(s, exc) for s, _ in rows]

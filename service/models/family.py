@@ -364,11 +364,10 @@ class TokenStage(Protocol):
     """An autoregressive family's decoder input made token by token (its state in the family's own
     cache, e.g. a KV cache in device slots)."""
 
-    def step(self, rows: Sequence[DecoderInput | None], frames: int | None = None) -> Sequence[bool | Exception]:
-        """Batched model steps adding tokens to each row's decoder input, enough for about
-        `frames` decoder frames (what a decoder step then consumes: the tokens keep pace with the
-        decoder; None: one token); True for a row whose input is now complete (it is then
-        decoded), the exception for a row that failed alone (its session fails; the others go on)."""
+    def step(self, rows: Sequence[DecoderInput | None]) -> Sequence[bool | Exception]:
+        """One batched step adding a token to each row's decoder input; True for a row whose input
+        is now complete (it is then decoded), the exception for a row that failed alone (its
+        session fails; the others go on)."""
         ...
 
     def release(self, utt: DecoderInput) -> None:

@@ -222,20 +222,8 @@ class SpeechTokens:
             self._draw(u, scores, prompt=True)
 
     @torch.inference_mode()
-    def step(self, rows: Sequence[DecoderInput | None], frames: int | None = None) -> list[bool | Exception]:
-        """One token for every row still making tokens per LM step, `frames` / mel ratio steps
-        (one for None), fewer once every row is complete."""
-        utts = [u for u in rows if isinstance(u, SpeechUtterance)]
-        ratio = utts[0].mel_ratio if utts else 1
-        for _ in range(max(1, -(-(frames or 1) // ratio))):
-            live = [u for u in utts if not u.complete]
-            if not live:
-                break
-            self._step(live)
-        return [u.failed if isinstance(u, SpeechUtterance) and u.failed else
-                not isinstance(u, SpeechUtterance) or u.complete for u in rows]
-
-    def _step(self, utts: list[SpeechUtterance]) -> None:
+    def step(self, rows: Sequence[DecoderInput | None]) -> list[bool | Exception]:
+        utts = [u for u in rows if isinstance(u, SpeechUtterance) and not u.complete]
         again = [u for u in utts if u.fed_prompt]  # a stop token right after the prompt: the prompt again, appended
         going = [u for u in utts if not u.fed_prompt]
         self._feed_prompts(again)
@@ -248,6 +236,8 @@ class SpeechTokens:
                            span=max(u.cached for u in going))
             for u, scores in zip(going, logp.cpu(), strict=True):
                 self._draw(u, scores, prompt=False)
+        return [u.failed if isinstance(u, SpeechUtterance) and u.failed else
+                not isinstance(u, SpeechUtterance) or u.complete for u in rows]
 
     def _draw(self, u: SpeechUtterance, logp: torch.Tensor, prompt: bool) -> None:
         """The next token from the LM's scores, as `lm.generate` takes it; a sentence whose
