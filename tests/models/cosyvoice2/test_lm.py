@@ -4,10 +4,9 @@ batched with another session of a different length."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from service.models.cosyvoice2.check import widen_step_masks
 from service.models.cosyvoice2.lm import KVCache, Qwen2Config, SamplingConfig, generate, load_lm, sample_token
 from service.models.cosyvoice2.official import official
 from service.models.cosyvoice2.official import official_lm as official_lm_class
@@ -132,14 +131,7 @@ def test_generation_writes_the_official_tokens() -> None:
     # Upstream's loop passes a one-position mask with each decode step; under the transformers
     # release upstream pins (4.51) that mask covers the cache too, under ours (5.x) the step would
     # see only itself. Give its steps the mask over cache and step that its pinned release builds.
-    step = theirs.llm.forward_one_step
-
-    def forward_one_step(xs: torch.Tensor, masks: torch.Tensor, cache: Any = None) -> Any:
-        past = 0 if cache is None else cache.get_seq_length()
-        total = past + xs.shape[1]
-        return step(xs, masks=torch.ones(1, total, total, dtype=torch.bool).tril(), cache=cache)
-
-    theirs.llm.forward_one_step = forward_one_step
+    widen_step_masks(theirs)
     g = torch.Generator().manual_seed(2)
     text = torch.randint(0, SMALL.vocab_size, (3,), generator=g)
     prompt_text = torch.randint(0, SMALL.vocab_size, (2,), generator=g)

@@ -4,11 +4,9 @@ prompt, speaker and seed: every chunk's audio, the cross-fades and the last call
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
 import torch
 
+from service.models.cosyvoice2.check import official_stream
 from service.models.cosyvoice2.flow import load_flow
 from service.models.cosyvoice2.hift import load_hift
 from service.models.cosyvoice2.official import official
@@ -18,28 +16,6 @@ from .test_flow import SMALL as SMALL_FLOW
 from .test_flow import official_flow
 from .test_hift import SMALL as SMALL_HIFT
 from .test_hift import official_hift
-
-
-def official_stream(model: Any, tokens: list[int], prompt_tokens: torch.Tensor,
-                    prompt_mel: torch.Tensor, embedding: torch.Tensor) -> list[torch.Tensor]:
-    """The chunks upstream's `tts(stream=True)` yields once the LM has written `tokens` (its
-    loop, without the LM thread and the polling sleep)."""
-    uid = "utt"
-    model.hift_cache_dict[uid] = None
-    out, offset = [], 0
-    pad = int(np.ceil(prompt_tokens.shape[1] / model.token_hop_len) * model.token_hop_len - prompt_tokens.shape[1])
-    while True:
-        hop = model.token_hop_len + pad if offset == 0 else model.token_hop_len
-        if len(tokens) - offset < hop + model.flow.pre_lookahead_len:
-            break
-        chunk = torch.tensor(tokens[:offset + hop + model.flow.pre_lookahead_len]).unsqueeze(0)
-        out.append(model.token2wav(token=chunk, prompt_token=prompt_tokens, prompt_feat=prompt_mel,
-                                   embedding=embedding, token_offset=offset, uuid=uid, stream=True, finalize=False))
-        offset += hop
-    out.append(model.token2wav(token=torch.tensor(tokens).unsqueeze(0), prompt_token=prompt_tokens,
-                               prompt_feat=prompt_mel, embedding=embedding, token_offset=offset, uuid=uid,
-                               finalize=True))
-    return out
 
 
 def test_streamed_audio_equals_the_official_streaming_path() -> None:
