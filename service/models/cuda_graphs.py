@@ -35,3 +35,9 @@ class GraphCapturer:
         with torch.cuda.graph(graph, pool=self._pool):
             out = fn(*static)
         return graph, out
+
+
+def bucket(n: int, smallest: int = 1) -> int:
+    """The power of two at least `n` (and at least `smallest`): graphs are captured per bucket
+    and inputs padded up to it."""
+    return max(smallest, 1 << max(0, n - 1).bit_length())

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from service.models.cosyvoice2.estimator import Estimator
+from service.models.cuda_graphs import GraphCapturer, bucket
 
 
 @dataclass(frozen=True)
@@ -64,3 +65,54 @@ def solve(estimator: Estimator, noise: torch.Tensor, mu: torch.Tensor, mask: tor
         if step < len(span) - 1:
             dt = span[step + 1] - t
     return x.float()
+
+
+class GraphedSolve:
+    """`solve` replayed as CUDA graphs, one per (rows, frames) bucket (powers of two) and mode:
+    eagerly its estimator passes are thousands of small kernel launches, whatever the batch.
+    Inputs are padded up to the bucket: padded frames are masked, as in a batch of unequal rows,
+    and the noise under the real frames is the same prefix of the fixed buffer."""
+
+    SMALLEST_FRAMES = 128
+
+    def __init__(self, estimator: Estimator, noise: torch.Tensor, config: CfmConfig) -> None:
+        self.estimator, self.noise, self.config = estimator, noise, config
+        self.capturer = GraphCapturer(noise.device)
+        self._graphs: dict[tuple[int, int, bool],
+                           tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
+
+    def buckets(self, rows: int, frames: int) -> tuple[int, int]:
+        return bucket(rows), bucket(frames, self.SMALLEST_FRAMES)
+
+    def capture(self, rows: int, frames: int, streaming: bool) -> None:
+        key = (*self.buckets(rows, frames), streaming)
+        if key in self._graphs:
+            return
+        b, t, _ = key
+        dev, bins = self.noise.device, self.config.mel_bins
+        static = (torch.zeros(b, bins, t, device=dev), torch.ones(b, 1, t, device=dev),
+                  torch.zeros(b, bins, device=dev), torch.zeros(b, bins, t, device=dev))
+
+        def run(mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+            return solve(self.estimator, self.noise, mu, mask, spks, cond, self.config, streaming=streaming)
+
+        graph, out = self.capturer.capture(run, *static, warmups=1)
+        self._graphs[key] = (graph, static, out)
+
+    def __call__(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                 streaming: bool) -> torch.Tensor:
+        """`solve(...)` for FP32 inputs as `solve` takes them."""
+        b, _, t = mu.shape
+        self.capture(b, t, streaming)
+        graph, (s_mu, s_mask, s_spks, s_cond), out = self._graphs[(*self.buckets(b, t), streaming)]
+        s_mu.zero_()
+        s_cond.zero_()
+        s_spks.zero_()
+        s_mask.zero_()
+        s_mask[b:] = 1.0  # rows past the batch: all frames valid, zero inputs (finite, unread)
+        s_mu[:b, :, :t] = mu
+        s_mask[:b, :, :t] = mask
+        s_spks[:b] = spks
+        s_cond[:b, :, :t] = cond
+        graph.replay()
+        return out[:b, :, :t]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.models.cosyvoice2.cfm import CfmConfig, fixed_noise, solve
+from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve
 from service.models.cosyvoice2.encoder import EncoderConfig, TokenEncoder
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
 
@@ -59,6 +59,19 @@ class Flow(nn.Module):
         self.decoder = _Decoder(config.estimator)
         self.noise: torch.Tensor
         self.register_buffer("noise", fixed_noise(config.cfm), persistent=False)
+        self.graphed: GraphedSolve | None = None
+
+    def use_graphs(self) -> GraphedSolve:
+        """Solve through CUDA graphs from now on (the flow on a CUDA device, in FP32)."""
+        if self.graphed is None:
+            self.graphed = GraphedSolve(self.decoder.estimator, self.noise, self.config.cfm)
+        return self.graphed
+
+    def _solve(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+               streaming: bool) -> torch.Tensor:
+        if self.graphed is not None and mu.dtype == torch.float32:
+            return self.graphed(mu, mask, spks, cond, streaming)
+        return solve(self.decoder.estimator, self.noise, mu, mask, spks, cond, self.config.cfm, streaming=streaming)
 
     def speaker(self, embedding: torch.Tensor) -> torch.Tensor:
         """A speaker embedding [B, 192] (CAM++ x-vector) as the solver's condition [B, 80]."""
@@ -103,8 +116,7 @@ class Flow(nn.Module):
         for i, r in enumerate(requests):
             cond[i, :, : r.prompt_mel.shape[1]] = r.prompt_mel[0].T
         spks = self.speaker(torch.cat([r.embedding for r in requests]))
-        mel = solve(self.decoder.estimator, self.noise, mu, valid[:, None].to(mu.dtype), spks, cond, self.config.cfm,
-                    streaming=streaming)
+        mel = self._solve(mu, valid[:, None].to(mu.dtype), spks, cond, streaming)
         return [mel[i : i + 1, :, r.prompt_mel.shape[1] : int(frames[i])] for i, r in enumerate(requests)]
 
     def forward(self, tokens: torch.Tensor, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
@@ -118,8 +130,7 @@ class Flow(nn.Module):
         cond = torch.zeros(1, frames, self.config.output_size, device=mu.device, dtype=mu.dtype)
         cond[:, :prompt_frames] = prompt_mel
         mask = torch.ones(1, 1, frames, device=mu.device, dtype=mu.dtype)
-        mel = solve(self.decoder.estimator, self.noise, mu, mask, spks, cond.transpose(1, 2), self.config.cfm,
-                    streaming=streaming)
+        mel = self._solve(mu, mask, spks, cond.transpose(1, 2), streaming)
         return mel[:, :, prompt_frames:]
 
 

@@ -33,6 +33,7 @@ from service.models.cosyvoice2.model import CosyVoice2, load_model
 from service.models.cosyvoice2.text import MAX_SENTENCE_TOKENS
 from service.models.cosyvoice2.token2wav import Token2Wav, Token2WavState
 from service.models.cosyvoice2.voices import SPEAKERS_FILE
+from service.models.cuda_graphs import GraphCapturer, bucket
 from service.models.family import (
     AcousticJob,
     Capabilities,
@@ -157,9 +158,58 @@ class SpeechUtterance:
         return TokenPrior(self)
 
 
+class GraphedTokenStep:
+    """One-token LM steps replayed as CUDA graphs, one per (rows, span) bucket, both powers of
+    two: eagerly a step is hundreds of small kernel launches, whatever the batch. Rows past the
+    batch point at the cache's scratch row (its length is reset inside the graph), and the span
+    read is the bucket's (the mask hides what lies past each row's length). A graph holds the
+    cache's tensors: a grown cache gets a new instance."""
+
+    SMALLEST_SPAN = 64
+
+    def __init__(self, lm: SpeechLM, cache: KVCache, scratch: int) -> None:
+        self.lm, self.cache, self.scratch = lm, cache, scratch
+        self.capturer = GraphCapturer(cache.lengths.device)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def buckets(self, rows: int, span: int) -> tuple[int, int]:
+        return bucket(rows), min(self.cache.capacity, bucket(span, self.SMALLEST_SPAN))
+
+    def capture(self, rows: int, span: int) -> None:
+        key = self.buckets(rows, span)
+        if key in self._graphs:
+            return
+        b, s = key
+        lm, cache, scratch = self.lm, self.cache, self.scratch
+        x = torch.zeros(b, 1, lm.config.hidden_size, device=cache.lengths.device)
+        at = torch.full((b,), scratch, dtype=torch.long, device=cache.lengths.device)
+
+        def step(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+            cache.lengths[scratch : scratch + 1].zero_()
+            return lm(x, cache, at, span=s)
+
+        graph, out = self.capturer.capture(step, x, at)
+        self._graphs[key] = (graph, x, at, out)
+
+    def __call__(self, x: torch.Tensor, rows: torch.Tensor, span: int) -> torch.Tensor:
+        """`SpeechLM.forward(x, cache, rows, span=span)` for x [B, 1, D]: log-probabilities [B, V]."""
+        n = x.shape[0]
+        self.capture(n, span)
+        graph, static_x, static_rows, out = self._graphs[self.buckets(n, span)]
+        static_x[:n] = x
+        static_x[n:] = 0
+        static_rows[:n] = rows
+        static_rows[n:] = self.scratch
+        graph.replay()
+        return out[:n]
+
+
 class SpeechTokens:
     """The token stage: a KV cache with a row per sentence making tokens (grown by doubling when
-    full), prefill and batched single-token steps (`service.models.family.TokenStage`)."""
+    full), prefill and batched single-token steps (`service.models.family.TokenStage`). On CUDA
+    the single-token steps replay CUDA graphs (`GraphedTokenStep`); row 0 is their scratch row."""
+
+    SCRATCH = 0
 
     def __init__(self, model: CosyVoice2, device: torch.device, rows: int = 8) -> None:
         self.lm: SpeechLM = model.lm
@@ -168,8 +218,24 @@ class SpeechTokens:
         self.eos = self.lm.config.speech_token_size
         longest_prompt = 2 + 2 * MAX_SENTENCE_TOKENS + 1024  # prompt text + text + prompt speech tokens
         self.capacity = longest_prompt + int(MAX_SENTENCE_TOKENS * LengthLimits().max_ratio)
-        self.cache = KVCache.empty(self.lm.config, rows, self.capacity, device=device)
-        self.free = list(range(rows))
+        self.graphs = device.type == "cuda"
+        self._use(KVCache.empty(self.lm.config, rows, self.capacity, device=device), first_free=0)
+
+    def _use(self, cache: KVCache, first_free: int) -> None:
+        self.cache = cache
+        self.free = [r for r in range(first_free, len(cache.lengths)) if not (self.graphs and r == self.SCRATCH)]
+        self._graphed = GraphedTokenStep(self.lm, cache, self.SCRATCH) if self.graphs else None
+
+    def capture(self, rows: int) -> None:
+        """The token-step graphs for batches of up to `rows` rows at every span (CUDA only)."""
+        if self._graphed is None:
+            return
+        with torch.inference_mode():
+            for b in sorted({bucket(n) for n in range(1, rows + 1)}):
+                span = GraphedTokenStep.SMALLEST_SPAN
+                while span < 2 * self.capacity:
+                    self._graphed.capture(b, min(span, self.capacity))
+                    span *= 2
 
     def _take_row(self) -> int:
         if not self.free:
@@ -178,8 +244,7 @@ class SpeechTokens:
             for old, new in zip(self.cache.keys + self.cache.values, grown.keys + grown.values, strict=True):
                 new[:rows] = old
             grown.lengths[:rows] = self.cache.lengths
-            self.cache = grown
-            self.free = list(range(rows, 2 * rows))
+            self._use(grown, first_free=rows)
         row = self.free.pop()
         self.cache.lengths[row] = 0
         return row
@@ -232,8 +297,9 @@ class SpeechTokens:
             x = self.lm.speech_embedding(last)[:, None]
             for u in going:
                 u.cached += 1
-            logp = self.lm(x, self.cache, torch.tensor([u.row for u in going], device=self.device),
-                           span=max(u.cached for u in going))
+            at = torch.tensor([u.row for u in going], device=self.device)
+            span = max(u.cached for u in going)
+            logp = self._graphed(x, at, span) if self._graphed else self.lm(x, self.cache, at, span=span)
             for u, scores in zip(going, logp.cpu(), strict=True):
                 self._draw(u, scores, prompt=False)
         return [u.failed if isinstance(u, SpeechUtterance) and u.failed else
@@ -372,6 +438,7 @@ class CosyVoice2Runtime:
         self.limits = LengthLimits()
         self._tokens = SpeechTokens(self.model, self.device)
         self._audio: dict[str, Token2Wav] = {}
+        self._solver = self.model.flow.use_graphs() if self.device.type == "cuda" else None
 
     @property
     def sample_rate(self) -> int:
@@ -415,8 +482,23 @@ class CosyVoice2Runtime:
         return Token2WavState(generator, sp.flow_prompt_tokens.to(self.device), sp.prompt_mel.to(self.device),
                               sp.embedding.to(self.device))
 
+    # Flow solves captured before serving (larger ones are captured when first seen).
+    PREPARED_SOLVES = (8, 1024)  # rows, frames
+
     def prepare(self, max_batch: int) -> None:
-        """Nothing is captured before serving."""
+        """On CUDA, the CUDA graphs of the token steps for the cache's first rows and of the
+        flow's solves up to `PREPARED_SOLVES`."""
+        self._tokens.capture(len(self._tokens.cache.lengths))
+        if self._solver is None:
+            return
+        rows, frames = self.PREPARED_SOLVES
+        with torch.inference_mode():
+            for streaming in (True, False):
+                for b in sorted({bucket(n) for n in range(1, rows + 1)}):
+                    t = self._solver.SMALLEST_FRAMES
+                    while t <= frames:
+                        self._solver.capture(b, t, streaming)
+                        t *= 2
 
     def acoustic_batch(self, jobs: list[AcousticJob]) -> Sequence[DecoderInput]:
         """Each sentence's LM prompt prefilled (one padded batch) and its first token drawn."""
