@@ -61,6 +61,7 @@ class _InFlight:
     precision: str
     frames: int
     fed: list[int]  # each row's frames fed before this step
+    limits: list[int]  # each row's frames its decoder could make at launch (its input may be incomplete)
     pending: PendingAudio
     t0: float
 
@@ -455,6 +456,7 @@ class Executor:
         frames = (runtime.schedule.first_frames + decoder.lag) if first else self.config.step_frames
         utts = [u for _, u in rows]
         fed = [u.fed for u in utts]
+        limits = [u.ready_frames(runtime.tokens) for u in utts]
         sids = None if rows[0][0].spec.sid is None else [s.spec.sid or 0 for s, _ in rows]
         slots = [u.slot for u in utts if u.slot is not None]
         assert len(slots) == len(utts), "every row of a step holds a slot"
@@ -462,9 +464,9 @@ class Executor:
         t0 = time.perf_counter()
         with stage("step.launch"), self.timeline.timed("launch", rows=len(rows), first=first, frames=frames):
             pending = runtime.guard_async(decoder.step(step))
-        for u in utts:
-            u.fed += frames
-        return _InFlight(rows, precision, frames, fed, pending, t0)
+        for u, limit in zip(utts, limits, strict=True):
+            u.fed = min(u.fed + frames, limit) if u.status is UtteranceStatus.TOKENS else u.fed + frames
+        return _InFlight(rows, precision, frames, fed, limits, pending, t0)
 
     def _finish(self, flight: _InFlight) -> list[Chunk]:
         """Wait for a launched step and cut each row's chunk out of its audio (an FP32 redo for
@@ -492,7 +494,7 @@ class Executor:
         for i, (s, u) in enumerate(rows):
             start = (flight.fed[i] - decoder.lag) * hop  # position of audio[i, 0] in the utterance
             lo = max(0, start)
-            hi = max(lo, min(u.frames * hop, start + frames * hop))  # lo == hi: none of it is this utterance's
+            hi = max(lo, min(flight.limits[i] * hop, start + frames * hop))  # lo == hi: none of it is this utterance's
             fallback = False
             if nonfinite[i] and precision != "fp32":
                 samples, pcm = self._redo_fp32(s, u, lo, hi)
@@ -502,7 +504,8 @@ class Executor:
                     self.stats.nonfinite_fp32 += 1  # zeroed by the guard: no FP32 to fall back to
                 samples = audio[i, lo - start : hi - start]
                 pcm = None if pcm16 is None else pcm16[i, lo - start : hi - start]
-                if self.shadow is not None and precision != "fp32" and hi > lo and u.decoder_input is not None:
+                if (self.shadow is not None and precision != "fp32" and hi > lo and u.decoder_input is not None
+                        and u.status is not UtteranceStatus.TOKENS):  # the reference needs every token
                     self.shadow.offer(runtime, u.decoder_input, (lo, hi), samples)
             self.stats.audio_seconds += (hi - lo) / runtime.sample_rate
             out.append(Chunk(s, u, samples, u.precision if not fallback else "fp32", fallback, pcm))

@@ -50,7 +50,7 @@ class OutputStage:
             # A copy: a chunk is a view of its whole step's audio, which the cache must not keep.
             u.chunks.append(samples.copy() if samples.base is not None else samples)
             u.precisions.append(precision)
-        if u.samples_done >= u.frames * s.spec.runtime.hop:
+        if u.samples_done >= u.frames * s.spec.runtime.hop and u.status is not UtteranceStatus.TOKENS:
             self._retire(s, u, now)
             if u.cache_key is not None:
                 self.cache.put(u.cache_key, CachedUtterance(tuple(u.chunks), tuple(u.precisions),

@@ -106,7 +106,10 @@ class Scheduler:
                 continue
             slack = s.slack(now)
             head = s.utterances[0]
-            if head.status is UtteranceStatus.DECODING and s.unread_s() < cfg.max_ahead_s:
+            # a head still making tokens decodes as far as its tokens so far allow
+            decodable = head.status is UtteranceStatus.DECODING or (
+                head.status is UtteranceStatus.TOKENS and head.ready_frames(s.spec.runtime.tokens) > head.fed)
+            if decodable and s.unread_s() < cfg.max_ahead_s:
                 ready.append((s, head, slack))
             # every utterance making tokens steps: its later decoding waits for them (first audio first)
             tokens += [((u is not head, slack, s.ready_since), s, u) for u in s.utterances

@@ -17,7 +17,14 @@ import numpy as np
 
 if TYPE_CHECKING:
     from service.engine.cache import CachedUtterance
-    from service.models.family import ChunkSchedule, DecoderInput, SynthesisParams, UtteranceDecoder, VoiceRuntime
+    from service.models.family import (
+        ChunkSchedule,
+        DecoderInput,
+        SynthesisParams,
+        TokenStage,
+        UtteranceDecoder,
+        VoiceRuntime,
+    )
     from service.text.frontend import PhonemizedSentence
 
 
@@ -143,6 +150,13 @@ class UtteranceState:
     @property
     def frames(self) -> int:
         return 0 if self.decoder_input is None else self.decoder_input.frames
+
+    def ready_frames(self, tokens: TokenStage | None) -> int:
+        """Frames its decoder can make now: all of them once its input is complete; while an
+        autoregressive family still makes tokens, what the tokens so far allow."""
+        if self.status is UtteranceStatus.TOKENS and tokens is not None and self.decoder_input is not None:
+            return tokens.ready_frames(self.decoder_input)
+        return self.frames
 
 
 @dataclass

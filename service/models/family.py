@@ -374,6 +374,12 @@ class TokenStage(Protocol):
         """`utt` makes no more tokens (its session ended first): free what it holds in the stage."""
         ...
 
+    def ready_frames(self, utt: DecoderInput) -> int:
+        """Frames of `utt`'s audio its slot decoder can make from the tokens so far (all of
+        `utt.frames` once they are complete): the engine decodes that far while tokens are
+        still being made."""
+        ...
+
 
 class VoiceRuntime(Protocol):
     """A voice of some family loaded on a backend: the whole surface the engine uses. One

@@ -41,6 +41,10 @@ class TokenVits:
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
+    def ready_frames(self, utt: DecoderInput) -> int:
+        """Nothing decodable before the last token (CosyVoice2 decodes earlier: its own tests)."""
+        return utt.frames if self.made.get(id(utt), 0) * TOKEN_FRAMES >= utt.frames else 0
+
     def step(self, rows: Sequence[DecoderInput | None]) -> list[bool]:
         time.sleep(0.005)  # a device step's time: sessions that arrive meanwhile join the next one
         self.batches.append(len(rows))

@@ -15,7 +15,8 @@
   with FP32 pins; the guard and the engine's FP32 redo work as for any slot decoder.
 
 A sentence's seed gives its tokens and its vocoder noise, so it sounds the same alone or batched.
-Today a sentence is decoded once all its tokens are made."""
+A sentence is decoded while its tokens are made: the engine asks the token stage how far its audio
+can go (`ready_frames`: the streaming chunks the tokens so far allow) and decodes that far."""
 
 from __future__ import annotations
 
@@ -213,6 +214,7 @@ class SpeechTokens:
 
     def __init__(self, model: CosyVoice2, device: torch.device, rows: int = 8) -> None:
         self.lm: SpeechLM = model.lm
+        self.token2wav = model.token2wav
         self.sampling = model.config.sampling
         self.device = device
         self.eos = self.lm.config.speech_token_size
@@ -255,6 +257,10 @@ class SpeechTokens:
         if utt.row is not None:
             self.free.append(utt.row)
             utt.row = None
+
+    def ready_frames(self, utt: DecoderInput) -> int:
+        assert isinstance(utt, SpeechUtterance)
+        return ready_frames(self.token2wav, utt)
 
     def _prompt(self, utt: SpeechUtterance) -> torch.Tensor:
         text = torch.cat([utt.speaker.prompt_text, torch.tensor(utt.text_ids, dtype=torch.long)])
@@ -329,6 +335,14 @@ class SpeechTokens:
             self.release(u)
 
 
+def ready_frames(token2wav: Token2Wav, utt: SpeechUtterance) -> int:
+    """Frames of `utt`'s audio that can be made now: all of them once its tokens are complete,
+    else what the streaming chunks before the last make."""
+    if utt.complete:
+        return utt.frames
+    return token2wav.streamable_frames(utt.speaker.flow_prompt_tokens.shape[1], len(utt.tokens))
+
+
 @dataclass
 class _Slot:
     utt: SpeechUtterance
@@ -376,9 +390,13 @@ class TokenAudioSlots:
         short = {}
         for slot, fed in zip(rows.slots, rows.fed, strict=True):
             s = self._slots[slot]
-            short[slot] = (s, min(s.utt.frames * self.hop, (fed + rows.frames) * self.hop))
+            if s.tokens.shape[1] != len(s.utt.tokens):  # made while its tokens are being made
+                s.tokens = torch.tensor([s.utt.tokens], dtype=torch.long, device=self.runtime.device)
+            ready = ready_frames(self.token2wav, s.utt)
+            short[slot] = (s, min(ready * self.hop, (fed + rows.frames) * self.hop))
         while pending := [s for s, end in short.values() if s.audio.shape[0] < end and not s.state.done]:
-            self._chunks(pending)
+            if not self._chunks(pending):
+                raise RuntimeError("a step asked for audio past what the sentence's tokens so far can make")
         dtype = torch.float16 if self.precision == "fp16" else torch.float32
         out = torch.zeros(len(rows.slots), size, device=self.runtime.device, dtype=dtype)
         for row, (slot, fed) in enumerate(zip(rows.slots, rows.fed, strict=True)):
@@ -386,17 +404,22 @@ class TokenAudioSlots:
             out[row, : piece.shape[0]] = piece
         return out
 
-    def _chunks(self, slots: list[_Slot]) -> None:
-        """The next chunk of each slot's audio (a final chunk where too few tokens are left)."""
+    def _chunks(self, slots: list[_Slot]) -> int:
+        """The next chunk of each slot's audio (a final chunk where too few tokens are left and
+        they are complete); how many slots made one."""
         t2w = self.token2wav
+        made = 0
         for finalize in (False, True):
-            group = [s for s in slots if t2w.ready(s.state, s.tokens.shape[1]) != finalize]
+            group = [s for s in slots if t2w.ready(s.state, s.tokens.shape[1]) != finalize
+                     and (s.utt.complete or not finalize)]  # the last chunk waits for the last token
             if not group:
                 continue
             requests = [t2w.request(s.state, s.tokens, finalize) for s in group]
             mels = t2w.flow.batch(requests, streaming=not finalize, finalize=finalize)
             for s, audio in zip(group, t2w.vocode_batch([s.state for s in group], mels, finalize), strict=True):
                 s.audio = torch.cat([s.audio, audio[0].float()])
+            made += len(group)
+        return made
 
 
 _MODELS: dict[tuple[str, str], CosyVoice2] = {}

@@ -50,13 +50,23 @@ class Token2Wav:
         self.window = _hamming(2 * self.source_cache_len)
 
     def hop(self, state: Token2WavState) -> int:
+        return self._hop(state.prompt_tokens.shape[1], state.token_offset)
+
+    def _hop(self, prompt: int, offset: int) -> int:
         """Tokens the next chunk turns into audio: the first chunk also rounds the prompt's
         tokens up to a whole chunk, so every chunk boundary falls on the flow's chunk grid."""
         hop = self.config.token_hop_len
-        if state.token_offset:
+        if offset:
             return hop
-        prompt = state.prompt_tokens.shape[1]
         return hop + math.ceil(prompt / hop) * hop - prompt
+
+    def streamable_frames(self, prompt: int, tokens: int) -> int:
+        """Mel frames of audio the chunks before the last can make from `tokens` tokens so far
+        (after a prompt of `prompt` tokens): each chunk's audio but its held-back tail."""
+        offset = 0
+        while tokens - offset >= self._hop(prompt, offset) + self.lookahead:
+            offset += self._hop(prompt, offset)
+        return max(0, offset * self.mel_ratio - self.config.mel_cache_len)
 
     def ready(self, state: Token2WavState, tokens: int) -> bool:
         """Can a chunk (not the last) be made from `tokens` tokens so far?"""

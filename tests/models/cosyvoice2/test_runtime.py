@@ -1,7 +1,8 @@
 """A CosyVoice2 directory served (`CosyVoice2Runtime`), on the random-weight test directory:
 batched token steps give each sentence what it gets alone, the slot decoder's steps stream
-exactly the reference audio, KV cache rows grow and come back, a sentence whose scores cannot be
-sampled fails alone, and the whole path equals the official code (`cadenza voices check`)."""
+exactly the reference audio (also while the tokens are still being made), KV cache rows grow
+and come back, a sentence whose scores cannot be sampled fails alone, and the whole path equals
+the official code (`cadenza voices check`)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,30 @@ def test_the_slot_decoders_steps_stream_the_reference(runtime: CosyVoice2Runtime
         np.testing.assert_allclose(streamed[: len(want)], want, atol=1e-5, rtol=0)  # rows' flows batched
         assert not streamed[len(want):].any()  # past the end: zeros
         assert np.abs(want).max() > 0.01
+
+
+def test_decoding_starts_before_the_tokens_are_complete(runtime: CosyVoice2Runtime,
+                                                        frontend: TextFrontend) -> None:
+    """A sentence decoded as far as its tokens so far allow, step after step while they are
+    made, streams the reference made from all of them: each streaming chunk needs only the
+    tokens up to its lookahead."""
+    (u,) = [v for v in runtime.acoustic_batch(jobs(frontend, TEXTS[1:2], seed=4)) if isinstance(v, SpeechUtterance)]
+    stage = runtime.tokens
+    decoder = runtime.streaming_decoder("fp32", 1, max_rows=1, graphs=False, graph_frames=())
+    assert decoder.start(0, u.prior)
+    fed, pieces, early = 0, [], 0
+    while fed < u.frames or not u.complete:
+        if not u.complete:
+            stage.step([u])
+        ready = stage.ready_frames(u)
+        assert ready <= u.frames and (u.complete or ready < u.frames)  # the last chunk waits for the last token
+        if ready > fed:
+            pieces.append(decoder.step(StepRows([0], [fed], ready - fed, None)).numpy()[0])
+            early += not u.complete
+            fed = ready
+    assert early >= 2  # more than one step's audio came before the last token
+    want = runtime.reference(u)
+    np.testing.assert_allclose(np.concatenate(pieces), want, atol=1e-5, rtol=0)
 
 
 def test_kv_rows_grow_when_full_and_come_back(runtime: CosyVoice2Runtime, frontend: TextFrontend) -> None:
