@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from service.models.cosyvoice2.config import ConfigError
 from service.models.cosyvoice2.lm import KVCache, LengthLimits, SpeechLM, sample_token
 from service.models.cosyvoice2.model import CosyVoice2, load_model
 from service.models.cosyvoice2.text import MAX_SENTENCE_TOKENS
@@ -59,6 +60,10 @@ FP32_STAGES: tuple[str, ...] = ("f0_predictor", "source")
 COSYVOICE2_PIN_CANDIDATES: tuple[str, ...] = (
     "conv_pre", "ups.*", "resblocks.*", "source_downs.*", "source_resblocks.*", "conv_post",
 )
+
+
+# The longest saved speaker prompt the KV cache holds, in speech tokens (25 per second).
+MAX_PROMPT_SPEECH_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,13 @@ def load_speakers(path: Path, mel_bins: int, embed_dim: int) -> list[Speaker]:
         mel = torch.zeros(1, 0, mel_bins) if mel is None else torch.as_tensor(mel).float().reshape(1, -1, mel_bins)
         # upstream keeps the prompt mel at exactly two frames per prompt token
         n = min(mel.shape[1] // 2, flow_tokens.shape[0])
-        out.append(Speaker(_ids(entry.get("prompt_text")), _ids(entry.get("llm_prompt_speech_token")),
+        prompt_text, prompt_speech = _ids(entry.get("prompt_text")), _ids(entry.get("llm_prompt_speech_token"))
+        if len(prompt_text) > MAX_SENTENCE_TOKENS or len(prompt_speech) > MAX_PROMPT_SPEECH_TOKENS:
+            raise ConfigError(
+                f"{path}: speaker {name!r} has a prompt of {len(prompt_text)} text and {len(prompt_speech)} "
+                f"speech tokens; at most {MAX_SENTENCE_TOKENS} and {MAX_PROMPT_SPEECH_TOKENS} "
+                f"({MAX_PROMPT_SPEECH_TOKENS // 25} s) fit the KV cache: save it again from a shorter recording")
+        out.append(Speaker(prompt_text, prompt_speech,
                            flow_tokens[:n][None], mel[:, : 2 * n], torch.as_tensor(embedding).float().reshape(1, -1)))
     return out
 
@@ -218,7 +229,7 @@ class SpeechTokens:
         self.sampling = model.config.sampling
         self.device = device
         self.eos = self.lm.config.speech_token_size
-        longest_prompt = 2 + 2 * MAX_SENTENCE_TOKENS + 1024  # prompt text + text + prompt speech tokens
+        longest_prompt = 2 + 2 * MAX_SENTENCE_TOKENS + MAX_PROMPT_SPEECH_TOKENS  # prompt text + text + speech
         self.capacity = longest_prompt + int(MAX_SENTENCE_TOKENS * LengthLimits().max_ratio)
         self.graphs = device.type == "cuda"
         self._use(KVCache.empty(self.lm.config, rows, self.capacity, device=device), first_free=0)
@@ -265,16 +276,14 @@ class SpeechTokens:
     def _prompt(self, utt: SpeechUtterance) -> torch.Tensor:
         text = torch.cat([utt.speaker.prompt_text, torch.tensor(utt.text_ids, dtype=torch.long)])
         prompt_speech = utt.speaker.llm_prompt_speech
-        if len(utt.speaker.prompt_text) + len(utt.text_ids) + 2 + len(prompt_speech) > self.capacity - utt.max_tokens:
-            raise ValueError("the speaker's prompt is too long for the KV cache: use a shorter prompt recording")
+        # load_speakers and the frontend's sentence cut keep every prompt within the capacity
+        assert len(text) + 2 + len(prompt_speech) <= self.capacity - utt.max_tokens
         return self.lm.prompt(text.to(self.device), prompt_speech.to(self.device))
 
     @torch.inference_mode()
     def prefill(self, utts: list[SpeechUtterance]) -> None:
-        """Each sentence's prompt into a fresh row (one padded batch) and its first token."""
-        self._feed_prompts(utts)
-
-    def _feed_prompts(self, utts: list[SpeechUtterance]) -> None:
+        """Each sentence's prompt appended to its row (a fresh one if it has none; one padded
+        batch) and its next token drawn."""
         if not utts:
             return
         prompts = [self._prompt(u) for u in utts]
@@ -297,7 +306,7 @@ class SpeechTokens:
         utts = [u for u in rows if isinstance(u, SpeechUtterance) and not u.complete]
         again = [u for u in utts if u.fed_prompt]  # a stop token right after the prompt: the prompt again, appended
         going = [u for u in utts if not u.fed_prompt]
-        self._feed_prompts(again)
+        self.prefill(again)
         if going:
             last = torch.tensor([u.tokens[-1] for u in going], device=self.device)
             x = self.lm.speech_embedding(last)[:, None]

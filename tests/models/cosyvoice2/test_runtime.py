@@ -15,7 +15,13 @@ import torch
 
 from service.audio.quality import psnr_db
 from service.models import registry
-from service.models.cosyvoice2.runtime import CosyVoice2Runtime, SpeechUtterance, load_speakers
+from service.models.cosyvoice2.config import ConfigError
+from service.models.cosyvoice2.runtime import (
+    MAX_PROMPT_SPEECH_TOKENS,
+    CosyVoice2Runtime,
+    SpeechUtterance,
+    load_speakers,
+)
 from service.models.family import AcousticJob, StepRows, SynthesisParams, TextFrontend, utterance_rng
 
 TEXTS = ["Hello there.", "Thank you for calling, how can I help you today?", "Goodbye!"]
@@ -54,6 +60,14 @@ def test_speakers_are_the_saved_ones_in_name_order(runtime: CosyVoice2Runtime, c
     assert torch.equal(sft.embedding, table["sft_b"]["embedding"])
     assert sft.prompt_text.numel() == sft.llm_prompt_speech.numel() == sft.prompt_mel.numel() == 0
     assert len(runtime.speakers) == runtime.info.num_speakers == 2
+
+
+def test_a_speaker_prompt_too_long_for_the_kv_cache_is_refused_at_load(cosyvoice2_dir: Path, tmp_path: Path) -> None:
+    table = torch.load(cosyvoice2_dir / "spk2info.pt", weights_only=True)
+    table["prompt_a"]["llm_prompt_speech_token"] = torch.zeros(1, MAX_PROMPT_SPEECH_TOKENS + 1, dtype=torch.int32)
+    torch.save(table, tmp_path / "spk2info.pt")
+    with pytest.raises(ConfigError, match=r"speaker 'prompt_a' has a prompt of .* shorter recording"):
+        load_speakers(tmp_path / "spk2info.pt", 80, 192)
 
 
 def test_batched_steps_give_each_sentence_what_it_gets_alone(runtime: CosyVoice2Runtime,
