@@ -96,14 +96,14 @@ class SelfAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D]; mask [B, T, T] boolean."""
+        """x [B, T, D]; mask [B, 1, T, T], boolean or added to the scores (0 or -inf)."""
         b, t, _ = x.shape
 
         def heads(y: torch.Tensor) -> torch.Tensor:
             return y.view(b, t, self.heads, self.head_dim).transpose(1, 2)
 
         out = F.scaled_dot_product_attention(heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x)),
-                                             attn_mask=mask[:, None])
+                                             attn_mask=mask)
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -216,11 +216,17 @@ class Estimator(nn.Module):
         time = self.time_mlp(time)
         x = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)
 
+        biases: dict[int, torch.Tensor] = {}
+
         def level(stage: nn.Module, h: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
             """A stage's ResNet block, then its transformer blocks (a stage is [resnet, blocks, ...])."""
             assert isinstance(stage, nn.ModuleList)
             h = stage[0](h, frames, time).transpose(1, 2)
-            attn = attention_mask(frames, chunk)
+            attn = biases.get(frames.shape[-1])
+            if attn is None:  # once per length and pass, as the scores' bias (what SDPA makes of a boolean mask)
+                allowed = attention_mask(frames, chunk)[:, None]
+                attn = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill(~allowed, -math.inf)
+                biases[frames.shape[-1]] = attn
             blocks = stage[1]
             assert isinstance(blocks, nn.ModuleList)
             for block in blocks:
