@@ -41,3 +41,11 @@ def bucket(n: int, smallest: int = 1) -> int:
     """The power of two at least `n` (and at least `smallest`): graphs are captured per bucket
     and inputs padded up to it."""
     return max(smallest, 1 << max(0, n - 1).bit_length())
+
+
+def buckets_up_to(n: int, smallest: int = 1) -> list[int]:
+    """Every bucket from `smallest` up to `n`'s (what a warm-up captures)."""
+    out = [bucket(1, smallest)]
+    while out[-1] < bucket(n, smallest):
+        out.append(2 * out[-1])
+    return out

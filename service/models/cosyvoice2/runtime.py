@@ -35,7 +35,7 @@ from service.models.cosyvoice2.model import CosyVoice2, load_model
 from service.models.cosyvoice2.text import MAX_SENTENCE_TOKENS
 from service.models.cosyvoice2.token2wav import Token2Wav, Token2WavState
 from service.models.cosyvoice2.voices import SPEAKERS_FILE
-from service.models.cuda_graphs import GraphCapturer, bucket
+from service.models.cuda_graphs import GraphCapturer, bucket, buckets_up_to
 from service.models.family import (
     AcousticJob,
     Capabilities,
@@ -244,11 +244,9 @@ class SpeechTokens:
         if self._graphed is None:
             return
         with torch.inference_mode():
-            for b in sorted({bucket(n) for n in range(1, rows + 1)}):
-                span = GraphedTokenStep.SMALLEST_SPAN
-                while span < 2 * self.capacity:
+            for b in buckets_up_to(rows):
+                for span in buckets_up_to(self.capacity, GraphedTokenStep.SMALLEST_SPAN):
                     self._graphed.capture(b, min(span, self.capacity))
-                    span *= 2
 
     def _take_row(self) -> int:
         if not self.free:
@@ -526,11 +524,9 @@ class CosyVoice2Runtime:
         rows, frames = self.PREPARED_SOLVES
         with torch.inference_mode():
             for streaming in (True, False):
-                for b in sorted({bucket(n) for n in range(1, rows + 1)}):
-                    t = self._solver.SMALLEST_FRAMES
-                    while t <= frames:
+                for b in buckets_up_to(rows):
+                    for t in buckets_up_to(frames, self._solver.SMALLEST_FRAMES):
                         self._solver.capture(b, t, streaming)
-                        t *= 2
 
     def acoustic_batch(self, jobs: list[AcousticJob]) -> Sequence[DecoderInput]:
         """Each sentence's LM prompt prefilled (one padded batch) and its first token drawn."""

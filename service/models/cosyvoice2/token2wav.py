@@ -63,10 +63,11 @@ class Token2Wav:
     def streamable_frames(self, prompt: int, tokens: int) -> int:
         """Mel frames of audio the chunks before the last can make from `tokens` tokens so far
         (after a prompt of `prompt` tokens): each chunk's audio but its held-back tail."""
-        offset = 0
-        while tokens - offset >= self._hop(prompt, offset) + self.lookahead:
-            offset += self._hop(prompt, offset)
-        return max(0, offset * self.mel_ratio - self.config.mel_cache_len)
+        first, hop = self._hop(prompt, 0), self.config.token_hop_len
+        if tokens < first + self.lookahead:
+            return 0
+        offset = first + (tokens - first - self.lookahead) // hop * hop  # the first chunk, then whole hops
+        return offset * self.mel_ratio - self.config.mel_cache_len
 
     def ready(self, state: Token2WavState, tokens: int) -> bool:
         """Can a chunk (not the last) be made from `tokens` tokens so far?"""
