@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Write a random-weight CosyVoice2 model directory in the official release's layout:
-cosyvoice2.yaml, llm.pt, flow.pt, hift.pt, spk2info.pt (saved speakers) and the Qwen2 folder
+cosyvoice2.yaml, llm.pt, flow.pt, hift.pt, spk2info.pt (saved speakers), the Qwen2 folder
 CosyVoice-BlankEN/ (config.json, and a small byte-level BPE tokenizer in Qwen2's files:
-vocab.json, merges.txt, tokenizer_config.json).
+vocab.json, merges.txt, tokenizer_config.json), and stand-ins for the two ONNX front models that
+make zero-shot speakers (speech_tokenizer_v2.onnx, campplus.onnx: random networks with the
+release's inputs and outputs).
 
 The weights are the official classes' (the upstream tree, a test dependency) with every
 parameter drawn from a seeded generator, saved as upstream saves them, so Cadenza's loader and
@@ -50,7 +52,7 @@ SIZES = {
 
 def yaml_text(c: CosyVoice2Config) -> str:
     """cosyvoice2.yaml for `c`, in upstream's HyperPyYAML form (the inference-time sections)."""
-    enc, est, h = c.flow.encoder, c.flow.estimator, c.hift
+    enc, est, h, m = c.flow.encoder, c.flow.estimator, c.hift, c.prompt_mel
 
     def seq(values: tuple[int, ...]) -> str:
         return "[" + ", ".join(str(v) for v in values) + "]"
@@ -159,6 +161,17 @@ hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
         num_class: 1
         in_channels: {h.in_channels}
         cond_channels: {h.f0_cond_channels}
+
+# processor functions (inference uses the prompt mel's)
+feat_extractor: !name:matcha.utils.audio.mel_spectrogram
+    n_fft: {m.n_fft}
+    num_mels: {m.num_mels}
+    sampling_rate: !ref <sample_rate>
+    hop_size: {m.hop_size}
+    win_size: {m.win_size}
+    fmin: {m.fmin:g}
+    fmax: {m.fmax:g}
+    center: False
 """
 
 
@@ -238,6 +251,50 @@ def speakers(config: CosyVoice2Config, folder: Path, seed: int) -> dict[str, dic
     return {"prompt_a": zero_shot, "sft_b": {"embedding": torch.randn(1, config.flow.spk_embed_dim, generator=rng)}}
 
 
+def write_front_models(out: Path, config: CosyVoice2Config, seed: int) -> None:
+    """Random stand-ins for the release's two ONNX front models, with their inputs and outputs:
+    speech_tokenizer_v2.onnx (feats [1, 128, T] Whisper log-mel, feats_length [1] int32 -> indices
+    [1, T // 4], speech tokens at 25 Hz) and campplus.onnx (input [1, T, 80] mean-removed Kaldi
+    fbank -> output [1, 192] speaker embedding). Each is a small network over the same features,
+    so a wrong feature changes what comes out."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from service.models.cosyvoice2.prompt import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
+
+    rng = torch.Generator().manual_seed(seed + 100)
+
+    def weight(name: str, *shape: int) -> onnx.TensorProto:
+        return numpy_helper.from_array((torch.randn(*shape, generator=rng) / shape[0] ** 0.5).numpy(), name)
+
+    def save(graph: onnx.GraphProto, name: str) -> None:
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        onnx.checker.check_model(model)
+        onnx.save(model, str(out / name))
+
+    save(helper.make_graph(
+        [helper.make_node("AveragePool", ["feats"], ["pooled"], kernel_shape=[4], strides=[4]),
+         helper.make_node("ReduceMean", ["pooled"], ["level"], axes=[1], keepdims=1),
+         helper.make_node("Sub", ["pooled", "level"], ["shape"]),  # the spectrum's shape, not its level
+         helper.make_node("Transpose", ["shape"], ["frames"], perm=[0, 2, 1]),
+         helper.make_node("MatMul", ["frames", "codebook"], ["scores"]),
+         helper.make_node("ArgMax", ["scores"], ["indices"], axis=2, keepdims=0)],
+        "speech_tokenizer_stand_in",
+        [helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
+         helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])],
+        [helper.make_tensor_value_info("indices", TensorProto.INT64, [1, "N"])],
+        [weight("codebook", 128, config.lm.speech_token_size)]), SPEECH_TOKENIZER_FILE)
+    save(helper.make_graph(
+        [helper.make_node("MatMul", ["input", "w1"], ["h"]),
+         helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("ReduceMean", ["r"], ["pooled"], axes=[1], keepdims=0),
+         helper.make_node("MatMul", ["pooled", "w2"], ["output"])],
+        "campplus_stand_in",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, "T", 80])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, config.flow.spk_embed_dim])],
+        [weight("w1", 80, 64), weight("w2", 64, config.flow.spk_embed_dim)]), CAMPPLUS_FILE)
+
+
 def speech_like(hift: torch.nn.Module) -> None:
     """Random vocoder weights in a trained one's ranges: F0 at speaking pitches (random weights
     give ~1 Hz, no sine at all) and spectral logits near zero (random ones reach +-25: every
@@ -260,6 +317,7 @@ def write(out: Path, config: CosyVoice2Config, seed: int, weights: bool = True) 
     (qwen / "config.json").write_text(json.dumps(qwen2_json(config.lm), indent=2) + "\n", "utf-8")
     write_tokenizer(qwen, config.lm.vocab_size)
     torch.save(speakers(config, qwen, seed), out / "spk2info.pt")
+    write_front_models(out, config, seed)
     if not weights:
         return
     for k, (name, model) in enumerate(zip(("llm", "flow", "hift"), official_models(config), strict=True)):

@@ -370,6 +370,24 @@ def _cmd_voices_install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_voices_add_speaker(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from service.models.cosyvoice2.prompt import make_speaker, save_speaker
+    from service.models.cosyvoice2.voices import read_directory
+
+    directory = Path(args.dir)
+    info = read_directory(directory)
+    if info is None:
+        raise ValueError(f"{directory} is not a CosyVoice2 model directory (cosyvoice2.yaml, llm.pt, flow.pt, hift.pt)")
+    entry = make_speaker(directory, Path(args.wav).read_bytes(), args.text)
+    path = save_speaker(directory, args.name, entry)
+    tokens = entry["llm_prompt_speech_token"].shape[1]
+    print(f"saved speaker {args.name!r} ({tokens} speech tokens, {tokens / 25:.1f} s) in {path}")
+    print(f"use it: cadenza say --voice {directory} --speaker {args.name} \"TEXT\" -o out.wav")
+    return 0
+
+
 def _cmd_voices_check(args: argparse.Namespace) -> int:
     from service.tools.voice_check import run_voice_check
 
@@ -767,6 +785,18 @@ def build_parser() -> argparse.ArgumentParser:
                           help="install from this folder, fetching nothing: kokoro-v1_0.pth with voices/*.pt "
                                "(official), or kokoro-v1.0[.int8].onnx with voices-v1.0.bin (kokoro-onnx)")
     vinstall.set_defaults(func=_cmd_voices_install)
+    vspk = _subcommand(vsub, "add-speaker", "save a zero-shot speaker in a CosyVoice2 model directory",
+                       description="A recording of the speaker (WAV, 16 kHz or more, 0.5-30 s; 3-10 s of clean "
+                                   "speech works best) and the words spoken in it become a saved speaker of the "
+                                   "CosyVoice2 directory DIR (its spk2info.pt, as upstream's add_zero_shot_spk "
+                                   "saves them), through the directory's speech_tokenizer_v2.onnx and "
+                                   "campplus.onnx. Serve it with `cadenza serve --voices` and pick it by name "
+                                   "(--speaker NAME).")
+    vspk.add_argument("dir", metavar="DIR", help="the CosyVoice2 model directory (cosyvoice2.yaml, llm.pt, ...)")
+    vspk.add_argument("--name", required=True, help="the speaker's name (replaces a saved speaker of that name)")
+    vspk.add_argument("--wav", required=True, metavar="FILE", help="the recording (.wav)")
+    vspk.add_argument("--text", required=True, help="the words spoken in the recording")
+    vspk.set_defaults(func=_cmd_voices_add_speaker)
     vcheck = _subcommand(vsub, "check", "compare our model with the original it was ported from (PSNR)",
                          description="Our model against the original implementation, sentence by sentence: a "
                                      "Piper voice against its ONNX graph (noise off), a Kokoro voice against the "

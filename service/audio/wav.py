@@ -1,4 +1,4 @@
-"""RIFF/WAVE headers for streamed and file output.
+"""RIFF/WAVE headers for streamed and file output, and WAV files read back (prompt recordings).
 
 Streaming clients get the header before the length is known, so sizes are written as
 0xFFFFFFFF, which players and ffmpeg treat as "read until end of stream".
@@ -12,9 +12,10 @@ import os
 import struct
 from typing import IO
 
+import numpy as np
 import numpy.typing as npt
 
-from service.audio.encoding import AudioEncoding, encode_linear16
+from service.audio.encoding import AudioEncoding, alaw_to_linear16, encode_linear16, mulaw_to_linear16
 
 UNKNOWN_SIZE = 0xFFFFFFFF
 
@@ -133,3 +134,54 @@ def _rewritable_offset(out: IO[bytes]) -> int | None:
                 return None
         return out.tell()
     return None
+
+
+WAVE_FORMAT_EXTENSIBLE = 0xFFFE
+
+
+def read_wav(data: bytes) -> tuple[npt.NDArray[np.float32], int]:
+    """(mono float32 samples, sample rate) of a WAV file's bytes: PCM of 8 to 32 bits, float, or
+    G.711; channels averaged. Integer PCM is scaled by 2**(bits-1), as soundfile and torchaudio
+    read it. Raises ValueError naming what is wrong with the file."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise ValueError("not a WAV file (no RIFF/WAVE header): send a .wav recording")
+    fmt: tuple[int, int, int, int] | None = None
+    at = 12
+    while at + 8 <= len(data):
+        kind, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
+        body = data[at + 8: at + 8 + size]
+        if kind == b"fmt " and len(body) >= 16:
+            tag, channels, rate, _, _, bits = struct.unpack_from("<HHIIHH", body)
+            if tag == WAVE_FORMAT_EXTENSIBLE and len(body) >= 26:
+                tag = struct.unpack_from("<H", body, 24)[0]  # the sub-format GUID's first two bytes
+            fmt = (tag, channels, rate, bits)
+        elif kind == b"data":
+            if fmt is None:
+                raise ValueError("the WAV file's data comes before its format chunk")
+            return _samples(body, *fmt), fmt[2]
+        at += 8 + size + (size & 1)
+    raise ValueError("the WAV file has no format or no data chunk")
+
+
+def _samples(body: bytes, tag: int, channels: int, rate: int, bits: int) -> npt.NDArray[np.float32]:
+    if channels < 1 or rate < 1:
+        raise ValueError(f"the WAV file says {channels} channels at {rate} Hz")
+    width = bits // 8
+    pcm: npt.NDArray[np.float64]
+    if tag == WAVE_FORMAT_PCM and bits in (8, 16, 24, 32):
+        raw = np.frombuffer(body[: len(body) // width * width], dtype=np.uint8).reshape(-1, width)
+        if bits == 8:
+            pcm = (raw[:, 0].astype(np.float64) - 128.0) / 128.0
+        else:  # little-endian signed: widen to 32 bits with the sign in the top byte
+            wide = np.zeros((raw.shape[0], 4), dtype=np.uint8)
+            wide[:, 4 - width:] = raw
+            pcm = wide.view("<i4")[:, 0].astype(np.float64) / 2.0 ** 31
+    elif tag == WAVE_FORMAT_IEEE_FLOAT and bits in (32, 64):
+        pcm = np.frombuffer(body[: len(body) // width * width], dtype=f"<f{width}").astype(np.float64)
+    elif tag in (WAVE_FORMAT_MULAW, WAVE_FORMAT_ALAW) and bits == 8:
+        table = mulaw_to_linear16 if tag == WAVE_FORMAT_MULAW else alaw_to_linear16
+        pcm = table(np.frombuffer(body, dtype=np.uint8)).astype(np.float64) / 32768.0
+    else:
+        raise ValueError(f"unsupported WAV encoding (format tag {tag}, {bits} bits): use 16-bit PCM or float")
+    frames = len(pcm) // channels
+    return pcm[: frames * channels].reshape(frames, channels).mean(axis=1).astype(np.float32)

@@ -1,4 +1,4 @@
-"""WAV headers: readable by the stdlib for PCM, correct fields for every format."""
+"""WAV headers: readable by the stdlib for PCM, correct fields for every format; WAV files read back."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from service.audio.encoding import AudioEncoding, encode
-from service.audio.wav import UNKNOWN_SIZE, WavStream, wav_header, write_wav
+from service.audio.wav import UNKNOWN_SIZE, WavStream, read_wav, wav_header, write_wav
 from tests.audio.conftest import speech_like
 
 FORMAT_TAGS = {
@@ -142,3 +142,36 @@ def test_wav_stream_into_a_file_gets_its_real_sizes_at_the_end(encoding: AudioEn
         stream.write(data, 8000)
         stream.close()
     assert path.read_bytes().endswith(wav_header(8000, encoding, None) + data)
+
+
+@pytest.mark.parametrize("subtype", ["PCM_U8", "PCM_16", "PCM_24", "PCM_32", "FLOAT", "DOUBLE", "ULAW", "ALAW"])
+@pytest.mark.parametrize("channels", [1, 2])
+def test_read_wav_reads_what_soundfile_reads(subtype: str, channels: int) -> None:
+    import soundfile
+
+    rng = np.random.default_rng(channels)
+    samples = np.clip(0.3 * rng.standard_normal((997, channels)), -1, 1)
+    out = io.BytesIO()
+    soundfile.write(out, samples, 22_050, subtype=subtype, format="WAV")
+    ours, rate = read_wav(out.getvalue())
+    reference, _ = soundfile.read(io.BytesIO(out.getvalue()), dtype="float64", always_2d=True)
+    assert rate == 22_050 and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, reference.mean(axis=1), rtol=0, atol=1e-7)
+
+
+def test_read_wav_reads_back_write_wav(tmp_path: Path) -> None:
+    samples = np.sin(np.arange(500) / 7.0).astype(np.float32) * 0.5
+    write_wav(tmp_path / "x.wav", samples, 16_000)
+    ours, rate = read_wav((tmp_path / "x.wav").read_bytes())
+    assert rate == 16_000
+    np.testing.assert_allclose(ours, samples, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (b"RIFF\x00\x00\x00\x00WAVE", "no format or no data chunk"),
+    (b"ID3 an mp3 file", "not a WAV file"),
+    (wav_header(8000, AudioEncoding.LINEAR16, 0)[:12] + b"data\x00\x00\x00\x00", "data comes before its format"),
+])
+def test_read_wav_refuses_what_it_cannot_read(data: bytes, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        read_wav(data)

@@ -23,11 +23,23 @@ from service.models.cosyvoice2.lm import Qwen2Config, SamplingConfig
 from service.models.cosyvoice2.token2wav import StreamConfig
 from service.models.cosyvoice2.voices import CONFIG_FILE, QWEN_DIR
 
-__all__ = ["CONFIG_FILE", "QWEN_DIR", "ConfigError", "CosyVoice2Config", "read_config", "read_yaml"]
+__all__ = ["CONFIG_FILE", "QWEN_DIR", "ConfigError", "CosyVoice2Config", "MelConfig", "read_config", "read_yaml"]
 
 
 class ConfigError(ValueError):
     """The directory's configuration is missing, unreadable or asks for a variant we do not build."""
+
+
+@dataclass(frozen=True)
+class MelConfig:
+    """cosyvoice2.yaml's `feat_extractor` (matcha's mel_spectrogram); defaults are CosyVoice2's."""
+
+    n_fft: int = 1920
+    num_mels: int = 80
+    hop_size: int = 480
+    win_size: int = 1920
+    fmin: float = 0.0
+    fmax: float = 8000.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,7 @@ class CosyVoice2Config:
     flow: FlowConfig = field(default_factory=FlowConfig)
     hift: HiftConfig = field(default_factory=HiftConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
+    prompt_mel: MelConfig = field(default_factory=MelConfig)
 
 
 @dataclass
@@ -171,6 +184,7 @@ def read_config(model_dir: Path) -> CosyVoice2Config:
                           f"the Qwen2 hidden size {lm.hidden_size}")
     sampling = llm.get("sampling")
     sampling_args = sampling.args if isinstance(sampling, _Tagged) and isinstance(sampling.args, dict) else {}
+    feat = data.get("feat_extractor")
     chunk = int(data.get("chunk_size", encoder.get("static_chunk_size", 25)))
     return CosyVoice2Config(
         sample_rate=int(hift.get("sampling_rate", data.get("sample_rate", 24000))),
@@ -190,4 +204,6 @@ def read_config(model_dir: Path) -> CosyVoice2Config:
         hift=HiftConfig(**_pick(hift, HiftConfig), n_fft=int(istft.get("n_fft", 16)),
                         hop_len=int(istft.get("hop_len", 4)), f0_cond_channels=int(f0.get("cond_channels", 512))),
         stream=StreamConfig(token_hop_len=chunk),
+        prompt_mel=MelConfig(**_pick(feat.args if isinstance(feat, _Tagged) and isinstance(feat.args, dict) else {},
+                                     MelConfig)),
     )

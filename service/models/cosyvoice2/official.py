@@ -50,7 +50,9 @@ def official(module: str) -> Any:
         raise RuntimeError(f"the official CosyVoice2 model code is not installed: {INSTALL}")
     _glue("cosyvoice.utils.file_utils", logging=logging, convert_onnx_to_trt=_no_export,
           export_cosyvoice2_vllm=_no_export)
-    _glue("matcha.utils", __path__=[])
+    matcha = importlib.util.find_spec("matcha")
+    utils = [f"{d}/utils" for d in (matcha.submodule_search_locations or [])] if matcha else []
+    _glue("matcha.utils", __path__=utils)  # its submodules (audio.py) import; its __init__ (Hydra) does not run
     _glue("matcha.utils.pylogger", get_pylogger=logging.getLogger)
     return importlib.import_module(module)
 
