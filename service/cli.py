@@ -254,7 +254,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
     from service.audio.encoding import AudioEncoding, encode_linear16
     from service.audio.wav import WavStream, write_wav
     from service.engine.config import EngineConfig
-    from service.engine.contract import AudioOut, SessionConfig
+    from service.engine.contract import AudioOut, SessionConfig, VoicePrompt
     from service.engine.frontend_pool import FrontendPoolConfig
     from service.engine.local import LocalEngine
     from service.voices import find_voice
@@ -268,8 +268,13 @@ def _cmd_say(args: argparse.Namespace) -> int:
         cache_bytes=0, frontend=FrontendPoolConfig(workers=0),  # one text: no frontend processes needed
         core="thread",  # ... nor a process for the core (no event loop to share a GIL with)
     )
+    prompt = None
+    if args.prompt_wav:
+        prompt = VoicePrompt(Path(args.prompt_wav).read_bytes(), args.prompt_text)
+    elif args.prompt_text:
+        raise UsageError("--prompt-text is the transcript of --prompt-wav: give the recording too")
     session = SessionConfig(
-        speaker=args.speaker, seed=args.seed, options=dict(args.option) or None,
+        speaker=args.speaker, seed=args.seed, options=dict(args.option) or None, voice_prompt=prompt,
         speaking_rate=speaking_rate, encoding=AudioEncoding.FLOAT32, word_timings=True,
     )
     rate = info.sample_rate
@@ -504,6 +509,11 @@ def _cmd_client(args: argparse.Namespace) -> int:
     )
     if args.seed is not None:
         config.seed = args.seed
+    if args.prompt_wav:
+        config.voice_prompt.audio = Path(args.prompt_wav).read_bytes()
+        config.voice_prompt.transcript = args.prompt_text or ""
+    elif args.prompt_text:
+        raise UsageError("--prompt-text is the transcript of --prompt-wav: give the recording too")
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("a client certificate needs its key: give --tls-cert and --tls-key together")
@@ -738,6 +748,15 @@ def _version() -> str:
 # --- the parser ---------------------------------------------------------------------------------------
 
 
+def _add_prompt_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-wav", default=None, metavar="FILE",
+                        help="speak like this recording (WAV, 16 kHz or more, 0.5-30 s), for voices that take a "
+                             "voice prompt (CosyVoice2): zero-shot, instead of a saved speaker")
+    parser.add_argument("--prompt-text", default=None, metavar="TEXT",
+                        help="the words spoken in --prompt-wav (without: only its sound is imitated, upstream's "
+                             "cross-lingual mode)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cadenza", description=__doc__, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
@@ -753,6 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "sizes are filled in when stdout is a file), and the messages go to stderr")
     say.add_argument("--speaker", default=None,
                      help="speaker id or name, for multi-speaker voices (default: the voice's first)")
+    _add_prompt_args(say)
     say.add_argument("--seed", type=int, default=None,
                      help="noise seed: the same seed gives the same audio (default: random)")
     say.add_argument("--length-scale", type=float, default=None,
@@ -1084,6 +1104,7 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--voice", default=None, help="voice name (default: the server's default voice)")
     client.add_argument("--speaker", default=None,
                         help="speaker id or name, for multi-speaker voices (default: the voice's first)")
+    _add_prompt_args(client)
     client.add_argument("--speaking-rate", type=float, default=1.0, help="speed factor: 2 is twice as fast")
     client.add_argument("--words", action="store_true", help="print word timings")
     client.add_argument("--metadata", type=metadata_arg, action="append", default=None, metavar="KEY=VALUE",

@@ -27,6 +27,7 @@ from service.engine.contract import (
     SessionEvent,
     SessionSummary,
     VoiceDescription,
+    VoicePrompt,
 )
 
 _ENCODINGS = {
@@ -77,6 +78,8 @@ def session_config(msg: pb.SessionConfig) -> SessionConfig:
         wav_header=msg.wav_header,
         word_timings=msg.word_timings,
         request_id=msg.request_id,
+        voice_prompt=VoicePrompt(msg.voice_prompt.audio, msg.voice_prompt.transcript.strip() or None)
+        if msg.HasField("voice_prompt") else None,
     )
 
 
@@ -105,7 +108,7 @@ def voice_message(v: VoiceDescription) -> pb.Voice:
         speakers=[pb.Speaker(id=s.id, name=s.name) for s in v.speakers], family=v.family,
         options=[pb.VoiceOption(name=o.name, default_value=o.default, min_value=o.low, max_value=o.high,
                                 description=o.help) for o in v.options],
-        gender=_GENDERS[v.gender],
+        gender=_GENDERS[v.gender], voice_prompts=v.voice_prompts,
     )
 
 

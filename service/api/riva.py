@@ -37,6 +37,7 @@ from service.api.compat import (
 )
 from service.api.errors import add_service, methods_of
 from service.audio.encoding import AudioEncoding
+from service.audio.wav import wav_header
 from service.engine.contract import (
     MAX_SPEAKING_RATE,
     MIN_SPEAKING_RATE,
@@ -46,6 +47,7 @@ from service.engine.contract import (
     NotFound,
     SessionConfig,
     VoiceDescription,
+    VoicePrompt,
     WordTiming,
     echo,
 )
@@ -58,6 +60,7 @@ __all__ = [
     "resolve_voice",
     "riva_words",
     "session_config",
+    "voice_prompt",
 ]
 
 _ENCODINGS: dict[int, AudioEncoding] = {
@@ -77,6 +80,7 @@ _FIELDS = {
     "config.custom_dictionary": "custom_dictionary",
     "config.language": "language_code",
     "config.voice": "voice_name",
+    "config.voice_prompt": "zero_shot_data",
 }
 RIVA_RPCS = ("Synthesize", "SynthesizeOnline", "GetRivaSynthesisConfig")
 _SPACED_ARPABET = re.compile(r"[A-Z]{1,2}[0-2]?(?: [A-Z]{1,2}[0-2]?)*")
@@ -172,14 +176,14 @@ def session_config(
     if encoding is None:
         name = RivaEncoding.Name(request.encoding) if request.encoding in RivaEncoding.values() else request.encoding
         raise InvalidArgument("encoding", f"{name} is not supported; supported encodings: {_SUPPORTED_ENCODINGS}")
-    if request.HasField("zero_shot_data"):
-        raise InvalidArgument("zero_shot_data", "zero-shot voice cloning is not supported by this server")
+    prompt = voice_prompt(request.zero_shot_data) if request.HasField("zero_shot_data") else None
     voice, speaker = resolve_voice(request.voice_name, request.language_code, voices, default_voice)
     seed, rate = _custom_configuration(dict(request.custom_configuration), seed)
     dictionary = parse_custom_dictionary(request.custom_dictionary) if request.custom_dictionary else None
     config = SessionConfig(
         voice=voice.name,
         speaker=speaker,
+        voice_prompt=prompt,
         language=request.language_code or None,
         encoding=encoding,
         sample_rate=request.sample_rate_hz or None,
@@ -190,6 +194,23 @@ def session_config(
         request_id=request.id.value,
     )
     return config, voice
+
+
+def voice_prompt(data: Any) -> VoicePrompt:
+    """``ZeroShotData`` as a voice prompt. Riva's client sends the prompt file's bytes whole (a WAV);
+    raw PCM or G.711 with its ``sample_rate_hz`` is given a WAV header. ``quality`` (Magpie's
+    setting) has no counterpart here and is not used. No transcript: only the sound is imitated."""
+    audio = data.audio_prompt
+    if not audio:
+        raise InvalidArgument("zero_shot_data.audio_prompt", "is empty: send a WAV recording of the speaker")
+    if not audio.startswith(b"RIFF"):
+        encoding = _ENCODINGS.get(data.encoding) if data.encoding != RivaEncoding.ENCODING_UNSPECIFIED else None
+        if encoding is None or data.sample_rate_hz <= 0:
+            raise InvalidArgument("zero_shot_data.audio_prompt", "is not a WAV file: send a WAV recording, or raw "
+                                  "LINEAR_PCM, MULAW or ALAW samples with zero_shot_data.encoding and sample_rate_hz")
+        samples = len(audio) // encoding.bytes_per_sample
+        audio = wav_header(data.sample_rate_hz, encoding, samples) + audio[: samples * encoding.bytes_per_sample]
+    return VoicePrompt(audio=audio, transcript=data.transcript.strip() or None)
 
 
 def riva_words(words: Sequence[WordTiming], sample_rate: int) -> list[Any]:

@@ -40,6 +40,7 @@ __all__ = [
     "SpeakerInfo",
     "Unavailable",
     "VoiceDescription",
+    "VoicePrompt",
     "WordTiming",
     "check_text",
     "echo",
@@ -71,11 +72,21 @@ class Precision(enum.Enum):
 
 
 @dataclass(frozen=True)
+class VoicePrompt:
+    """A recording of the speaker a session should sound like (zero-shot), for voices that take one
+    (`VoiceDescription.voice_prompts`): a WAV file's bytes and, when known, the words spoken in it."""
+
+    audio: bytes
+    transcript: str | None = None
+
+
+@dataclass(frozen=True)
 class SessionConfig:
     """One stream's settings, fixed for its lifetime. None means "the voice's/server's default"."""
 
     voice: str | None = None
     speaker: int | str | None = None
+    voice_prompt: VoicePrompt | None = None  # speak like this recording (instead of a speaker)
     language: str | None = None  # checked against the voice's language when given
     encoding: AudioEncoding = AudioEncoding.LINEAR16
     sample_rate: int | None = None  # output rate, 8000..48000; None = the voice's rate
@@ -194,6 +205,7 @@ class VoiceDescription:
     family: str = ""  # its model family (a `service.models.registry` name)
     options: tuple[OptionSpec, ...] = ()  # what SessionConfig.options may set
     gender: Gender = Gender.UNSPECIFIED  # as its family declares it (voice lists; Google's ssml_gender)
+    voice_prompts: bool = False  # a session may give a recording to sound like (SessionConfig.voice_prompt)
 
 
 @dataclass(frozen=True)

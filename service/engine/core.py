@@ -361,8 +361,7 @@ class EngineCore:
                               acoustic_first=sum(u.index == 0 for _, u in plan.acoustic), decode=len(plan.decode),
                               decode_first=sum(u.chunk_index == 0 for _, u in plan.decode))
         if plan.tokens:
-            for s, why in self.executor.tokens(plan.tokens):
-                self._fail(s, why)
+            self._tokens(plan.tokens)
         if plan.decode and plan.acoustic and runtime is not None and self.executor.overlaps(runtime):
             # The device runs the step while this thread runs the acoustic stage (on its own
             # stream); the sentences that stage readied start in a step of their own right after.
@@ -384,6 +383,22 @@ class EngineCore:
         if self._shadow_run is not None:
             self._shadow_run()
         return False, None
+
+    def _tokens(self, rows: list[tuple[SessionState, UtteranceState]]) -> None:
+        self.stats.token_steps += 1
+        for s, why in self.executor.tokens(rows):
+            self._fail(s, why)
+
+    def _tokens_meanwhile(self) -> bool:
+        """One autoregressive step while a decoder step is still on the device (False: nothing
+        makes tokens): a decoder step can take as long as dozens of token steps, and every
+        session's next chunk waits for its tokens."""
+        rows = self.scheduler.token_rows(self._sessions.values(), time.monotonic())
+        if not rows:
+            return False
+        self.stats.token_steps_overlapped += 1
+        self._tokens(rows)
+        return True
 
     def _start_fresh(self, jobs: list[tuple[SessionState, UtteranceState]], max_rows: int,
                      free: Callable[[SessionState, UtteranceState], int] | None) -> None:
@@ -464,7 +479,8 @@ class EngineCore:
 
         try:
             with stage("engine.decode"):
-                _, failed = self.executor.decode(rows, start, self._others_urgent, meanwhile, deliver)
+                _, failed = self.executor.decode(rows, start, self._others_urgent, meanwhile, deliver,
+                                                 between=self._tokens_meanwhile)
         except Exception as exc:  # outside any one step (slot bookkeeping): every row fails
             log.exception("decoder step failed")
             for s, _ in rows:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 from importlib import metadata
 from multiprocessing.connection import Connection
+from typing import Any
 
 from service.audio.encoding import AudioEncoding
 from service.engine.config import EngineConfig
@@ -42,6 +43,7 @@ from service.engine.proc import SOLE_SERVER, ApiSlot, ProcessHost
 from service.engine.session import EngineSession, SessionSetup
 from service.engine.state import SessionRequest
 from service.models.family import ChunkSchedule, SynthesisParams, VoiceInfo, VoiceNotFoundError
+from service.models.registry import family
 from service.telemetry import Telemetry
 from service.telemetry.timeline import LOOP_LAG_PERIOD_S, LOOP_LAG_RECORDED_S, Timeline
 from service.voices import list_voices
@@ -49,6 +51,7 @@ from service.voices import list_voices
 log = logging.getLogger(__name__)
 
 MAX_CHUNK_FRAMES = 1024
+MAX_PROMPT_BYTES = 4 << 20  # a voice prompt's recording
 _SPEAKER_INDEX = re.compile(r"[0-9]{1,9}")  # ASCII digits only: "²" and "٣" are names, not indexes
 
 
@@ -246,7 +249,8 @@ class TtsEngine:
             "step_seconds": s.step_seconds, "step_audio_seconds": s.audio_seconds,
             "acoustic_jobs": s.acoustic_jobs, "acoustic_batches": s.acoustic_batches,
             "acoustic_seconds": s.acoustic_seconds,
-            "overlapped_acoustic": s.overlapped, "fp32_fallbacks": s.fallbacks,
+            "overlapped_acoustic": s.overlapped, "token_steps": s.token_steps,
+            "overlapped_token_steps": s.token_steps_overlapped, "fp32_fallbacks": s.fallbacks,
             "shadow_verified": snap.shadow_verified, "shadow_min_psnr_db": snap.shadow_min_psnr_db,
         }
 
@@ -264,7 +268,7 @@ class TtsEngine:
             names = {i: n for n, i in v.speaker_id_map.items()}
             speakers = [SpeakerInfo(i, names.get(i, "")) for i in range(v.num_speakers)] if v.num_speakers > 1 else []
             out.append(VoiceDescription(v.name, v.language, v.sample_rate, speakers, v.name in self._loaded,
-                                        v.family, v.options, v.gender))
+                                        v.family, v.options, v.gender, v.voice_prompts))
         return out
 
     def server_info(self) -> ServerInfo:
@@ -358,6 +362,7 @@ class TtsEngine:
         info = self._resolve_voice(config)
         sid = self._resolve_speaker(info, config.speaker)
         params, schedule = self._resolve_params(info, config)
+        prompt = await self._resolve_prompt(info, config)
         if info.name not in self._loaded:
             await asyncio.get_running_loop().run_in_executor(None, self._load, info)
         decision = self._resolve_precision(config.precision, info.name)
@@ -380,9 +385,31 @@ class TtsEngine:
         request = SessionRequest(
             session_id=session.id, voice_name=info.name, sid=sid, params=params, schedule=schedule,
             precision=precision.value, custom_dictionary=config.custom_dictionary, word_timings=config.word_timings,
-            internal=internal, max_phonemes=self.config.limits.max_session_phonemes)
+            internal=internal, max_phonemes=self.config.limits.max_session_phonemes, voice_prompt=prompt)
         self.host.submit_open(request, info, session, asyncio.get_running_loop(), setup.cursor)
         return session
+
+    async def _resolve_prompt(self, info: VoiceInfo, config: SessionConfig) -> Any:
+        """The session's own speaker from its voice prompt (None: it has none), made off the event
+        loop: a recording takes tens of milliseconds of feature and ONNX work."""
+        prompt = config.voice_prompt
+        if prompt is None:
+            return None
+        if not info.voice_prompts:
+            takers = sorted(v.name for v in self._voices.values() if v.voice_prompts)
+            raise InvalidArgument("config.voice_prompt", f"voice {info.name} ({info.family}) has fixed speakers and "
+                                  f"takes no voice prompt; voices that do: {', '.join(takers) or 'none here'}")
+        if config.speaker not in (None, ""):
+            raise InvalidArgument("config.voice_prompt", "give a speaker or a voice prompt, not both")
+        if len(prompt.audio) > MAX_PROMPT_BYTES:
+            raise InvalidArgument("config.voice_prompt", f"the recording is {len(prompt.audio)} bytes; at most "
+                                  f"{MAX_PROMPT_BYTES} are read (30 s of 16-bit mono at 48 kHz fits): "
+                                  "send a shorter one")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                None, family(info.family).voice_prompt, info, prompt.audio, prompt.transcript)
+        except ValueError as exc:
+            raise InvalidArgument("config.voice_prompt", str(exc)) from exc
 
     def _forget(self, session: EngineSession) -> None:
         self._sessions.pop(session.id, None)

@@ -231,7 +231,7 @@ class Executor:
                 continue
             spec = s.spec
             rng = s.rng if s.rng is not None else utterance_rng(spec.params.seed, u.sentence.phoneme_ids)
-            pending.append((s, u, AcousticJob(u.sentence, spec.sid, spec.params, rng)))
+            pending.append((s, u, AcousticJob(u.sentence, spec.sid, spec.params, rng, spec.voice_prompt)))
         if not pending:
             return []
         runtime = pending[0][0].spec.runtime
@@ -297,23 +297,28 @@ class Executor:
     def decode(self, rows: list[tuple[SessionState, UtteranceState]], now: float,
                others_urgent: Callable[[SessionState], bool],
                meanwhile: Callable[[], None] | None = None,
-               landed: Callable[[list[Chunk]], None] | None = None) -> tuple[list[Chunk], list[Failure]]:
+               landed: Callable[[list[Chunk]], None] | None = None,
+               between: Callable[[], bool] | None = None) -> tuple[list[Chunk], list[Failure]]:
         """Advance the planned rows: (chunks, sessions that failed with why). A failing batched
         step is retried in halves, each row's decoder state rebuilt first, so a fault that
         one row causes (or a batch too large for the device) fails only what it must.
         `meanwhile` runs once the first step is launched, before any result is waited for
         (after the chunk, where the decoder is synchronous). `landed` gets each call's chunks
         as soon as that call is cut, before the later calls are waited for: first chunks go
-        out without waiting for the step that fills behind them."""
+        out without waiting for the step that fills behind them. `between` runs again and
+        again while a launched step is still on the device, until it says it has nothing to do
+        (an autoregressive family's token steps, on their own stream, fill a long decoder step)."""
         once = _Once(meanwhile)
         try:
-            return self._decode(rows, others_urgent, once, landed or (lambda chunks: None))
+            return self._decode(rows, others_urgent, once, landed or (lambda chunks: None),
+                                between or (lambda: False))
         finally:
             once()
 
     def _decode(self, rows: list[tuple[SessionState, UtteranceState]],
                 others_urgent: Callable[[SessionState], bool], meanwhile: _Once,
-                landed: Callable[[list[Chunk]], None]) -> tuple[list[Chunk], list[Failure]]:
+                landed: Callable[[list[Chunk]], None],
+                between: Callable[[], bool]) -> tuple[list[Chunk], list[Failure]]:
         if not rows:
             return [], []
         runtime = rows[0][0].spec.runtime
@@ -356,6 +361,8 @@ class Executor:
         for i in range(len(batches)):
             following = self._launch_or_fallback(*batches[i + 1]) if i + 1 < len(batches) else None
             meanwhile()
+            while flight is not None and not flight.pending.ready() and between():
+                pass
             chunks, bad = self._land(flight, *batches[i])
             landed(chunks)
             out += chunks

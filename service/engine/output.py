@@ -29,9 +29,10 @@ class OutputStage:
         self._pending: dict[Loop, list[Delivery]] = {}
 
     def cache_key(self, s: SessionState, u: UtteranceState) -> Hashable | None:
-        """Only seeded sessions are cacheable (unseeded audio is meant to differ)."""
+        """Only seeded sessions with the voice's own speakers are cacheable (unseeded audio is meant
+        to differ; a voice prompt is the session's alone)."""
         spec, p = s.spec, s.spec.params
-        if p.seed is None or self.cache.max_bytes <= 0:
+        if p.seed is None or spec.voice_prompt is not None or self.cache.max_bytes <= 0:
             return None
         return (spec.voice_name, u.sentence.text, tuple(u.sentence.phoneme_ids), spec.sid, p.length_scale,
                 p.options, p.seed, spec.precision, spec.schedule, spec.word_timings)

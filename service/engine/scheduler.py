@@ -84,6 +84,17 @@ class Scheduler:
     def __init__(self, config: BatchConfig) -> None:
         self.config = config
 
+    def token_rows(self, sessions: Iterable[SessionState], now: float) -> list[tuple[SessionState, UtteranceState]]:
+        """The rows of the next autoregressive step (one voice): every utterance making tokens, as
+        its later decoding waits for them; heads first, then by slack (first audio first)."""
+        tokens = [((u is not s.utterances[0], s.slack(now), s.ready_since), s, u) for s in sessions
+                  for u in s.utterances if u.status is UtteranceStatus.TOKENS]
+        if not tokens:
+            return []
+        tokens.sort(key=lambda item: item[0])
+        runtime = tokens[0][1].spec.runtime
+        return [(s, u) for _, s, u in tokens if s.spec.runtime is runtime][: self.config.max_step_rows]
+
     def plan(self, sessions: Iterable[SessionState], now: float, max_rows: int,
              free_slots: Callable[[SessionState, UtteranceState], int] | None = None,
              acoustic_job_s: float = 0.0, fill_rows: int = 0) -> Plan:
@@ -98,7 +109,7 @@ class Scheduler:
         plan = Plan()
         acoustic: list[tuple[tuple[float, bool, float], SessionState, UtteranceState]] = []
         ready: list[tuple[SessionState, UtteranceState, float]] = []
-        tokens: list[tuple[tuple[bool, float, float], SessionState, UtteranceState]] = []
+        sessions = list(sessions)
         wake = math.inf
         starts = 0  # sessions waiting for the acoustic stage to begin their audio
         for s in sessions:
@@ -111,9 +122,6 @@ class Scheduler:
                 head.status is UtteranceStatus.TOKENS and head.ready_frames(s.spec.runtime.tokens) > head.fed)
             if decodable and s.unread_s() < cfg.max_ahead_s:
                 ready.append((s, head, slack))
-            # every utterance making tokens steps: its later decoding waits for them (first audio first)
-            tokens += [((u is not head, slack, s.ready_since), s, u) for u in s.utterances
-                       if u.status is UtteranceStatus.TOKENS]
             nxt = next((u for u in s.utterances if u.status is UtteranceStatus.ACOUSTIC), None)
             if nxt is not None:
                 if s.queued_audio_s() < cfg.acoustic_lookahead_s:
@@ -125,10 +133,7 @@ class Scheduler:
             acoustic.sort(key=lambda item: item[0])
             runtime = acoustic[0][1].spec.runtime
             plan.acoustic = [(s, u) for _, s, u in acoustic if s.spec.runtime is runtime][: cfg.acoustic_max_batch]
-        if tokens:
-            tokens.sort(key=lambda item: item[0])
-            runtime = tokens[0][1].spec.runtime
-            plan.tokens = [(s, u) for _, s, u in tokens if s.spec.runtime is runtime][: cfg.max_step_rows]
+        plan.tokens = self.token_rows(sessions, now)
         urgent_slack = max(cfg.urgent_slack_s, len(plan.acoustic) * acoustic_job_s)
         # a backlog of starts: the lead does not count and no step is filled
         backlog = 2 * starts >= max(2, cfg.acoustic_max_batch)

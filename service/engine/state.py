@@ -11,7 +11,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -88,6 +88,7 @@ class SessionRequest:
     word_timings: bool = True  # the client asked for word timings (without: the frontend skips word alignment)
     internal: bool = False  # the server's own warm-up session (not profiled)
     max_phonemes: int | None = None  # phonemes the session may have spoken; more fails it (RESOURCE_EXHAUSTED)
+    voice_prompt: Any = None  # the session's own speaker, as its family made it (`Family.voice_prompt`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,5 +242,7 @@ class EngineStats:
     acoustic_seconds: float = 0.0  # wall time inside acoustic-stage calls
     acoustic_batches: int = 0
     overlapped: int = 0  # acoustic-stage calls made while a decoder step ran on the device
+    token_steps: int = 0  # autoregressive steps
+    token_steps_overlapped: int = 0  # of them, made while a decoder step ran on the device
     fallbacks: int = 0
     nonfinite_fp32: int = 0

@@ -33,6 +33,9 @@ class GuardedCopy:
         else:
             self._audio, self._nonfinite, self._pcm16 = audio.float(), nonfinite, pcm16
 
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
     def result(self) -> HostAudio:
         if self._event is not None:
             self._event.synchronize()

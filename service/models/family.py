@@ -96,6 +96,8 @@ class VoiceInfo:
     # phonemes): False for a family that has neither control (CosyVoice2 reads text, at its own pace).
     pace: bool = True
     pronunciations: bool = True
+    # A session may bring its own speaker as a recording (zero-shot: `Family.voice_prompt`).
+    voice_prompts: bool = False
 
     def option(self, name: str) -> OptionSpec:
         for spec in self.options:
@@ -205,6 +207,7 @@ class AcousticJob:
     sid: int | None
     params: SynthesisParams
     rng: np.random.Generator
+    prompt: Any = None  # the session's own speaker (`Family.voice_prompt`), in place of `sid`
 
 
 def utterance_rng(seed: int | None, phoneme_ids: Sequence[int]) -> np.random.Generator:
@@ -337,7 +340,13 @@ class HostAudio(NamedTuple):
 
 
 class PendingAudio(Protocol):
-    def result(self) -> HostAudio: ...
+    def result(self) -> HostAudio:
+        """The step's guarded audio on the host (waits for the device)."""
+        ...
+
+    def ready(self) -> bool:
+        """The device has finished the step: `result` will not wait."""
+        ...
 
 
 def guard_host(audio: np.ndarray) -> HostAudio:
@@ -477,6 +486,12 @@ class Family(Protocol):
 
     def parity(self, runtime: VoiceRuntime, threads: int | None) -> ParityCheck:
         """The check of `runtime` (opened from this family) against the original implementation."""
+        ...
+
+    def voice_prompt(self, info: VoiceInfo, audio: bytes, transcript: str | None) -> Any:
+        """A session's own speaker from a recording (a WAV file's bytes) and the words spoken in it,
+        for a voice with `voice_prompts`: a picklable value its runtime takes as `AcousticJob.prompt`.
+        Runs where sessions are opened, off the engine thread. ValueError says what to change."""
         ...
 
 

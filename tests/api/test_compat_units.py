@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import riva.client.proto.riva_tts_pb2 as rtts
 from google.cloud.texttospeech_v1.types import cloud_tts
@@ -18,6 +19,7 @@ from service.api.compat import (
     voice_for_language,
 )
 from service.audio.encoding import AudioEncoding
+from service.audio.wav import read_wav
 from service.engine.contract import (
     Gender,
     InvalidArgument,
@@ -25,6 +27,7 @@ from service.engine.contract import (
     OutOfRange,
     SpeakerInfo,
     VoiceDescription,
+    VoicePrompt,
     WordTiming,
 )
 
@@ -152,11 +155,32 @@ def test_riva_unsupported_encoding_names_the_supported_ones(encoding: int) -> No
     assert info.value.field == "encoding"
 
 
-def test_riva_rejects_zero_shot_and_unknown_custom_configuration() -> None:
+def test_riva_zero_shot_data_becomes_a_voice_prompt() -> None:
     request = rtts.SynthesizeSpeechRequest(text="x")
     request.zero_shot_data.quality = 20
-    with pytest.raises(InvalidArgument, match="zero-shot"):
+    with pytest.raises(InvalidArgument, match="is empty: send a WAV recording") as info:
         riva.session_config(request, VOICES, DEFAULT, seed=0)
+    assert info.value.field == "zero_shot_data.audio_prompt"
+    request.zero_shot_data.audio_prompt = b"RIFF...."
+    request.zero_shot_data.transcript = "  "
+    config, _ = riva.session_config(request, VOICES, DEFAULT, seed=0)
+    assert config.voice_prompt == VoicePrompt(b"RIFF....", None)
+    pcm = np.arange(-50, 50, dtype="<i2").tobytes() + b"\x01"  # an odd byte at the end is dropped
+    for encoding, width in ((RivaEncoding.LINEAR_PCM, 2), (RivaEncoding.MULAW, 1)):
+        request.zero_shot_data.audio_prompt = pcm
+        request.zero_shot_data.encoding = encoding
+        request.zero_shot_data.transcript = "Hello."
+        with pytest.raises(InvalidArgument, match="not a WAV file"):  # raw samples need their rate
+            riva.session_config(request, VOICES, DEFAULT, seed=0)
+        request.zero_shot_data.sample_rate_hz = 16000
+        config, _ = riva.session_config(request, VOICES, DEFAULT, seed=0)
+        assert config.voice_prompt is not None and config.voice_prompt.transcript == "Hello."
+        samples, rate = read_wav(config.voice_prompt.audio)
+        assert rate == 16000 and len(samples) == len(pcm) // width
+        request.zero_shot_data.sample_rate_hz = 0
+
+
+def test_riva_rejects_unknown_custom_configuration() -> None:
     request = rtts.SynthesizeSpeechRequest(text="x")
     request.custom_configuration["exaggeration_factor"] = "1.5"
     with pytest.raises(InvalidArgument, match="seed, speaking_rate"):

@@ -23,6 +23,7 @@ from tests.serve_process import start_serve, stop_process
 
 VOICE = "cosyvoice2-test"
 TEXT = "Thank you for calling. How can I help you today?"
+PROMPT_TEXT = "This is how I sound when I read aloud."
 Encoding = texttospeech.AudioEncoding
 
 
@@ -82,3 +83,75 @@ def test_what_the_family_cannot_do_is_refused_with_what_to_change(native: Native
         native.synthesize(TEXT, voice=VOICE, **config)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in str(caught.value.details()) and advice in str(caught.value.details())
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A speaker's recording as a client would send it: a 22.05 kHz 16-bit WAV, 2.5 s."""
+    from tests.models.cosyvoice2.test_prompt import voiced, wav_bytes
+
+    path = tmp_path_factory.mktemp("prompt") / "speaker.wav"
+    path.write_bytes(wav_bytes(voiced(2.5, 22_050), 22_050))
+    return path
+
+
+def test_a_voice_prompt_is_spoken_alike_through_riva_and_native(
+        tts: riva.client.SpeechSynthesisService, native: Native, recording: Path) -> None:
+    prompt = pb.VoicePrompt(audio=recording.read_bytes(), transcript=PROMPT_TEXT)
+    want = native.synthesize(TEXT, voice=VOICE, voice_prompt=prompt)
+    assert want != native.synthesize(TEXT, voice=VOICE) and len(decode_linear16(want)) > 24000
+    assert native.synthesize(TEXT, voice=VOICE, voice_prompt=prompt) == want  # seeded: the same again
+    got = tts.synthesize(TEXT, voice_name=VOICE, language_code="en-US", sample_rate_hz=24000,
+                         zero_shot_audio_prompt_file=recording, zero_shot_transcript=PROMPT_TEXT)
+    assert got.audio == want
+    # Riva's streaming call sends no transcript: only the recording's sound is imitated (cross-lingual)
+    sound_only = native.synthesize(TEXT, voice=VOICE, voice_prompt=pb.VoicePrompt(audio=recording.read_bytes()))
+    assert sound_only not in (want, native.synthesize(TEXT, voice=VOICE))
+    online = tts.synthesize_online(TEXT, voice_name=VOICE, sample_rate_hz=24000, zero_shot_audio_prompt_file=recording)
+    assert b"".join(r.audio for r in online) == sound_only
+    voices = {v.name: v for v in native.stub.ListVoices(pb.ListVoicesRequest(), timeout=TIMEOUT_S).voices}
+    assert voices[VOICE].voice_prompts and not voices["en_US-joe-medium"].voice_prompts
+
+
+def test_a_voice_prompt_as_raw_pcm_with_its_rate_is_the_wav_it_came_from(native: Native, recording: Path,
+                                                                          tts: riva.client.SpeechSynthesisService
+                                                                          ) -> None:
+    from service.audio.wav import read_wav
+
+    samples, rate = read_wav(recording.read_bytes())
+    request = rtts.SynthesizeSpeechRequest(text=TEXT, voice_name=VOICE, sample_rate_hz=24000, language_code="en-US")
+    request.zero_shot_data.audio_prompt = recording.read_bytes()[44:]  # the samples without the header
+    request.zero_shot_data.encoding = riva.client.AudioEncoding.LINEAR_PCM
+    request.zero_shot_data.sample_rate_hz = rate
+    request.zero_shot_data.transcript = PROMPT_TEXT
+    prompt = pb.VoicePrompt(audio=recording.read_bytes(), transcript=PROMPT_TEXT)
+    assert tts.stub.Synthesize(request, timeout=TIMEOUT_S).audio == native.synthesize(TEXT, voice=VOICE,
+                                                                                      voice_prompt=prompt)
+    assert len(samples) == 2.5 * 22_050
+
+
+@pytest.mark.parametrize(("change", "field", "advice"), [
+    ({"audio": b"ID3 an mp3"}, "zero_shot_data", "send a WAV recording, or raw LINEAR_PCM"),
+    ({"audio": b""}, "zero_shot_data.audio_prompt", "is empty"),
+    ({"short": True}, "zero_shot_data", "use 0.5 to 30 s of the speaker"),
+    ({"voice": "en_US-joe-medium"}, "zero_shot_data", "has fixed speakers and takes no voice prompt; voices that "
+                                                      f"do: {VOICE}"),
+    ({"speaker": True}, "zero_shot_data", "give a speaker or a voice prompt, not both"),
+])
+def test_a_bad_voice_prompt_is_refused_with_what_to_change(tts: riva.client.SpeechSynthesisService, native: Native,
+                                                           recording: Path, change: dict[str, object], field: str,
+                                                           advice: str) -> None:
+    from tests.models.cosyvoice2.test_prompt import voiced, wav_bytes
+
+    request = rtts.SynthesizeSpeechRequest(text=TEXT, voice_name=str(change.get("voice", VOICE)),
+                                           sample_rate_hz=24000, language_code="en-US")
+    if change.get("speaker"):
+        request.voice_name = f"{VOICE}.sft_b"
+    audio = change.get("audio", recording.read_bytes())
+    request.zero_shot_data.audio_prompt = wav_bytes(voiced(0.2, 16_000), 16_000) if change.get("short") else audio
+    with pytest.raises(grpc.RpcError) as caught:
+        tts.stub.Synthesize(request, timeout=TIMEOUT_S)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = str(caught.value.details())
+    assert field in details and advice in details and "Traceback" not in details
+    assert native.synthesize(TEXT, voice=VOICE)  # the server goes on

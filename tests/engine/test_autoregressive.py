@@ -104,3 +104,35 @@ def test_a_cancelled_session_gives_its_kv_row_back(harness: EngineHarness) -> No
     harness.run(run())
     assert harness.engine.engine_sessions == 0
     assert len(stage.free) == len(stage.cache.lengths)
+
+
+def test_token_steps_are_counted(harness: EngineHarness) -> None:
+    before = harness.engine.stats()["token_steps"]
+    harness.run(harness.engine.synthesize_all(SessionConfig(seed=9, encoding=FLOAT), TEXT))
+    stats = harness.engine.stats()
+    assert stats["token_steps"] > before + 10
+    assert stats["overlapped_token_steps"] == 0  # on a CPU a decoder step is done when it returns
+
+
+@pytest.mark.gpu
+def test_on_cuda_token_steps_run_while_decoder_steps_are_on_the_device(cosyvoice2_dir: Path) -> None:
+    """The token stage's own stream: its steps go on while a decoder step runs, and sessions
+    batched together still get what they get alone."""
+    h = EngineHarness(tiny_engine_config(voice=VOICE, voices_dir=cosyvoice2_dir.parent, device="cuda"))
+    try:
+        configs = [SessionConfig(seed=i, encoding=FLOAT, speaker=i % 2, precision=Precision.FP32)
+                   for i in range(6)]
+        alone = [samples(h.run(h.engine.synthesize_all(c, TEXT * 2))[0]) for c in configs]
+
+        async def together() -> list[bytes]:
+            results = await asyncio.gather(*[h.engine.synthesize_all(c, TEXT * 2) for c in configs])
+            return [data for data, _, _ in results]
+
+        before = h.engine.stats()["overlapped_token_steps"]
+        batched = [samples(d) for d in h.run(together())]
+        assert h.engine.stats()["overlapped_token_steps"] > before
+        for a, b in zip(alone, batched, strict=True):
+            assert len(a) == len(b) > 0 and np.isfinite(b).all()
+            assert psnr_db(a, b) >= 60.0
+    finally:
+        h.close()

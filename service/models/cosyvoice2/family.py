@@ -51,5 +51,10 @@ class CosyVoice2Family:
         assert isinstance(runtime, CosyVoice2Runtime), "a cosyvoice2 voice's runtime"
         return CosyVoice2Parity(runtime, threads)
 
+    def voice_prompt(self, info: VoiceInfo, audio: bytes, transcript: str | None) -> Any:
+        from service.models.cosyvoice2.prompt import voice_prompt
+
+        return voice_prompt(info.model_path, audio, transcript)
+
 
 FAMILY = CosyVoice2Family()

@@ -14,8 +14,10 @@ we do not ship); the tests hold them to those originals."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -130,6 +132,44 @@ def prompt_mel(samples: torch.Tensor, sample_rate: int, config: MelConfig) -> to
     return torch.log(torch.clamp(filters @ magnitude, min=1e-5)).transpose(1, 2)
 
 
+# The longest speaker prompt the KV cache holds, in speech tokens (25 per second).
+MAX_PROMPT_SPEECH_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Speaker:
+    """A speaker as the LM and the flow take it (no LM prompt for an SFT or cross-lingual speaker)."""
+
+    prompt_text: torch.Tensor  # [Lt] Qwen2 ids
+    llm_prompt_speech: torch.Tensor  # [P] speech tokens
+    flow_prompt_tokens: torch.Tensor  # [1, P']
+    prompt_mel: torch.Tensor  # [1, 2P', 80]
+    embedding: torch.Tensor  # [1, 192]
+
+
+def _ids(value: Any) -> torch.Tensor:
+    return torch.as_tensor(value).reshape(-1).long() if value is not None else torch.zeros(0, dtype=torch.long)
+
+
+def speaker_from_entry(entry: dict[str, Any], mel_bins: int) -> Speaker:
+    """A `spk2info.pt` entry (upstream's keys) as a Speaker; ValueError if it cannot be one."""
+    embedding = entry.get("flow_embedding", entry.get("embedding"))
+    if embedding is None:
+        raise ValueError("a speaker has no embedding ('flow_embedding' or 'embedding')")
+    flow_tokens = _ids(entry.get("flow_prompt_speech_token"))
+    mel = entry.get("prompt_speech_feat")
+    mel = torch.zeros(1, 0, mel_bins) if mel is None else torch.as_tensor(mel).float().reshape(1, -1, mel_bins)
+    n = min(mel.shape[1] // 2, flow_tokens.shape[0])  # upstream keeps the mel at two frames a token
+    prompt_text, prompt_speech = _ids(entry.get("prompt_text")), _ids(entry.get("llm_prompt_speech_token"))
+    if len(prompt_text) > MAX_SENTENCE_TOKENS or len(prompt_speech) > MAX_PROMPT_SPEECH_TOKENS:
+        raise ValueError(
+            f"a speaker prompt of {len(prompt_text)} text and {len(prompt_speech)} speech tokens; at most "
+            f"{MAX_SENTENCE_TOKENS} and {MAX_PROMPT_SPEECH_TOKENS} ({MAX_PROMPT_SPEECH_TOKENS // 25} s) fit the "
+            "KV cache: make it again from a shorter recording")
+    return Speaker(prompt_text, prompt_speech, flow_tokens[:n][None], mel[:, : 2 * n],
+                   torch.as_tensor(embedding).float().reshape(1, -1))
+
+
 class PromptEncoder:
     """The model directory's two ONNX front models (speech tokenizer, speaker embedding), run on
     the CPU as upstream runs the embedding."""
@@ -161,9 +201,11 @@ class PromptEncoder:
         out = self._campplus.run(None, {self._campplus.get_inputs()[0].name: feats[None].numpy()})[0]
         return torch.as_tensor(np.asarray(out, dtype=np.float32).reshape(1, -1))
 
-    def speaker(self, samples: npt.ArrayLike, sample_rate: int, prompt_text: list[int]) -> dict[str, torch.Tensor]:
+    def speaker(self, samples: npt.ArrayLike, sample_rate: int,
+                prompt_text: list[int] | None) -> dict[str, torch.Tensor]:
         """A `spk2info.pt` entry (upstream's keys and dtypes) for mono `samples` at `sample_rate`
-        (16 kHz or more) spoken as the Qwen2 ids `prompt_text`."""
+        (16 kHz or more) spoken as the Qwen2 ids `prompt_text`. None: words unknown, so the LM gets
+        no prompt and only the flow imitates the recording (upstream's cross-lingual mode)."""
         audio = torch.as_tensor(np.asarray(samples, dtype=np.float32)).reshape(1, -1)
         seconds = audio.shape[1] / sample_rate
         if sample_rate < TOKENIZER_RATE:
@@ -172,7 +214,7 @@ class PromptEncoder:
         if not MIN_PROMPT_SECONDS <= seconds <= MAX_PROMPT_SECONDS:
             raise ValueError(f"the prompt recording is {seconds:.1f} s long; use {MIN_PROMPT_SECONDS:g} to "
                              f"{MAX_PROMPT_SECONDS:g} s of the speaker (3 to 10 s of clean speech works best)")
-        if not prompt_text:
+        if prompt_text is not None and not prompt_text:
             raise ValueError("the prompt transcript is empty; give the words spoken in the recording")
         audio_16k = resample(audio, sample_rate, TOKENIZER_RATE)
         mel = prompt_mel(resample(audio_16k, TOKENIZER_RATE, self.sample_rate), self.sample_rate, self.mel)
@@ -180,25 +222,43 @@ class PromptEncoder:
         n = min(mel.shape[1] // 2, tokens.shape[1])
         mel, tokens = mel[:, : 2 * n].contiguous(), tokens[:, :n].contiguous()
         embedding = self.embedding(audio_16k)
-        text = torch.tensor([prompt_text], dtype=torch.int32)
         length = lambda t: torch.tensor([t.shape[1]], dtype=torch.int32)  # noqa: E731
-        return {"prompt_text": text, "prompt_text_len": length(text),
-                "llm_prompt_speech_token": tokens, "llm_prompt_speech_token_len": length(tokens),
-                "flow_prompt_speech_token": tokens, "flow_prompt_speech_token_len": length(tokens),
-                "prompt_speech_feat": mel, "prompt_speech_feat_len": length(mel),
-                "llm_embedding": embedding, "flow_embedding": embedding}
+        entry = {"flow_prompt_speech_token": tokens, "flow_prompt_speech_token_len": length(tokens),
+                 "prompt_speech_feat": mel, "prompt_speech_feat_len": length(mel),
+                 "llm_embedding": embedding, "flow_embedding": embedding}
+        if prompt_text is not None:
+            text = torch.tensor([prompt_text], dtype=torch.int32)
+            entry |= {"prompt_text": text, "prompt_text_len": length(text),
+                      "llm_prompt_speech_token": tokens, "llm_prompt_speech_token_len": length(tokens)}
+        return entry
 
 
-def make_speaker(directory: Path, wav: bytes, transcript: str) -> dict[str, torch.Tensor]:
-    """The `spk2info.pt` entry of a recording (a WAV file's bytes) and the words spoken in it, for
-    the model directory `directory` (its tokenizer, its two ONNX front models, its mel settings)."""
+@lru_cache(maxsize=4)
+def _encoder(directory: Path) -> tuple[PromptEncoder, QwenTokenizer, int]:
     config = read_config(directory)
-    ids, _ = QwenTokenizer(directory / QWEN_DIR).encode(" ".join(transcript.split()))
-    if len(ids) > MAX_SENTENCE_TOKENS:
+    return (PromptEncoder(directory, config.sample_rate, config.prompt_mel), QwenTokenizer(directory / QWEN_DIR),
+            config.flow.output_size)
+
+
+def make_speaker(directory: Path, wav: bytes, transcript: str | None) -> dict[str, torch.Tensor]:
+    """The `spk2info.pt` entry of a recording (a WAV file's bytes) and the words spoken in it (None:
+    not known, cross-lingual), for the model directory `directory` (its tokenizer, its two ONNX
+    front models, its mel settings)."""
+    encoder, tokenizer, _ = _encoder(directory)
+    ids = None if transcript is None else tokenizer.encode(" ".join(transcript.split()))[0]
+    if ids is not None and len(ids) > MAX_SENTENCE_TOKENS:
         raise ValueError(f"the prompt transcript is {len(ids)} tokens; at most {MAX_SENTENCE_TOKENS} fit: "
                          "use a shorter recording and its transcript")
     samples, rate = read_wav(wav)
-    return PromptEncoder(directory, config.sample_rate, config.prompt_mel).speaker(samples, rate, ids)
+    return encoder.speaker(samples, rate, ids)
+
+
+def voice_prompt(directory: Path, wav: bytes, transcript: str | None) -> dict[str, np.ndarray]:
+    """A session's own speaker from a recording (`make_speaker`), as plain arrays (it crosses to
+    the engine core by pickle); the runtime makes it a Speaker with `speaker_from_entry`."""
+    entry = make_speaker(directory, wav, transcript)
+    speaker_from_entry(entry, _encoder(directory)[2])  # refused here, not on the engine thread
+    return {key: value.numpy() for key, value in entry.items()}
 
 
 def save_speaker(directory: Path, name: str, entry: dict[str, torch.Tensor]) -> Path:

@@ -20,6 +20,7 @@ can go (`ready_frames`: the streaming chunks the tokens so far allow) and decode
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import torch
 from service.models.cosyvoice2.config import ConfigError
 from service.models.cosyvoice2.lm import KVCache, LengthLimits, SpeechLM, sample_token
 from service.models.cosyvoice2.model import CosyVoice2, load_model
+from service.models.cosyvoice2.prompt import MAX_PROMPT_SPEECH_TOKENS, Speaker, speaker_from_entry
 from service.models.cosyvoice2.text import MAX_SENTENCE_TOKENS
 from service.models.cosyvoice2.token2wav import Token2Wav, Token2WavState
 from service.models.cosyvoice2.voices import SPEAKERS_FILE
@@ -62,25 +64,6 @@ COSYVOICE2_PIN_CANDIDATES: tuple[str, ...] = (
 )
 
 
-# The longest saved speaker prompt the KV cache holds, in speech tokens (25 per second).
-MAX_PROMPT_SPEECH_TOKENS = 1024
-
-
-@dataclass(frozen=True)
-class Speaker:
-    """A saved speaker as the LM and the flow take it (empty prompts for an SFT speaker)."""
-
-    prompt_text: torch.Tensor  # [Lt] Qwen2 ids
-    llm_prompt_speech: torch.Tensor  # [P] speech tokens
-    flow_prompt_tokens: torch.Tensor  # [1, P']
-    prompt_mel: torch.Tensor  # [1, 2P', 80]
-    embedding: torch.Tensor  # [1, 192]
-
-
-def _ids(value: Any) -> torch.Tensor:
-    return torch.as_tensor(value).reshape(-1).long() if value is not None else torch.zeros(0, dtype=torch.long)
-
-
 def load_speakers(path: Path, mel_bins: int, embed_dim: int) -> list[Speaker]:
     """`spk2info.pt`'s speakers in name order (`voices.speaker_names`' order); one speaker with
     no prompt and a zero embedding when there is no file."""
@@ -90,23 +73,10 @@ def load_speakers(path: Path, mel_bins: int, embed_dim: int) -> list[Speaker]:
     table = torch.load(path, map_location="cpu", weights_only=True)
     out = []
     for name in sorted(str(n) for n in table):
-        entry = table[name]
-        embedding = entry.get("flow_embedding", entry.get("embedding"))
-        if embedding is None:
-            raise ValueError(f"{path}: speaker {name!r} has no embedding ('flow_embedding' or 'embedding')")
-        flow_tokens = _ids(entry.get("flow_prompt_speech_token"))
-        mel = entry.get("prompt_speech_feat")
-        mel = torch.zeros(1, 0, mel_bins) if mel is None else torch.as_tensor(mel).float().reshape(1, -1, mel_bins)
-        # upstream keeps the prompt mel at exactly two frames per prompt token
-        n = min(mel.shape[1] // 2, flow_tokens.shape[0])
-        prompt_text, prompt_speech = _ids(entry.get("prompt_text")), _ids(entry.get("llm_prompt_speech_token"))
-        if len(prompt_text) > MAX_SENTENCE_TOKENS or len(prompt_speech) > MAX_PROMPT_SPEECH_TOKENS:
-            raise ConfigError(
-                f"{path}: speaker {name!r} has a prompt of {len(prompt_text)} text and {len(prompt_speech)} "
-                f"speech tokens; at most {MAX_SENTENCE_TOKENS} and {MAX_PROMPT_SPEECH_TOKENS} "
-                f"({MAX_PROMPT_SPEECH_TOKENS // 25} s) fit the KV cache: save it again from a shorter recording")
-        out.append(Speaker(prompt_text, prompt_speech,
-                           flow_tokens[:n][None], mel[:, : 2 * n], torch.as_tensor(embedding).float().reshape(1, -1)))
+        try:
+            out.append(speaker_from_entry(table[name], mel_bins))
+        except ValueError as exc:
+            raise ConfigError(f"{path}: speaker {name!r}: {exc}") from exc
     return out
 
 
@@ -232,7 +202,13 @@ class SpeechTokens:
         longest_prompt = 2 + 2 * MAX_SENTENCE_TOKENS + MAX_PROMPT_SPEECH_TOKENS  # prompt text + text + speech
         self.capacity = longest_prompt + int(MAX_SENTENCE_TOKENS * LengthLimits().max_ratio)
         self.graphs = device.type == "cuda"
+        # On CUDA the stage has a stream of its own, ahead of others in priority: its steps run
+        # while a long decoder step occupies the device, and wait only for each other.
+        self.stream = torch.cuda.Stream(device=device, priority=-1) if self.graphs else None
         self._use(KVCache.empty(self.lm.config, rows, self.capacity, device=device), first_free=0)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _use(self, cache: KVCache, first_free: int) -> None:
         self.cache = cache
@@ -243,7 +219,7 @@ class SpeechTokens:
         """The token-step graphs for batches of up to `rows` rows at every span (CUDA only)."""
         if self._graphed is None:
             return
-        with torch.inference_mode():
+        with torch.inference_mode(), self._on_stream():
             for b in buckets_up_to(rows):
                 for span in buckets_up_to(self.capacity, GraphedTokenStep.SMALLEST_SPAN):
                     self._graphed.capture(b, min(span, self.capacity))
@@ -284,6 +260,10 @@ class SpeechTokens:
         batch) and its next token drawn."""
         if not utts:
             return
+        with self._on_stream():
+            self._prefill(utts)
+
+    def _prefill(self, utts: list[SpeechUtterance]) -> None:
         prompts = [self._prompt(u) for u in utts]
         for u in utts:
             if u.row is None:
@@ -305,6 +285,12 @@ class SpeechTokens:
         again = [u for u in utts if u.fed_prompt]  # a stop token right after the prompt: the prompt again, appended
         going = [u for u in utts if not u.fed_prompt]
         self.prefill(again)
+        with self._on_stream():
+            self._step(going)
+        return [u.failed if isinstance(u, SpeechUtterance) and u.failed else
+                not isinstance(u, SpeechUtterance) or u.complete for u in rows]
+
+    def _step(self, going: list[SpeechUtterance]) -> None:
         if going:
             last = torch.tensor([u.tokens[-1] for u in going], device=self.device)
             x = self.lm.speech_embedding(last)[:, None]
@@ -315,8 +301,6 @@ class SpeechTokens:
             logp = self._graphed(x, at, span) if self._graphed else self.lm(x, self.cache, at, span=span)
             for u, scores in zip(going, logp.cpu(), strict=True):
                 self._draw(u, scores, prompt=False)
-        return [u.failed if isinstance(u, SpeechUtterance) and u.failed else
-                not isinstance(u, SpeechUtterance) or u.complete for u in rows]
 
     def _draw(self, u: SpeechUtterance, logp: torch.Tensor, prompt: bool) -> None:
         """The next token from the LM's scores, as `lm.generate` takes it; a sentence whose
@@ -534,7 +518,8 @@ class CosyVoice2Runtime:
         for job in jobs:
             if job.params.length_scale not in (None, 1.0):
                 raise ValueError("CosyVoice2 voices speak at their own pace: leave the speaking rate at its default")
-            speaker = self.speakers[job.sid or 0]
+            speaker = (self.speakers[job.sid or 0] if job.prompt is None
+                       else speaker_from_entry(job.prompt, self.model.config.flow.output_size))
             n_text = len(job.sentence.phoneme_ids)
             seed, key = (int(v) for v in job.rng.integers(0, 1 << 62, size=2))
             utts.append(SpeechUtterance(

@@ -5,9 +5,10 @@ A directory in the official release's layout (`cosyvoice2.yaml`, `llm.pt`, `flow
 upstream's SFT speakers and the zero-shot ones `add_zero_shot_spk` saves) are its speakers, in
 name order. Without saved speakers it speaks with an empty prompt.
 
-A sentence is decoded once all its speech tokens are made, so its first audio waits for the
-whole utterance: the segmenter cuts its streams into growing pieces (`decodes_whole_utterances`).
-It reads text at its own pace: no speaking rate, no phoneme dictionary."""
+A sentence's first audio waits for its first chunk of speech tokens (25 and 3 of lookahead), most
+of a short sentence: the segmenter cuts its streams into growing pieces (`decodes_whole_utterances`).
+It reads text at its own pace: no speaking rate, no phoneme dictionary. A session may bring its own
+speaker as a recording (`voice_prompts`, `prompt.py`)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def read_directory(path: Path) -> VoiceInfo | None:
         frontend_key=f"{FAMILY_NAME}:{directory / QWEN_DIR}", sample_rate=_sample_rate(directory / CONFIG_FILE),
         language="en-US", num_speakers=max(1, len(names)),
         speaker_id_map={name: i for i, name in enumerate(names)} if len(names) > 1 else {},
-        length_scale=1.0, decodes_whole_utterances=True, pace=False, pronunciations=False,
+        length_scale=1.0, decodes_whole_utterances=True, pace=False, pronunciations=False, voice_prompts=True,
     )
 
 

@@ -50,5 +50,8 @@ class KokoroFamily:
         assert isinstance(runtime, KokoroRuntime), "a kokoro voice's runtime"
         return KokoroParity(runtime, threads)
 
+    def voice_prompt(self, info: VoiceInfo, audio: bytes, transcript: str | None) -> Any:
+        raise ValueError(f"voice {info.name} ({self.name}) has fixed speakers; it does not take a voice prompt")
+
 
 FAMILY = KokoroFamily()

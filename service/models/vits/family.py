@@ -63,5 +63,8 @@ class VitsFamily:
         assert isinstance(runtime, VitsRuntime), "a vits voice's runtime"
         return VitsParity(runtime, threads)
 
+    def voice_prompt(self, info: VoiceInfo, audio: bytes, transcript: str | None) -> Any:
+        raise ValueError(f"voice {info.name} ({self.name}) has fixed speakers; it does not take a voice prompt")
+
 
 FAMILY = VitsFamily()

@@ -1,6 +1,7 @@
 """Zero-shot speakers from a recording: our features against the originals upstream computes them
 with (torchaudio's resampler and Kaldi filterbanks, Whisper's log-mel, Matcha-TTS's mel), the whole
-speaker against upstream's own frontend on the same files, and `cadenza voices add-speaker`."""
+speaker against upstream's own frontend on the same files, `cadenza voices add-speaker`, and a
+per-session voice prompt (`cadenza say --prompt-wav`) speaking as the saved speaker."""
 
 from __future__ import annotations
 
@@ -154,6 +155,12 @@ def test_add_speaker_then_speak_with_it(cosyvoice2_dir: Path, tmp_path: Path,
         assert main(["say", "--voice", str(directory), "--speaker", name, "Nice to meet you.", "-o", str(out)]) == 0
         audio, rate = soundfile.read(out)
         assert rate == 24_000 and len(audio) > 2400 and np.isfinite(audio).all()
+    # the same recording as a per-session voice prompt speaks as the saved speaker does
+    say = ["say", "--voice", str(directory), "--seed", "3", "Nice to meet you."]
+    assert main([*say, "--speaker", "alice", "-o", str(tmp_path / "saved.wav")]) == 0
+    assert main([*say, "--prompt-wav", str(tmp_path / "ref.wav"), "--prompt-text", TRANSCRIPT,
+                 "-o", str(tmp_path / "prompted.wav")]) == 0
+    assert (tmp_path / "saved.wav").read_bytes() == (tmp_path / "prompted.wav").read_bytes()
     # saving again under the same name replaces that speaker
     (tmp_path / "other.wav").write_bytes(wav_bytes(voiced(1.5, 16_000, seed=9), 16_000))
     assert main(["voices", "add-speaker", str(directory), "--name", "alice", "--wav", str(tmp_path / "other.wav"),

@@ -66,7 +66,7 @@ def test_a_speaker_prompt_too_long_for_the_kv_cache_is_refused_at_load(cosyvoice
     table = torch.load(cosyvoice2_dir / "spk2info.pt", weights_only=True)
     table["prompt_a"]["llm_prompt_speech_token"] = torch.zeros(1, MAX_PROMPT_SPEECH_TOKENS + 1, dtype=torch.int32)
     torch.save(table, tmp_path / "spk2info.pt")
-    with pytest.raises(ConfigError, match=r"speaker 'prompt_a' has a prompt of .* shorter recording"):
+    with pytest.raises(ConfigError, match=r"speaker 'prompt_a': a speaker prompt of .* shorter recording"):
         load_speakers(tmp_path / "spk2info.pt", 80, 192)
 
 

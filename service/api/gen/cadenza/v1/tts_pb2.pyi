@@ -42,7 +42,7 @@ FEMALE: VoiceGender
 MALE: VoiceGender
 
 class SessionConfig(_message.Message):
-    __slots__ = ("voice", "speaker", "language", "encoding", "sample_rate_hz", "speaking_rate", "seed", "precision", "first_chunk_frames", "max_chunk_frames", "custom_dictionary", "wav_header", "word_timings", "request_id", "options")
+    __slots__ = ("voice", "speaker", "language", "encoding", "sample_rate_hz", "speaking_rate", "seed", "precision", "first_chunk_frames", "max_chunk_frames", "custom_dictionary", "wav_header", "word_timings", "request_id", "options", "voice_prompt")
     class CustomDictionaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class SessionConfig(_message.Message):
     WORD_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    VOICE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     voice: str
     speaker: str
     language: str
@@ -87,7 +88,16 @@ class SessionConfig(_message.Message):
     word_timings: bool
     request_id: str
     options: _containers.ScalarMap[str, float]
-    def __init__(self, voice: _Optional[str] = ..., speaker: _Optional[str] = ..., language: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., speaking_rate: _Optional[float] = ..., seed: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., first_chunk_frames: _Optional[int] = ..., max_chunk_frames: _Optional[int] = ..., custom_dictionary: _Optional[_Mapping[str, str]] = ..., wav_header: _Optional[bool] = ..., word_timings: _Optional[bool] = ..., request_id: _Optional[str] = ..., options: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    voice_prompt: VoicePrompt
+    def __init__(self, voice: _Optional[str] = ..., speaker: _Optional[str] = ..., language: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., speaking_rate: _Optional[float] = ..., seed: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., first_chunk_frames: _Optional[int] = ..., max_chunk_frames: _Optional[int] = ..., custom_dictionary: _Optional[_Mapping[str, str]] = ..., wav_header: _Optional[bool] = ..., word_timings: _Optional[bool] = ..., request_id: _Optional[str] = ..., options: _Optional[_Mapping[str, float]] = ..., voice_prompt: _Optional[_Union[VoicePrompt, _Mapping]] = ...) -> None: ...
+
+class VoicePrompt(_message.Message):
+    __slots__ = ("audio", "transcript")
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    audio: bytes
+    transcript: str
+    def __init__(self, audio: _Optional[bytes] = ..., transcript: _Optional[str] = ...) -> None: ...
 
 class StreamingSynthesizeRequest(_message.Message):
     __slots__ = ("config", "text", "flush", "end_input")
@@ -192,7 +202,7 @@ class Speaker(_message.Message):
     def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Voice(_message.Message):
-    __slots__ = ("name", "language", "sample_rate_hz", "speakers", "loaded", "family", "options", "gender")
+    __slots__ = ("name", "language", "sample_rate_hz", "speakers", "loaded", "family", "options", "gender", "voice_prompts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +211,7 @@ class Voice(_message.Message):
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     GENDER_FIELD_NUMBER: _ClassVar[int]
+    VOICE_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     language: str
     sample_rate_hz: int
@@ -209,7 +220,8 @@ class Voice(_message.Message):
     family: str
     options: _containers.RepeatedCompositeFieldContainer[VoiceOption]
     gender: VoiceGender
-    def __init__(self, name: _Optional[str] = ..., language: _Optional[str] = ..., sample_rate_hz: _Optional[int] = ..., speakers: _Optional[_Iterable[_Union[Speaker, _Mapping]]] = ..., loaded: _Optional[bool] = ..., family: _Optional[str] = ..., options: _Optional[_Iterable[_Union[VoiceOption, _Mapping]]] = ..., gender: _Optional[_Union[VoiceGender, str]] = ...) -> None: ...
+    voice_prompts: bool
+    def __init__(self, name: _Optional[str] = ..., language: _Optional[str] = ..., sample_rate_hz: _Optional[int] = ..., speakers: _Optional[_Iterable[_Union[Speaker, _Mapping]]] = ..., loaded: _Optional[bool] = ..., family: _Optional[str] = ..., options: _Optional[_Iterable[_Union[VoiceOption, _Mapping]]] = ..., gender: _Optional[_Union[VoiceGender, str]] = ..., voice_prompts: _Optional[bool] = ...) -> None: ...
 
 class VoiceOption(_message.Message):
     __slots__ = ("name", "default_value", "min_value", "max_value", "description")
