@@ -27,10 +27,14 @@ PROMPT_TEXT = "This is how I sound when I read aloud."
 Encoding = texttospeech.AudioEncoding
 
 
+SERVER_PID: list[int] = []
+
+
 @pytest.fixture(scope="module")
 def address(cosyvoice2_dir: Path) -> Iterator[str]:
     """The server of this module (overrides conftest's, which serves the Piper test voices)."""
     server, port = start_serve("--voices", str(cosyvoice2_dir.parent), "--device", "cpu", "--threads", "2")
+    SERVER_PID[:] = [server.pid]
     try:
         yield f"127.0.0.1:{port}"
     finally:
@@ -111,6 +115,8 @@ def test_a_voice_prompt_is_spoken_alike_through_riva_and_native(
     assert b"".join(r.audio for r in online) == sound_only
     voices = {v.name: v for v in native.stub.ListVoices(pb.ListVoicesRequest(), timeout=TIMEOUT_S).voices}
     assert voices[VOICE].voice_prompts and not voices["en_US-joe-medium"].voice_prompts
+    # the prompts were made in the API process, which still has not loaded torch (its core has)
+    assert "libtorch" not in Path(f"/proc/{SERVER_PID[0]}/maps").read_text()
 
 
 def test_a_voice_prompt_as_raw_pcm_with_its_rate_is_the_wav_it_came_from(native: Native, recording: Path,

@@ -1,15 +1,10 @@
-"""The official CosyVoice2 model directory's configuration, read without running it.
-
-`cosyvoice2.yaml` is a HyperPyYAML file: `!new:module.Class` builds objects, `!name:` names
-functions, `!apply:` calls them, `!ref <key>` refers to (and does arithmetic on) other keys. We
-read it as data: tags become plain mappings, references are resolved, nothing is imported or
-called. The Qwen2 backbone's shape is in the tokenizer folder's `config.json`
-(`CosyVoice-BlankEN/` in the release)."""
+"""The official CosyVoice2 model directory's configuration, read without running it:
+`cosyvoice2.yaml` as data (`hyperyaml`) and the Qwen2 backbone's shape from the tokenizer
+folder's `config.json` (`CosyVoice-BlankEN/` in the release)."""
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,27 +14,13 @@ from service.models.cosyvoice2.encoder import EncoderConfig
 from service.models.cosyvoice2.estimator import EstimatorConfig
 from service.models.cosyvoice2.flow import FlowConfig
 from service.models.cosyvoice2.hift import HiftConfig
+from service.models.cosyvoice2.hyperyaml import ConfigError, _Tagged, read_yaml
 from service.models.cosyvoice2.lm import Qwen2Config, SamplingConfig
+from service.models.cosyvoice2.prompt import MelConfig, mel_config
 from service.models.cosyvoice2.token2wav import StreamConfig
 from service.models.cosyvoice2.voices import CONFIG_FILE, QWEN_DIR
 
 __all__ = ["CONFIG_FILE", "QWEN_DIR", "ConfigError", "CosyVoice2Config", "MelConfig", "read_config", "read_yaml"]
-
-
-class ConfigError(ValueError):
-    """The directory's configuration is missing, unreadable or asks for a variant we do not build."""
-
-
-@dataclass(frozen=True)
-class MelConfig:
-    """cosyvoice2.yaml's `feat_extractor` (matcha's mel_spectrogram); defaults are CosyVoice2's."""
-
-    n_fft: int = 1920
-    num_mels: int = 80
-    hop_size: int = 480
-    win_size: int = 1920
-    fmin: float = 0.0
-    fmax: float = 8000.0
 
 
 @dataclass(frozen=True)
@@ -51,83 +32,6 @@ class CosyVoice2Config:
     hift: HiftConfig = field(default_factory=HiftConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
     prompt_mel: MelConfig = field(default_factory=MelConfig)
-
-
-@dataclass
-class _Tagged:
-    """A `!new:` / `!name:` node: the target's dotted name and its arguments."""
-
-    tag: str
-    target: str
-    args: Any
-
-
-@dataclass
-class _Ref:
-    expression: str
-
-
-def _yaml() -> Any:
-    try:
-        import yaml
-    except ImportError as exc:
-        raise ConfigError("reading a CosyVoice2 directory needs PyYAML: pip install 'cadenza[cosyvoice2]'") from exc
-    return yaml
-
-
-def _loader() -> Any:
-    yaml = _yaml()
-    loader: Any = type("Loader", (yaml.SafeLoader,), {})  # a subclass, so the constructors stay ours
-
-    def tagged(loader: Any, suffix: str, node: Any) -> Any:
-        kind, _, target = suffix.partition(":")
-        if isinstance(node, yaml.MappingNode):
-            args: Any = loader.construct_mapping(node, deep=True)
-        elif isinstance(node, yaml.SequenceNode):
-            args = loader.construct_sequence(node, deep=True)
-        else:
-            args = loader.construct_scalar(node)
-        return _Tagged(kind, target, args)
-
-    def ref(loader: Any, node: Any) -> _Ref:
-        return _Ref(str(loader.construct_scalar(node)))
-
-    loader.add_multi_constructor("!", tagged)
-    loader.add_constructor("!ref", ref)
-    return loader
-
-
-def _resolve(value: Any, top: dict[str, Any]) -> Any:
-    if isinstance(value, _Ref):
-        names = re.findall(r"<([\w.]+)>", value.expression)
-        if missing := [n for n in names if n not in top]:
-            raise ConfigError(f"{CONFIG_FILE}: reference to undefined {', '.join(missing)}")
-        if m := re.fullmatch(r"\s*<([\w.]+)>\s*", value.expression):
-            return _resolve(top[m.group(1)], top)
-        expr = re.sub(r"<([\w.]+)>", lambda m: repr(_resolve(top[m.group(1)], top)), value.expression)
-        if not re.fullmatch(r"[\d\s.+\-*/()'\"eE]+|'[^']*'|\"[^\"]*\"", expr):
-            raise ConfigError(f"unsupported reference {value.expression!r}")
-        return eval(expr, {"__builtins__": {}})  # numbers and + - * / only (checked above)
-    if isinstance(value, _Tagged):
-        return _Tagged(value.tag, value.target, _resolve(value.args, top))
-    if isinstance(value, dict):
-        return {k: _resolve(v, top) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_resolve(v, top) for v in value]
-    return value
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    """The file as plain data (tags as `_Tagged`, references resolved)."""
-    yaml = _yaml()
-
-    try:
-        data = yaml.load(path.read_text("utf-8"), Loader=_loader())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} is not a mapping of settings")
-    return {k: _resolve(v, data) for k, v in data.items()}
 
 
 def _node(data: dict[str, Any], key: str, target: str) -> dict[str, Any]:
@@ -184,7 +88,6 @@ def read_config(model_dir: Path) -> CosyVoice2Config:
                           f"the Qwen2 hidden size {lm.hidden_size}")
     sampling = llm.get("sampling")
     sampling_args = sampling.args if isinstance(sampling, _Tagged) and isinstance(sampling.args, dict) else {}
-    feat = data.get("feat_extractor")
     chunk = int(data.get("chunk_size", encoder.get("static_chunk_size", 25)))
     return CosyVoice2Config(
         sample_rate=int(hift.get("sampling_rate", data.get("sample_rate", 24000))),
@@ -204,6 +107,5 @@ def read_config(model_dir: Path) -> CosyVoice2Config:
         hift=HiftConfig(**_pick(hift, HiftConfig), n_fft=int(istft.get("n_fft", 16)),
                         hop_len=int(istft.get("hop_len", 4)), f0_cond_channels=int(f0.get("cond_channels", 512))),
         stream=StreamConfig(token_hop_len=chunk),
-        prompt_mel=MelConfig(**_pick(feat.args if isinstance(feat, _Tagged) and isinstance(feat.args, dict) else {},
-                                     MelConfig)),
+        prompt_mel=mel_config(data),
     )

@@ -52,9 +52,9 @@ class CosyVoice2Family:
         return CosyVoice2Parity(runtime, threads)
 
     def voice_prompt(self, info: VoiceInfo, audio: bytes, transcript: str | None) -> Any:
-        from service.models.cosyvoice2.prompt import voice_prompt
+        from service.models.cosyvoice2.prompt import make_speaker
 
-        return voice_prompt(info.model_path, audio, transcript)
+        return make_speaker(info.model_path, audio, transcript)
 
 
 FAMILY = CosyVoice2Family()

@@ -33,7 +33,7 @@ import torch
 from service.models.cosyvoice2.config import ConfigError
 from service.models.cosyvoice2.lm import KVCache, LengthLimits, SpeechLM, sample_token
 from service.models.cosyvoice2.model import CosyVoice2, load_model
-from service.models.cosyvoice2.prompt import MAX_PROMPT_SPEECH_TOKENS, Speaker, speaker_from_entry
+from service.models.cosyvoice2.prompt import MAX_PROMPT_SPEECH_TOKENS
 from service.models.cosyvoice2.text import MAX_SENTENCE_TOKENS
 from service.models.cosyvoice2.token2wav import Token2Wav, Token2WavState
 from service.models.cosyvoice2.voices import SPEAKERS_FILE
@@ -62,6 +62,40 @@ FP32_STAGES: tuple[str, ...] = ("f0_predictor", "source")
 COSYVOICE2_PIN_CANDIDATES: tuple[str, ...] = (
     "conv_pre", "ups.*", "resblocks.*", "source_downs.*", "source_resblocks.*", "conv_post",
 )
+
+
+@dataclass(frozen=True)
+class Speaker:
+    """A speaker as the LM and the flow take it (no LM prompt for an SFT or cross-lingual speaker)."""
+
+    prompt_text: torch.Tensor  # [Lt] Qwen2 ids
+    llm_prompt_speech: torch.Tensor  # [P] speech tokens
+    flow_prompt_tokens: torch.Tensor  # [1, P']
+    prompt_mel: torch.Tensor  # [1, 2P', 80]
+    embedding: torch.Tensor  # [1, 192]
+
+
+def _ids(value: Any) -> torch.Tensor:
+    return torch.as_tensor(value).reshape(-1).long() if value is not None else torch.zeros(0, dtype=torch.long)
+
+
+def speaker_from_entry(entry: dict[str, Any], mel_bins: int) -> Speaker:
+    """A `spk2info.pt` entry (upstream's keys) as a Speaker; ValueError if it cannot be one."""
+    embedding = entry.get("flow_embedding", entry.get("embedding"))
+    if embedding is None:
+        raise ValueError("a speaker has no embedding ('flow_embedding' or 'embedding')")
+    flow_tokens = _ids(entry.get("flow_prompt_speech_token"))
+    mel = entry.get("prompt_speech_feat")
+    mel = torch.zeros(1, 0, mel_bins) if mel is None else torch.as_tensor(mel).float().reshape(1, -1, mel_bins)
+    n = min(mel.shape[1] // 2, flow_tokens.shape[0])  # upstream keeps the mel at two frames a token
+    prompt_text, prompt_speech = _ids(entry.get("prompt_text")), _ids(entry.get("llm_prompt_speech_token"))
+    if len(prompt_text) > MAX_SENTENCE_TOKENS or len(prompt_speech) > MAX_PROMPT_SPEECH_TOKENS:
+        raise ValueError(
+            f"a speaker prompt of {len(prompt_text)} text and {len(prompt_speech)} speech tokens; at most "
+            f"{MAX_SENTENCE_TOKENS} and {MAX_PROMPT_SPEECH_TOKENS} ({MAX_PROMPT_SPEECH_TOKENS // 25} s) fit the "
+            "KV cache: make it again from a shorter recording")
+    return Speaker(prompt_text, prompt_speech, flow_tokens[:n][None], mel[:, : 2 * n],
+                   torch.as_tensor(embedding).float().reshape(1, -1))
 
 
 def load_speakers(path: Path, mel_bins: int, embed_dim: int) -> list[Speaker]:

@@ -47,18 +47,18 @@ def wav_bytes(samples: np.ndarray, rate: int, subtype: str = "PCM_16") -> bytes:
 def test_resample_matches_torchaudio(orig: int, new: int) -> None:
     from torchaudio.transforms import Resample
 
-    x = torch.from_numpy(voiced(0.731, orig))[None]
-    ours = prompt.resample(x, orig, new)
-    torch.testing.assert_close(ours, Resample(orig, new)(x), rtol=0, atol=1e-6)
+    x = voiced(0.731, orig)[None]
+    ours = torch.from_numpy(prompt.resample(x, orig, new))
+    torch.testing.assert_close(ours, Resample(orig, new)(torch.from_numpy(x)), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("seconds", [0.0250625, 0.5, 2.37])  # the first: one frame
 def test_kaldi_fbank_matches_torchaudio(seconds: float) -> None:
     from torchaudio.compliance import kaldi
 
-    x = torch.from_numpy(voiced(seconds, 16_000))
-    reference = kaldi.fbank(x[None], num_mel_bins=80, dither=0, sample_frequency=16_000)
-    ours = prompt.kaldi_fbank(x)
+    x = voiced(seconds, 16_000)
+    reference = kaldi.fbank(torch.from_numpy(x)[None], num_mel_bins=80, dither=0, sample_frequency=16_000)
+    ours = torch.from_numpy(prompt.kaldi_fbank(x))
     assert ours.shape == reference.shape
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-4)
 
@@ -66,16 +66,16 @@ def test_kaldi_fbank_matches_torchaudio(seconds: float) -> None:
 def test_whisper_log_mel_matches_whisper() -> None:
     import whisper
 
-    x = torch.from_numpy(voiced(2.37, 16_000))[None]
-    torch.testing.assert_close(prompt.whisper_log_mel(x), whisper.log_mel_spectrogram(x, n_mels=128),
-                               rtol=0, atol=1e-5)
+    x = voiced(2.37, 16_000)[None]
+    torch.testing.assert_close(torch.from_numpy(prompt.whisper_log_mel(x)),
+                               whisper.log_mel_spectrogram(torch.from_numpy(x), n_mels=128), rtol=0, atol=1e-5)
 
 
 def test_slaney_filters_match_librosa() -> None:
     import librosa
 
     for rate, n_fft, mels, fmax in ((16_000, 400, 128, 8000.0), (24_000, 1920, 80, 8000.0)):
-        ours = prompt.slaney_mel_filters(rate, n_fft, mels, 0.0, fmax).numpy()
+        ours = prompt.slaney_mel_filters(rate, n_fft, mels, 0.0, fmax)
         np.testing.assert_allclose(ours, librosa.filters.mel(sr=rate, n_fft=n_fft, n_mels=mels, fmin=0, fmax=fmax),
                                    rtol=0, atol=1e-7)
 
@@ -83,10 +83,12 @@ def test_slaney_filters_match_librosa() -> None:
 def test_prompt_mel_matches_matcha(cosyvoice2_dir: Path) -> None:
     config = read_config(cosyvoice2_dir)
     mel = config.prompt_mel
-    x = torch.from_numpy(voiced(1.63, 24_000))[None]
+    x = voiced(1.63, 24_000)
     reference = official("matcha.utils.audio").mel_spectrogram(
-        x, mel.n_fft, mel.num_mels, 24_000, mel.hop_size, mel.win_size, mel.fmin, mel.fmax, center=False)
-    torch.testing.assert_close(prompt.prompt_mel(x, 24_000, mel), reference.transpose(1, 2), rtol=0, atol=1e-5)
+        torch.from_numpy(x)[None], mel.n_fft, mel.num_mels, 24_000, mel.hop_size, mel.win_size, mel.fmin, mel.fmax,
+        center=False)
+    torch.testing.assert_close(torch.from_numpy(prompt.prompt_mel(x, 24_000, mel)), reference[0].T, rtol=0,
+                               atol=1e-5)
 
 
 def upstream_speaker(directory: Path, wav: bytes) -> dict[str, torch.Tensor]:
@@ -122,7 +124,7 @@ def test_speaker_matches_upstream_frontend(cosyvoice2_dir: Path, rate: int, chan
     mono = voiced(3.3, rate, seed=rate)
     samples = np.stack([mono, 0.5 * mono], axis=1) if channels == 2 else mono
     wav = wav_bytes(samples, rate, subtype)
-    ours = prompt.make_speaker(cosyvoice2_dir, wav, TRANSCRIPT)
+    ours = {k: torch.from_numpy(v) for k, v in prompt.make_speaker(cosyvoice2_dir, wav, TRANSCRIPT).items()}
     reference = upstream_speaker(cosyvoice2_dir, wav)
     assert sorted(ours) == sorted(reference)
     for key, value in reference.items():
