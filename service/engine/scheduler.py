@@ -87,8 +87,12 @@ class Scheduler:
     def token_rows(self, sessions: Iterable[SessionState], now: float) -> list[tuple[SessionState, UtteranceState]]:
         """The rows of the next autoregressive step (one voice): every utterance making tokens, as
         its later decoding waits for them; heads first, then by slack (first audio first)."""
-        tokens = [((u is not s.utterances[0], s.slack(now), s.ready_since), s, u) for s in sessions
-                  for u in s.utterances if u.status is UtteranceStatus.TOKENS]
+        return self._token_step(
+            [((u is not s.utterances[0], s.slack(now), s.ready_since), s, u) for s in sessions
+             for u in s.utterances if u.status is UtteranceStatus.TOKENS])
+
+    def _token_step(self, tokens: list[tuple[tuple[bool, float, float], SessionState, UtteranceState]]
+                    ) -> list[tuple[SessionState, UtteranceState]]:
         if not tokens:
             return []
         tokens.sort(key=lambda item: item[0])
@@ -109,13 +113,15 @@ class Scheduler:
         plan = Plan()
         acoustic: list[tuple[tuple[float, bool, float], SessionState, UtteranceState]] = []
         ready: list[tuple[SessionState, UtteranceState, float]] = []
-        sessions = list(sessions)
+        tokens: list[tuple[tuple[bool, float, float], SessionState, UtteranceState]] = []
         wake = math.inf
         starts = 0  # sessions waiting for the acoustic stage to begin their audio
         for s in sessions:
             if not s.utterances:  # waiting for text: nothing to plan
                 continue
             slack = s.slack(now)
+            tokens += [((u is not s.utterances[0], slack, s.ready_since), s, u) for u in s.utterances
+                       if u.status is UtteranceStatus.TOKENS]
             head = s.utterances[0]
             # a head still making tokens decodes as far as its tokens so far allow
             decodable = head.status is UtteranceStatus.DECODING or (
@@ -133,7 +139,7 @@ class Scheduler:
             acoustic.sort(key=lambda item: item[0])
             runtime = acoustic[0][1].spec.runtime
             plan.acoustic = [(s, u) for _, s, u in acoustic if s.spec.runtime is runtime][: cfg.acoustic_max_batch]
-        plan.tokens = self.token_rows(sessions, now)
+        plan.tokens = self._token_step(tokens)
         urgent_slack = max(cfg.urgent_slack_s, len(plan.acoustic) * acoustic_job_s)
         # a backlog of starts: the lead does not count and no step is filled
         backlog = 2 * starts >= max(2, cfg.acoustic_max_batch)

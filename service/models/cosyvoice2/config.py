@@ -14,7 +14,7 @@ from service.models.cosyvoice2.encoder import EncoderConfig
 from service.models.cosyvoice2.estimator import EstimatorConfig
 from service.models.cosyvoice2.flow import FlowConfig
 from service.models.cosyvoice2.hift import HiftConfig
-from service.models.cosyvoice2.hyperyaml import ConfigError, _Tagged, read_yaml
+from service.models.cosyvoice2.hyperyaml import ConfigError, Tagged, read_yaml
 from service.models.cosyvoice2.lm import Qwen2Config, SamplingConfig
 from service.models.cosyvoice2.prompt import MelConfig, mel_config
 from service.models.cosyvoice2.token2wav import StreamConfig
@@ -36,7 +36,7 @@ class CosyVoice2Config:
 
 def _node(data: dict[str, Any], key: str, target: str) -> dict[str, Any]:
     node = data.get(key)
-    if not isinstance(node, _Tagged) or not node.target.endswith(target) or not isinstance(node.args, dict):
+    if not isinstance(node, Tagged) or not node.target.endswith(target) or not isinstance(node.args, dict):
         raise ConfigError(f"{CONFIG_FILE}: '{key}' is not a {target} (found {getattr(node, 'target', node)!r}); "
                           "Cadenza serves CosyVoice2 model directories")
     args: dict[str, Any] = node.args
@@ -51,7 +51,7 @@ def _frozen(value: Any) -> Any:
 def _pick(args: dict[str, Any], cls: type) -> dict[str, Any]:
     """The arguments `cls` (a dataclass) has fields for; the others are training settings."""
     names = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
-    return {k: _frozen(v) for k, v in args.items() if k in names and not isinstance(v, _Tagged)}
+    return {k: _frozen(v) for k, v in args.items() if k in names and not isinstance(v, Tagged)}
 
 
 def read_config(model_dir: Path) -> CosyVoice2Config:
@@ -87,7 +87,7 @@ def read_config(model_dir: Path) -> CosyVoice2Config:
         raise ConfigError(f"{CONFIG_FILE}: llm sizes {llm['llm_input_size']}/{llm['llm_output_size']} do not match "
                           f"the Qwen2 hidden size {lm.hidden_size}")
     sampling = llm.get("sampling")
-    sampling_args = sampling.args if isinstance(sampling, _Tagged) and isinstance(sampling.args, dict) else {}
+    sampling_args = sampling.args if isinstance(sampling, Tagged) and isinstance(sampling.args, dict) else {}
     chunk = int(data.get("chunk_size", encoder.get("static_chunk_size", 25)))
     return CosyVoice2Config(
         sample_rate=int(hift.get("sampling_rate", data.get("sample_rate", 24000))),

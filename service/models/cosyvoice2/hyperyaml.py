@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class _Tagged:
+class Tagged:
     """A `!new:` / `!name:` node: the target's dotted name and its arguments."""
 
     tag: str
@@ -53,7 +53,7 @@ def _loader() -> Any:
             args = loader.construct_sequence(node, deep=True)
         else:
             args = loader.construct_scalar(node)
-        return _Tagged(kind, target, args)
+        return Tagged(kind, target, args)
 
     def ref(loader: Any, node: Any) -> _Ref:
         return _Ref(str(loader.construct_scalar(node)))
@@ -74,8 +74,8 @@ def _resolve(value: Any, top: dict[str, Any]) -> Any:
         if not re.fullmatch(r"[\d\s.+\-*/()'\"eE]+|'[^']*'|\"[^\"]*\"", expr):
             raise ConfigError(f"unsupported reference {value.expression!r}")
         return eval(expr, {"__builtins__": {}})  # numbers and + - * / only (checked above)
-    if isinstance(value, _Tagged):
-        return _Tagged(value.tag, value.target, _resolve(value.args, top))
+    if isinstance(value, Tagged):
+        return Tagged(value.tag, value.target, _resolve(value.args, top))
     if isinstance(value, dict):
         return {k: _resolve(v, top) for k, v in value.items()}
     if isinstance(value, list):
@@ -84,7 +84,7 @@ def _resolve(value: Any, top: dict[str, Any]) -> Any:
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    """The file as plain data (tags as `_Tagged`, references resolved)."""
+    """The file as plain data (tags as `Tagged`, references resolved)."""
     yaml = _yaml()
 
     try:

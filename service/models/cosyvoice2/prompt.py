@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from service.audio.wav import read_wav
-from service.models.cosyvoice2.hyperyaml import ConfigError, _Tagged, read_yaml
+from service.models.cosyvoice2.hyperyaml import ConfigError, Tagged, read_yaml
 from service.models.cosyvoice2.text import MAX_SENTENCE_TOKENS, QwenTokenizer
 from service.models.cosyvoice2.voices import CONFIG_FILE, QWEN_DIR, SPEAKERS_FILE
 
@@ -56,7 +56,7 @@ class MelConfig:
 def mel_config(data: dict[str, Any]) -> MelConfig:
     """The prompt mel's settings from cosyvoice2.yaml's data (`read_yaml`)."""
     node = data.get("feat_extractor")
-    args = node.args if isinstance(node, _Tagged) and isinstance(node.args, dict) else {}
+    args = node.args if isinstance(node, Tagged) and isinstance(node.args, dict) else {}
     given = {k: v for k, v in args.items() if k in MelConfig.__dataclass_fields__}
     return MelConfig(**{k: type(getattr(MelConfig, k))(v) for k, v in given.items()})
 
