@@ -13,6 +13,10 @@ the user). --size full gives CosyVoice2-0.5B's shapes (about 2 GB; for GPU measu
 --size small shrinks every width a CPU test does not need (the flow encoder stays 512 wide, as
 upstream's lookahead and upsample layers require).
 
+--weights own draws the same kinds of weights with Cadenza's own modules and saves their state
+dicts, which Cadenza loads as it loads upstream's: for a host without the official tree (the GPU
+image), where only Cadenza is measured. Parity tests need the default.
+
 Run it with the checkout's Python after scripts/dev-setup, e.g.
   .venv/bin/python scripts/make_cosyvoice2_checkpoint.py --size small /tmp/cv2-small
 """
@@ -182,7 +186,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf == "alpha" or name.endswith("original0") or name.endswith("weight_g"):
+            if leaf == "alpha" or ".alphas" in name or name.endswith("original0") or name.endswith("weight_g"):
                 p.copy_(0.5 + torch.rand(p.shape, generator=rng))
             elif p.dim() == 1 and ("norm" in name or name.endswith("out.1.weight") or "block.2." in name):
                 p.copy_((1.0 if leaf == "weight" else 0.0) + 0.1 * torch.randn(p.shape, generator=rng))
@@ -295,19 +299,31 @@ def write_front_models(out: Path, config: CosyVoice2Config, seed: int) -> None:
         [weight("w1", 80, 64), weight("w2", 64, config.flow.spk_embed_dim)]), CAMPPLUS_FILE)
 
 
-def speech_like(hift: torch.nn.Module) -> None:
+def speech_like(hift: torch.nn.Module, bins: int, official: bool) -> None:
     """Random vocoder weights in a trained one's ranges: F0 at speaking pitches (random weights
     give ~1 Hz, no sine at all) and spectral logits near zero (random ones reach +-25: every
-    magnitude at its clip and the audio at its limit, clipped noise that says nothing of precision)."""
-    bins = hift.istft_params["n_fft"] // 2 + 1
+    magnitude at its clip and the audio at its limit, clipped noise that says nothing of precision).
+    `bins`: the iSTFT's frequency bins (the magnitude half of conv_post's channels)."""
     with torch.no_grad():
         hift.f0_predictor.classifier.weight.mul_(F0_SPREAD_HZ)
         hift.f0_predictor.classifier.bias.fill_(F0_CENTRE_HZ)
-        hift.conv_post.parametrizations.weight.original0.mul_(SPECTRAL_SCALE)  # weight norm's gain
-        hift.conv_post.bias[:bins].fill_(LOG_MAGNITUDE)
+        post = hift.conv_post
+        gain = post.parametrizations.weight.original0 if official else post.weight  # ours: weight norm folded
+        gain.mul_(SPECTRAL_SCALE)
+        post.bias[:bins].fill_(LOG_MAGNITUDE)
 
 
-def write(out: Path, config: CosyVoice2Config, seed: int, weights: bool = True) -> None:
+def own_models(config: CosyVoice2Config) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """(LM, flow, vocoder) as Cadenza's own modules."""
+    from service.models.cosyvoice2.flow import Flow
+    from service.models.cosyvoice2.hift import HiFT
+    from service.models.cosyvoice2.lm import SpeechLM
+
+    return SpeechLM(config.lm).eval(), Flow(config.flow).eval(), HiFT(config.hift).eval()
+
+
+def write(out: Path, config: CosyVoice2Config, seed: int, weights: str | None = "official") -> None:
+    """`weights`: "official" (upstream's classes), "own" (Cadenza's) or None (no weight files)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "cosyvoice2.yaml").write_text(yaml_text(config), "utf-8")
     from service.models.cosyvoice2.official import official_models, qwen2_json
@@ -318,15 +334,16 @@ def write(out: Path, config: CosyVoice2Config, seed: int, weights: bool = True) 
     write_tokenizer(qwen, config.lm.vocab_size)
     torch.save(speakers(config, qwen, seed), out / "spk2info.pt")
     write_front_models(out, config, seed)
-    if not weights:
+    if weights is None:
         return
-    for k, (name, model) in enumerate(zip(("llm", "flow", "hift"), official_models(config), strict=True)):
+    models = official_models(config) if weights == "official" else own_models(config)
+    for k, (name, model) in enumerate(zip(("llm", "flow", "hift"), models, strict=True)):
         randomize(model, seed + k)
         if name == "llm":  # random scores almost never end speech: end it after a few tokens per text token
             with torch.no_grad():
                 model.llm_decoder.bias[config.lm.speech_token_size] += END_OF_SPEECH_BIAS
         if name == "hift":
-            speech_like(model)
+            speech_like(model, config.hift.n_fft // 2 + 1, official=weights == "official")
         torch.save(model.state_dict(), out / f"{name}.pt")
 
 
@@ -338,8 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="weights' generator seed (default: 0)")
     p.add_argument("--config-only", action="store_true",
                    help="write everything but the weights (llm.pt, flow.pt, hift.pt)")
+    p.add_argument("--weights", choices=("official", "own"), default="official",
+                   help="whose modules draw the weights: upstream's classes (default; parity tests need "
+                        "them) or Cadenza's own (a host without the official tree)")
     args = p.parse_args(argv)
-    write(args.out, SIZES[args.size], args.seed, weights=not args.config_only)
+    write(args.out, SIZES[args.size], args.seed, weights=None if args.config_only else args.weights)
     print(f"wrote a random-weight CosyVoice2 ({args.size}) to {args.out}")
     return 0
 

@@ -53,12 +53,16 @@ def builtin_ort(onnx_cache_dir: str) -> VoiceRuntime:
 @pytest.fixture(scope="session")
 def cosyvoice2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight CosyVoice2 directory in the official layout, small shapes
-    (scripts/make_cosyvoice2_checkpoint.py), alone in its parent folder (a --voices folder)."""
+    (scripts/make_cosyvoice2_checkpoint.py), alone in its parent folder (a --voices folder).
+    Where the official tree is not installed (the GPU image) the weights are drawn with our own
+    modules: the tests that compare with upstream need the tree anyway."""
+    import importlib.util
     import subprocess
     import sys
 
     out = tmp_path_factory.mktemp("cosyvoice2") / "CosyVoice2-test"
     script = TESTS_DIR.parent / "scripts" / "make_cosyvoice2_checkpoint.py"
-    subprocess.run([sys.executable, str(script), str(out), "--size", "small", "--seed", "3"], check=True,
-                   capture_output=True, text=True)
+    weights = "official" if importlib.util.find_spec("cosyvoice") is not None else "own"
+    subprocess.run([sys.executable, str(script), str(out), "--size", "small", "--seed", "3", "--weights", weights],
+                   check=True, capture_output=True, text=True)
     return out
