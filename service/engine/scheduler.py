@@ -32,7 +32,11 @@ stage and which sessions advance by one decoder step, most urgent first:
   before a session's next one (which its first audio does not need);
 * a family that makes its decoder input token by token (autoregressive) gets one batched token
   step per iteration over every utterance still making tokens, head utterances and the least
-  buffered sessions first, beside the acoustic batch and the decoder step.
+  buffered sessions first, beside the acoustic batch and the decoder step. A session's sentences
+  make their tokens one at a time, in order (the next is taken to the acoustic stage once the one
+  before has its last token): its first sentence's steps are not slowed by the later ones' prompts
+  and rows, and a session holds one row of the token stage's cache, not one per sentence; tokens
+  come many times faster than they are spoken, so the next sentence is ready long before it plays.
 """
 
 from __future__ import annotations
@@ -85,8 +89,9 @@ class Scheduler:
         self.config = config
 
     def token_rows(self, sessions: Iterable[SessionState], now: float) -> list[tuple[SessionState, UtteranceState]]:
-        """The rows of the next autoregressive step (one voice): every utterance making tokens, as
-        its later decoding waits for them; heads first, then by slack (first audio first)."""
+        """The rows of the next autoregressive step (one voice): every utterance making tokens (one
+        per session), as its later decoding waits for them; heads first, then by slack (first
+        audio first)."""
         return self._token_step(
             [((u is not s.utterances[0], s.slack(now), s.ready_since), s, u) for s in sessions
              for u in s.utterances if u.status is UtteranceStatus.TOKENS])
@@ -129,6 +134,8 @@ class Scheduler:
             if decodable and s.unread_s() < cfg.max_ahead_s:
                 ready.append((s, head, slack))
             nxt = next((u for u in s.utterances if u.status is UtteranceStatus.ACOUSTIC), None)
+            if nxt is not None and any(u.status is UtteranceStatus.TOKENS for u in s.utterances):
+                nxt = None  # one sentence at a time makes tokens: the next waits for this one's last
             if nxt is not None:
                 if s.queued_audio_s() < cfg.acoustic_lookahead_s:
                     acoustic.append(((slack, nxt is not head, s.ready_since), s, nxt))

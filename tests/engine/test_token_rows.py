@@ -140,3 +140,27 @@ def test_the_plan_holds_token_rows_beside_the_decoder_step(plain: VitsRuntime) -
         s.spec.loop.close()  # type: ignore[attr-defined]
 
 
+
+
+def test_a_sessions_sentences_make_their_tokens_one_at_a_time(plain: VitsRuntime) -> None:
+    sentence = PhonemizedSentence("hi", ["h", "i"], [1, 2, 3], [])
+    spec = WorkSpec(1, "joe", None, SynthesisParams(), ChunkSchedule(), "fp32", None,
+                    runtime=plain, sink=_Sink(), loop=asyncio.new_event_loop(), cursor=ReadCursor())
+    s = SessionState(spec, None)
+    head, nxt = UtteranceState(0, sentence, UtteranceStatus.TOKENS), UtteranceState(1, sentence)
+    s.utterances += [head, nxt]
+    assert nxt.status is UtteranceStatus.ACOUSTIC
+    scheduler = Scheduler(BatchConfig())
+    plan = scheduler.plan([s], 1000.0, max_rows=8)
+    assert plan.tokens == [(s, head)] and plan.acoustic == []  # the next sentence waits for the head's tokens
+    head.status = UtteranceStatus.DECODING
+    assert scheduler.plan([s], 1000.0, max_rows=8).acoustic == [(s, nxt)]
+    spec.loop.close()  # type: ignore[attr-defined]
+
+
+def test_sessions_of_many_sentences_hold_one_token_row_each(plain: VitsRuntime) -> None:
+    wrapped = TokenVits(plain)
+    texts = [" ".join(TEXTS), " ".join(reversed(TEXTS))]
+    _speak(wrapped, texts)
+    assert len(wrapped.made) >= 2 * len(TEXTS), "every sentence made tokens"
+    assert max(wrapped.batches) <= len(texts), f"a session had more than one row in a step: {wrapped.batches}"
