@@ -9,6 +9,7 @@ input layer, ESPnet relative positions, no convolution module, no macaron feed-f
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -129,7 +130,7 @@ class PreLookahead(nn.Module):
         self.conv1 = nn.Conv1d(size, size, lookahead + 1)
         self.conv2 = nn.Conv1d(size, size, 3)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None, lengths: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None, lengths: Sequence[int] | None = None
                 ) -> torch.Tensor:
         """x [B, T, D]; `context` [B, C, D] (C <= lookahead) follows each row's last valid
         position (`lengths`; None: all T), zeros after it, as each row alone would see."""
@@ -141,7 +142,7 @@ class PreLookahead(nn.Module):
             h = F.pad(h, (0, t + self.lookahead - h.shape[2]))
         else:
             padded = x.new_zeros(b, t + self.lookahead, d)
-            for i, n in enumerate(lengths.tolist()):
+            for i, n in enumerate(lengths):
                 padded[i, :n] = x[i, :n]
                 if context is not None and context.shape[1]:
                     padded[i, n : n + context.shape[1]] = context[i]
@@ -176,20 +177,22 @@ class TokenEncoder(nn.Module):
         self.up_encoders = nn.ModuleList(ConformerLayer(config) for _ in range(config.num_up_blocks))
         self.after_norm = nn.LayerNorm(config.size, eps=1e-5)
 
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor, context: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, sizes: Sequence[int], context: torch.Tensor | None = None,
                 streaming: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token embeddings x [B, T, D] (lengths [B]) -> [B, 2T, D] and their lengths. `context`:
-        embeddings of the next `pre_lookahead_len` tokens (streaming, not the last chunk)."""
+        """Token embeddings x [B, T, D] (each row's length in `sizes`, on the host: nothing here
+        waits for the device) -> [B, 2T, D] and their lengths [B]. `context`: embeddings of the
+        next `pre_lookahead_len` tokens (streaming, not the last chunk)."""
         cfg = self.config
         t = x.shape[1]
+        lengths = torch.tensor(sizes).to(x.device, non_blocking=True)
         valid = (torch.arange(t, device=x.device)[None, :] < lengths[:, None])[:, None]
         x = self.embed(x)
         if context is not None and context.shape[1]:
             context = self.embed(context)
         pos = relative_positions(cfg.size, t).to(x.device, x.dtype)
         mask = attention_mask(valid, cfg.static_chunk_size if streaming else 0)
-        batched = bool((lengths < t).any())  # rows of other lengths: each row's lookahead at its own end
-        x = self.pre_lookahead_layer(x, context, lengths if batched else None)
+        batched = min(sizes) < t  # rows of other lengths: each row's lookahead at its own end
+        x = self.pre_lookahead_layer(x, context, sizes if batched else None)
         for layer in self.encoders:
             x = layer(x, mask, pos)
         x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)

@@ -86,7 +86,7 @@ class Flow(nn.Module):
         if not finalize:
             k = self.config.encoder.pre_lookahead_len
             x, context = x[:, :-k], x[:, -k:]
-        h, _ = self.encoder(x, torch.tensor([x.shape[1]], device=x.device), context=context, streaming=streaming)
+        h, _ = self.encoder(x, [x.shape[1]], context=context, streaming=streaming)
         return self.encoder_proj(h).transpose(1, 2)
 
     def batch(self, requests: Sequence[FlowRequest], streaming: bool, finalize: bool) -> list[torch.Tensor]:
@@ -98,8 +98,8 @@ class Flow(nn.Module):
             return [self(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=streaming, finalize=finalize)]
         k = 0 if finalize else self.config.encoder.pre_lookahead_len
         full = [torch.cat([r.prompt_tokens, r.tokens], dim=1)[0] for r in requests]
-        lengths = torch.tensor([f.shape[0] - k for f in full], device=full[0].device)
-        top = int(lengths.max())
+        sizes = [f.shape[0] - k for f in full]  # on the host: nothing below waits for the device
+        top = max(sizes)
         ids = torch.zeros(len(requests), top, dtype=torch.long, device=full[0].device)
         for i, f in enumerate(full):
             ids[i, : f.shape[0] - k] = f[: f.shape[0] - k]
@@ -107,7 +107,7 @@ class Flow(nn.Module):
         context = None
         if k:
             context = self.input_embedding(torch.clamp(torch.stack([f[-k:] for f in full]), min=0))
-        h, frames = self.encoder(x, lengths, context=context, streaming=streaming)
+        h, frames = self.encoder(x, sizes, context=context, streaming=streaming)
         mu = self.encoder_proj(h).transpose(1, 2)
         span = mu.shape[2]
         valid = torch.arange(span, device=mu.device)[None, :] < frames[:, None]
@@ -117,7 +117,9 @@ class Flow(nn.Module):
             cond[i, :, : r.prompt_mel.shape[1]] = r.prompt_mel[0].T
         spks = self.speaker(torch.cat([r.embedding for r in requests]))
         mel = self._solve(mu, valid[:, None].to(mu.dtype), spks, cond, streaming)
-        return [mel[i : i + 1, :, r.prompt_mel.shape[1] : int(frames[i])] for i, r in enumerate(requests)]
+        up = self.config.encoder.up_stride
+        return [mel[i : i + 1, :, r.prompt_mel.shape[1] : n * up] for i, (r, n) in enumerate(zip(requests, sizes,
+                                                                                               strict=True))]
 
     def forward(self, tokens: torch.Tensor, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
                 embedding: torch.Tensor, streaming: bool = False, finalize: bool = True) -> torch.Tensor:
