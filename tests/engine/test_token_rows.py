@@ -37,6 +37,7 @@ class TokenVits:
         self.tokens = self  # its own token stage
         self.made: dict[int, int] = {}
         self.batches: list[int] = []
+        self._held: list[DecoderInput] = []  # keeps each input alive, so no id() is reused for another
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
@@ -51,6 +52,8 @@ class TokenVits:
         out = []
         for utt in rows:
             assert utt is not None
+            if id(utt) not in self.made:
+                self._held.append(utt)
             self.made[id(utt)] = self.made.get(id(utt), 0) + 1
             out.append(self.made[id(utt)] * TOKEN_FRAMES >= utt.frames)
         return out
@@ -138,8 +141,6 @@ def test_the_plan_holds_token_rows_beside_the_decoder_step(plain: VitsRuntime) -
     assert not plan.empty and math.isinf(sessions[0].slack(1000.0))
     for s in sessions:
         s.spec.loop.close()  # type: ignore[attr-defined]
-
-
 
 
 def test_a_sessions_sentences_make_their_tokens_one_at_a_time(plain: VitsRuntime) -> None:
