@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from service.models.spectral import istft
 from service.models.weight_norm import fold_weight_norm
 
 
@@ -208,8 +209,8 @@ class HiFT(nn.Module):
         x = x.float()
         magnitude = torch.clip(torch.exp(x[:, :bins]), max=1e2)
         phase = torch.sin(x[:, bins:])
-        audio = torch.istft(torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase)),
-                            cfg.n_fft, cfg.hop_len, cfg.n_fft, window=window)
+        audio = istft(torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase)),
+                      cfg.n_fft, cfg.hop_len, window)
         return torch.clamp(audio, -cfg.audio_limit, cfg.audio_limit)
 
     def forward(self, mel: torch.Tensor, generator: Generators = None,

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from service.models.kokoro.layers import AdaIN1d, AdainResBlk1d, frame_mask, masked, snake
+from service.models.spectral import istft
 
 
 class SineSource(nn.Module):
@@ -197,20 +198,7 @@ class SpectrumHead(_STFTStage):
     def forward(self, spec: torch.Tensor, frames: torch.Tensor | None = None) -> torch.Tensor:
         spec, bins, window = spec.float(), self.n_fft // 2 + 1, self.window.float()
         complex_spec = torch.polar(torch.exp(spec[:, :bins]), torch.sin(spec[:, bins:]))
-        if frames is None:
-            return torch.istft(complex_spec, self.n_fft, self.hop, self.n_fft, window=window)
-        count = complex_spec.shape[-1]
-        live = (torch.arange(count, device=spec.device) < frames.view(-1, 1)).float()  # [B, F]
-        pieces = torch.fft.irfft(complex_spec.transpose(1, 2), n=self.n_fft) * window * live.unsqueeze(-1)
-        size = (count - 1) * self.hop + self.n_fft
-
-        def overlap_add(x: torch.Tensor) -> torch.Tensor:  # [B, F, n_fft] -> [B, size]
-            return F.fold(x.transpose(1, 2), (1, size), (1, self.n_fft), stride=(1, self.hop)).view(x.shape[0], -1)
-
-        envelope = overlap_add(window.square().expand(spec.shape[0], count, -1) * live.unsqueeze(-1))
-        audio = overlap_add(pieces) / torch.where(envelope > 1e-11, envelope, torch.ones_like(envelope))
-        half = self.n_fft // 2
-        return audio[:, half:size - half]
+        return istft(complex_spec, self.n_fft, self.hop, window, frames)
 
 
 class Decoder(nn.Module):
