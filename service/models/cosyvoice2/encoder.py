@@ -8,6 +8,7 @@ input layer, ESPnet relative positions, no convolution module, no macaron feed-f
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from service.models.cosyvoice2.estimator import attention_mask
+from service.models.transfer import pinned, to_device
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,14 @@ def relative_positions(size: int, length: int) -> torch.Tensor:
     negative[:, 0::2] = torch.sin(-1 * position * div_term)
     negative[:, 1::2] = torch.cos(-1 * position * div_term)
     return torch.cat([torch.flip(positive, [0]).unsqueeze(0), negative[1:].unsqueeze(0)], dim=1)
+
+
+@functools.lru_cache(maxsize=256)
+def host_positions(size: int, length: int, device_type: str) -> torch.Tensor:
+    """`relative_positions`, made once per length and kept in host memory a copy to
+    `device_type` reads without waiting."""
+    with torch.inference_mode(False):
+        return pinned(relative_positions(size, length), torch.device(device_type))
 
 
 class InputLayer(nn.Module):
@@ -189,7 +199,8 @@ class TokenEncoder(nn.Module):
         x = self.embed(x)
         if context is not None and context.shape[1]:
             context = self.embed(context)
-        pos = relative_positions(cfg.size, t).to(x.device, x.dtype)
+        pos = host_positions(cfg.size, t, x.device.type)
+        pos = to_device(pos, x.device).to(x.dtype)
         mask = attention_mask(valid, cfg.static_chunk_size if streaming else 0)
         batched = min(sizes) < t  # rows of other lengths: each row's lookahead at its own end
         x = self.pre_lookahead_layer(x, context, sizes if batched else None)
@@ -200,7 +211,8 @@ class TokenEncoder(nn.Module):
         t = x.shape[1]
         valid = (torch.arange(t, device=x.device)[None, :] < lengths[:, None])[:, None]
         x = self.up_embed(x)
-        pos = relative_positions(cfg.size, t).to(x.device, x.dtype)
+        pos = host_positions(cfg.size, t, x.device.type)
+        pos = to_device(pos, x.device).to(x.dtype)
         mask = attention_mask(valid, cfg.static_chunk_size * cfg.up_stride if streaming else 0)
         for layer in self.up_encoders:
             x = layer(x, mask, pos)

@@ -49,6 +49,7 @@ from service.models.family import (
     UtteranceDecoder,
     VoiceInfo,
 )
+from service.models.transfer import to_device
 
 # In the FP16 decoder the flow and the vocoder's F0 path (F0 predictor, sine source) stay whole in
 # FP32, outputs included: the sine source sums F0 into a phase over each chunk, so a mel or an F0
@@ -286,7 +287,7 @@ class SpeechTokens:
         prompt_speech = utt.speaker.llm_prompt_speech
         # load_speakers and the frontend's sentence cut keep every prompt within the capacity
         assert len(text) + 2 + len(prompt_speech) <= self.capacity - utt.max_tokens
-        return self.lm.prompt(text.to(self.device), prompt_speech.to(self.device))
+        return self.lm.prompt(to_device(text, self.device), to_device(prompt_speech, self.device))
 
     @torch.inference_mode()
     def prefill(self, utts: list[SpeechUtterance]) -> None:
@@ -302,11 +303,12 @@ class SpeechTokens:
         for u in utts:
             if u.row is None:
                 u.row, u.cached = self._take_row(), 0
-        lengths = torch.tensor([p.shape[0] for p in prompts], device=self.device)
-        x = torch.zeros(len(utts), int(lengths.max()), self.lm.config.hidden_size, device=self.device)
+        sizes = [p.shape[0] for p in prompts]
+        lengths = to_device(sizes, self.device)
+        x = torch.zeros(len(utts), max(sizes), self.lm.config.hidden_size, device=self.device)
         for i, p in enumerate(prompts):
             x[i, : p.shape[0]] = p
-        rows = torch.tensor([u.row for u in utts], device=self.device)
+        rows = to_device(_row_ids(utts), self.device)
         for u, p in zip(utts, prompts, strict=True):
             u.cached += p.shape[0]
         logp = self.lm(x, self.cache, rows, lengths, span=max(u.cached for u in utts))
@@ -326,11 +328,11 @@ class SpeechTokens:
 
     def _step(self, going: list[SpeechUtterance]) -> None:
         if going:
-            last = torch.tensor([u.tokens[-1] for u in going], device=self.device)
+            last = to_device([u.tokens[-1] for u in going], self.device)
             x = self.lm.speech_embedding(last)[:, None]
             for u in going:
                 u.cached += 1
-            at = torch.tensor([u.row for u in going], device=self.device)
+            at = to_device(_row_ids(going), self.device)
             span = max(u.cached for u in going)
             logp = self._graphed(x, at, span) if self._graphed else self.lm(x, self.cache, at, span=span)
             for u, scores in zip(going, logp.cpu(), strict=True):
@@ -358,6 +360,15 @@ class SpeechTokens:
             u.complete = True
         if u.complete:
             self.release(u)
+
+
+def _row_ids(utts: list[SpeechUtterance]) -> list[int]:
+    """The cache rows the sentences hold (every one has its row by then)."""
+    rows = []
+    for u in utts:
+        assert u.row is not None
+        rows.append(u.row)
+    return rows
 
 
 def ready_frames(token2wav: Token2Wav, utt: SpeechUtterance) -> int:
@@ -397,7 +408,7 @@ class TokenAudioSlots:
 
     def _fresh(self, utt: SpeechUtterance) -> _Slot:
         return _Slot(utt, self.runtime.stream_state(utt, self.precision),
-                     torch.tensor([utt.tokens], dtype=torch.long, device=self.runtime.device),
+                     to_device([utt.tokens], self.runtime.device, torch.long),
                      torch.zeros(0, device=self.runtime.device))
 
     def free(self, slot: int) -> None:
@@ -416,7 +427,7 @@ class TokenAudioSlots:
         for slot, fed in zip(rows.slots, rows.fed, strict=True):
             s = self._slots[slot]
             if s.tokens.shape[1] != len(s.utt.tokens):  # made while its tokens are being made
-                s.tokens = torch.tensor([s.utt.tokens], dtype=torch.long, device=self.runtime.device)
+                s.tokens = to_device([s.utt.tokens], self.runtime.device, torch.long)
             ready = ready_frames(self.token2wav, s.utt)
             short[slot] = (s, min(ready * self.hop, (fed + rows.frames) * self.hop))
         while pending := [s for s, end in short.values() if s.audio.shape[0] < end and not s.state.done]:

@@ -26,6 +26,7 @@ import torch
 from service.models.cuda_graphs import GraphCapturer
 from service.models.family import Prior, StepRows
 from service.models.noise import counter_normal
+from service.models.transfer import pinned, to_device
 from service.models.vits.model import VitsModel
 from service.models.vits.receptive_field import decoder_stage_table
 
@@ -219,7 +220,7 @@ class VitsStreamingDecoder:
     def _upload(self, values: np.ndarray) -> torch.Tensor:
         """Host -> device without waiting for the device: through pinned memory on CUDA (a
         pageable copy would wait for the step still running, and the pipeline with it)."""
-        return _pinned(values, self.device).to(self.device, non_blocking=True)
+        return to_device(values, self.device)
 
     def _int_rows(self, rows: StepRows, bucket: int) -> np.ndarray:
         """A step's whole input, [5 + frames, bucket] int64: slots, fed, lengths, speaker ids,
@@ -293,7 +294,7 @@ class VitsStreamingDecoder:
         if captured is None:
             captured = self._capture(bucket, rows.frames)
             self._captured[(bucket, rows.frames)] = captured
-        captured.ints.copy_(_pinned(self._int_rows(rows, bucket), self.device), non_blocking=True)
+        captured.ints.copy_(pinned(self._int_rows(rows, bucket), self.device), non_blocking=True)
         captured.graph.replay()
         return captured.out
 
@@ -304,12 +305,6 @@ class VitsStreamingDecoder:
         graph, out = self._capturer.capture(lambda i: self._run(*self._inputs(i)), ints)
         # Warm-up and capture wrote into the scratch slot only; it holds no session.
         return _CapturedStep(graph, ints, out)
-
-
-def _pinned(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host tensor a non-blocking copy to `device` can read without waiting (pinned on CUDA)."""
-    t = torch.from_numpy(np.ascontiguousarray(values))
-    return t.pin_memory() if device.type == "cuda" else t
 
 
 @dataclass

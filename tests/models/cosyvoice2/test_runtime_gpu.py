@@ -1,18 +1,24 @@
-"""The CosyVoice2 runtime's CUDA graphs against eager calls: token steps (`GraphedTokenStep`:
-the same scores and cache, for batches that pad to a bucket and spans that cross one) and flow
-solves (`GraphedSolve`: the same mel for a padded batch of unequal rows)."""
+"""The CosyVoice2 runtime on CUDA: its CUDA graphs against eager calls (`GraphedTokenStep`: the
+same scores and cache, for batches that pad to a bucket and spans that cross one; `GraphedSolve`:
+the same mel for a padded batch of unequal rows), and steps the engine thread queues without
+waiting for the device."""
 
 from __future__ import annotations
 
 import copy
+import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
+from service.models import registry
 from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
 from service.models.cosyvoice2.lm import KVCache, Qwen2Config, SpeechLM
-from service.models.cosyvoice2.runtime import GraphedTokenStep
+from service.models.cosyvoice2.runtime import CosyVoice2Runtime, GraphedTokenStep, SpeechUtterance
+from service.models.family import AcousticJob, StepRows, SynthesisParams, utterance_rng
 
 CONFIG = Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
                      vocab_size=320, speech_token_size=200)
@@ -83,3 +89,42 @@ def solves_equal() -> None:
         for i, n in enumerate(frames.tolist()):
             torch.testing.assert_close(got[i, :, :n], want[i, :, :n], atol=1e-4, rtol=1e-4)
     assert set(graphed._graphs) == {(4, 256, True), (4, 256, False)}
+
+
+def host_waits(call: Callable[[], object]) -> list[str]:
+    """Where `call` made the host wait for the device (torch's sync debug mode, as warnings)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_steps_are_queued_without_waiting_for_the_device(cosyvoice2_dir: Path) -> None:
+    """A decoder step is queued and the engine thread goes on (token steps on their own stream,
+    the next plan) while it runs: nothing in it reads the device back or copies from pageable
+    memory. A token step waits once, for its scores (tokens are drawn on the host)."""
+    rt = registry.open_voice(registry.recognise(cosyvoice2_dir), "auto", "cuda")
+    assert isinstance(rt, CosyVoice2Runtime)
+    rt.prepare(max_batch=2)
+    frontend = registry.open_frontend(rt.info.frontend_key)
+    texts = ["Thank you for calling, how can I help you today?", "Goodbye!"]
+    sentences = [s for t in texts for s in frontend.sentences(t)]
+    jobs = [AcousticJob(s, 0, SynthesisParams(seed=4), utterance_rng(4, s.phoneme_ids)) for s in sentences]
+    utts = [u for u in rt.acoustic_batch(jobs) if isinstance(u, SpeechUtterance)]
+    for _ in range(3):
+        rt.tokens.step(utts)  # warm: the token graphs' first replays
+    assert len(host_waits(lambda: rt.tokens.step(utts))) == 1
+    while not all(u.complete for u in utts):
+        rt.tokens.step(utts)
+    decoder = rt.streaming_decoder("fp16", 2, max_rows=2, graphs=True, graph_frames=())
+    for slot, u in enumerate(utts):
+        assert decoder.start(slot, u.prior)
+    decoder.step(StepRows([0, 1], [0, 0], 20, None))  # warm: first chunks, allocations
+    assert host_waits(lambda: decoder.step(StepRows([0, 1], [20, 20], 40, None))) == []

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from kernels.guard import guard
 from service.models.cuda_graphs import GraphCapturer
 from service.models.device_audio import GuardedCopy, guard_async, pinned_copy
+from service.models.transfer import to_device
 from service.models.vits.backends.base import Capabilities, DevicePriorOut, EncodeOut, HostAudio, VocodeOut
 from service.models.vits.backends.stage_export import cache_home
 from service.models.vits.model import VitsModel
@@ -139,7 +140,7 @@ class TorchBackend:
         stream = self._acoustic_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             m_p, logs_p, logw = self._encode(ids, lengths, dp_noise, sid)
-            scale = _to_device(noise_scale.astype(np.float32), self._device).view(-1, 1, 1)
+            scale = to_device(noise_scale.astype(np.float32), self._device).view(-1, 1, 1)
             prior = torch.stack([m_p.float(), torch.exp(logs_p.float()) * scale], dim=1)
             return PendingPrior(logw.float(), prior)
 
@@ -155,8 +156,8 @@ class TorchBackend:
                 return out
         with torch.backends.cudnn.flags(enabled=False):
             m_p, logs_p, logw, _ = self.models["fp32"].encode(
-                _to_device(ids, dev), _to_device(lengths, dev), _to_device(dp_noise, dev),
-                None if sid is None else _to_device(sid.astype(np.int64), dev),
+                to_device(ids, dev), to_device(lengths, dev), to_device(dp_noise, dev),
+                None if sid is None else to_device(sid.astype(np.int64), dev),
             )
         return m_p, logs_p, logw
 
@@ -380,18 +381,6 @@ class _EncoderGraphs:
         copied.record()
         graph.replay()
         return m_p[:batch, :, :length], logs_p[:batch, :, :length], logw[:batch, :, :length]
-
-
-def _pinned(values: np.ndarray) -> torch.Tensor:
-    """`values` in pinned host memory: a copy from pageable memory to the device first waits for
-    everything queued on its stream, the engine thread with it."""
-    return torch.from_numpy(np.ascontiguousarray(values)).pin_memory()
-
-
-def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return torch.as_tensor(values, device=device)
-    return _pinned(values).to(device, non_blocking=True)
 
 
 def _numpy(x: torch.Tensor) -> np.ndarray:
