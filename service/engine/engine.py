@@ -489,7 +489,8 @@ class TtsEngine:
             raise InvalidArgument("config.max_chunk_frames",
                                   f"{largest} must be between first_chunk_frames ({first}) and {MAX_CHUNK_FRAMES}")
         self._check_dictionary(c.custom_dictionary or {})
-        schedule = dataclasses.replace(base, first_frames=first, max_frames=largest)
+        staged = c.first_chunk_frames or min(base.staged_first_frames, largest)
+        schedule = dataclasses.replace(base, first_frames=first, staged_first_frames=staged, max_frames=largest)
         params = SynthesisParams(
             length_scale=info.length_scale / rate, options=options, seed=c.seed,
         )

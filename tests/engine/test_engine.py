@@ -20,6 +20,7 @@ from service.engine.contract import (
     SessionConfig,
     SessionSummary,
 )
+from service.models.family import ChunkSchedule
 from tests.engine.conftest import EngineHarness, drive, tiny_engine_config
 
 TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day, and everyone was happy!"
@@ -673,3 +674,21 @@ def test_staged_chunks_go_through_the_one_host_guard(staged_harness: EngineHarne
     samples = _samples(data)
     assert summary.audio_seconds > 0 and np.isfinite(samples).all()
     assert staged_harness.engine.host.core.stats.nonfinite_fp32 > before
+
+
+def test_the_staged_first_chunk_follows_the_staged_schedule() -> None:
+    """With the staged decoder (a CPU's) a stream's first chunk is `staged_first_frames` long
+    while no other session waits (`first_frames` otherwise); a session's first_chunk_frames sets it."""
+    h = EngineHarness(tiny_engine_config(batch=BatchConfig(decoder="staged")))
+    try:
+        hop = h.engine.host.runtimes.loaded["tiny-multi"].hop  # type: ignore[attr-defined]
+        default = ChunkSchedule()
+        assert default.staged_first_frames < default.first_frames
+        for first_chunk_frames, frames in ((None, default.staged_first_frames), (24, 24)):
+            cfg = SessionConfig(seed=1, encoding=FLOAT, first_chunk_frames=first_chunk_frames)
+            session = h.run(h.engine.open_session(cfg))
+            _, events, _ = h.run(drive(session, [TEXT]))
+            assert len(events[0].audio) == frames * hop * 4  # FLOAT32 samples
+            assert len(events[1].audio) > len(events[0].audio)
+    finally:
+        h.close()
