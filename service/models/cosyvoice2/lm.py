@@ -231,27 +231,51 @@ class SamplingConfig:
     tau_r: float = 0.1
 
 
-def _ras(logp: torch.Tensor, decoded: list[int], config: SamplingConfig, generator: torch.Generator | None) -> int:
-    probs = logp.softmax(dim=0)
-    sorted_probs, order = probs.sort(descending=True, stable=True)
+@dataclass(frozen=True)
+class Nucleus:
+    """One row's sampling candidates: the whole distribution (the repetition fallback draws
+    from it) and the nucleus, most likely first."""
+
+    probs: torch.Tensor  # [V]
+    top: torch.Tensor  # [n] the candidates' probabilities, largest first (n <= top_k)
+    ids: torch.Tensor  # [n] their token ids
+
+
+def nuclei(logp: torch.Tensor, config: SamplingConfig) -> list[Nucleus]:
+    """Each row's candidates from log-probabilities [R, V], the rows in one pass of a few ops.
+
+    Upstream sorts the whole vocabulary (stably) to take at most top_k candidates; the top_k + 1
+    largest give the same candidates in the same order wherever none of them ties with the next
+    (then the first top_k are strictly larger than everything else), and a row with such a tie
+    is sorted whole, as upstream does. A full sort of each row would cost far more than the LM
+    step it follows."""
+    probs = logp.softmax(dim=-1)
+    ranked, order = probs.topk(min(config.top_k + 1, probs.shape[-1]), dim=-1)
+    for i in (ranked[:, 1:] == ranked[:, :-1]).any(dim=1).nonzero().flatten().tolist():
+        whole, at = probs[i].sort(descending=True, stable=True)
+        ranked[i], order[i] = whole[: ranked.shape[1]], at[: ranked.shape[1]]
     # Candidates while the mass taken before each is under top_p (the last one may cross it).
-    before = torch.cat([sorted_probs.new_zeros(1), torch.cumsum(sorted_probs, dim=0)[:-1]])
-    count = max(1, min(config.top_k, int((before < config.top_p).sum())))
-    pick = int(order[torch.multinomial(sorted_probs[:count], 1, replacement=True, generator=generator)])
+    before = torch.cat([ranked.new_zeros(ranked.shape[0], 1), torch.cumsum(ranked, dim=-1)[:, :-1]], dim=1)
+    counts = (before < config.top_p).sum(dim=1).clamp(1, config.top_k).tolist()
+    return [Nucleus(probs[i], ranked[i, :n], order[i, :n]) for i, n in enumerate(counts)]
+
+
+def _ras(nucleus: Nucleus, decoded: list[int], config: SamplingConfig, generator: torch.Generator | None) -> int:
+    pick = int(nucleus.ids[torch.multinomial(nucleus.top, 1, replacement=True, generator=generator)])
     recent = decoded[-config.win_size:]
     if sum(t == pick for t in recent) >= config.win_size * config.tau_r:
-        pick = int(torch.multinomial(probs, 1, replacement=True, generator=generator))
+        pick = int(torch.multinomial(nucleus.probs, 1, replacement=True, generator=generator))
     return pick
 
 
-def sample_token(logp: torch.Tensor, decoded: list[int], config: SamplingConfig,
+def sample_token(nucleus: Nucleus, decoded: list[int], config: SamplingConfig,
                  generator: torch.Generator | None, redraw: int | None = None, max_trials: int = 100) -> int:
-    """One speech token from log-probabilities [V] (one session), drawing from `generator`
-    (the session's own RNG) the numbers the official sampler draws from the global one.
+    """One speech token from a row's candidates (`nuclei`), drawing from `generator` (the
+    session's own RNG) the numbers the official sampler draws from the global one.
     `redraw`: a token not to end on yet (end of speech before the minimum length): drawn
     again, at most `max_trials` times, as upstream does."""
     for _ in range(max_trials + 1):
-        pick = _ras(logp, decoded, config, generator)
+        pick = _ras(nucleus, decoded, config, generator)
         if pick != redraw:
             return pick
     raise RuntimeError(f"sampling gave token {redraw} (end of speech) {max_trials + 1} times in a row "
@@ -285,7 +309,8 @@ def generate(lm: SpeechLM, text: torch.Tensor, prompt_text: torch.Tensor, prompt
     out: list[int] = []
     for i in range(max_len):
         logp = lm(x, cache, row)[0]
-        token = sample_token(logp, out, sampling, generator, redraw=eos if i < min_len else None)
+        token = sample_token(nuclei(logp[None], sampling)[0], out, sampling, generator,
+                             redraw=eos if i < min_len else None)
         if token == eos:
             return
         if token > eos:

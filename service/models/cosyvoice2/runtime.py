@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from service.models.cosyvoice2.config import ConfigError
-from service.models.cosyvoice2.lm import KVCache, LengthLimits, SpeechLM, sample_token
+from service.models.cosyvoice2.lm import KVCache, LengthLimits, Nucleus, SpeechLM, nuclei, sample_token
 from service.models.cosyvoice2.model import CosyVoice2, load_model
 from service.models.cosyvoice2.prompt import MAX_PROMPT_SPEECH_TOKENS
 from service.models.cosyvoice2.text import MAX_SENTENCE_TOKENS
@@ -312,8 +312,8 @@ class SpeechTokens:
         for u, p in zip(utts, prompts, strict=True):
             u.cached += p.shape[0]
         logp = self.lm(x, self.cache, rows, lengths, span=max(u.cached for u in utts))
-        for u, scores in zip(utts, logp.cpu(), strict=True):
-            self._draw(u, scores, prompt=True)
+        for u, nucleus in zip(utts, nuclei(logp.cpu(), self.sampling), strict=True):
+            self._draw(u, nucleus, prompt=True)
 
     @torch.inference_mode()
     def step(self, rows: Sequence[DecoderInput | None]) -> list[bool | Exception]:
@@ -335,15 +335,15 @@ class SpeechTokens:
             at = to_device(_row_ids(going), self.device)
             span = max(u.cached for u in going)
             logp = self._graphed(x, at, span) if self._graphed else self.lm(x, self.cache, at, span=span)
-            for u, scores in zip(going, logp.cpu(), strict=True):
-                self._draw(u, scores, prompt=False)
+            for u, nucleus in zip(going, nuclei(logp.cpu(), self.sampling), strict=True):
+                self._draw(u, nucleus, prompt=False)
 
-    def _draw(self, u: SpeechUtterance, logp: torch.Tensor, prompt: bool) -> None:
+    def _draw(self, u: SpeechUtterance, nucleus: Nucleus, prompt: bool) -> None:
         """The next token from the LM's scores, as `lm.generate` takes it; a sentence whose
         scores cannot be sampled fails alone."""
         redraw = self.eos if u.steps < u.min_tokens else None
         try:
-            token = sample_token(logp, u.tokens, self.sampling, u.sampler, redraw=redraw)
+            token = sample_token(nucleus, u.tokens, self.sampling, u.sampler, redraw=redraw)
         except RuntimeError as exc:
             u.failed, u.complete = exc, True
             self.release(u)

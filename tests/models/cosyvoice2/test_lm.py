@@ -7,7 +7,15 @@ from __future__ import annotations
 import torch
 
 from service.models.cosyvoice2.check import widen_step_masks
-from service.models.cosyvoice2.lm import KVCache, Qwen2Config, SamplingConfig, generate, load_lm, sample_token
+from service.models.cosyvoice2.lm import (
+    KVCache,
+    Qwen2Config,
+    SamplingConfig,
+    generate,
+    load_lm,
+    nuclei,
+    sample_token,
+)
 from service.models.cosyvoice2.official import official
 from service.models.cosyvoice2.official import official_lm as official_lm_class
 
@@ -89,7 +97,8 @@ def test_log_probs_equal_the_official_lm_alone_and_batched() -> None:
 
 def test_sampling_draws_what_the_official_sampler_draws() -> None:
     """Same scores, same seed (ours from a session generator, theirs from the global RNG): the
-    same tokens, through nucleus picks, repetition fallbacks and end-of-speech redraws."""
+    same tokens, through nucleus picks, repetition fallbacks and end-of-speech redraws. Ours
+    take every step's candidates from one batch (`nuclei`), as the engine's token steps do."""
     ras_sampling = official("cosyvoice.utils.common").ras_sampling
 
     config = SamplingConfig()
@@ -113,10 +122,31 @@ def test_sampling_draws_what_the_official_sampler_draws() -> None:
     assert redraws > 0
     ours: list[int] = []
     session = torch.Generator().manual_seed(11)
-    for i, s in enumerate(scores):
-        ours.append(sample_token(s, ours, config, session, redraw=eos if i < 10 else None))
+    for i, nucleus in enumerate(nuclei(torch.stack(scores), config)):
+        ours.append(sample_token(nucleus, ours, config, session, redraw=eos if i < 10 else None))
     assert ours == theirs
     assert len(set(ours)) < len(ours)  # repeats happened, so the fallback path ran
+
+
+def test_candidates_are_the_whole_stable_sorts_also_where_scores_tie() -> None:
+    """`nuclei` takes the top_k + 1 largest scores, not a sort of the vocabulary: the same
+    candidates, in the same order, as upstream's stable sort, for rows with ties in or at the
+    edge of the nucleus too (those rows are sorted whole)."""
+    config = SamplingConfig()
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(6, 400, generator=g) * 3
+    scores[1, :40] = 9.0  # ties across the whole nucleus
+    scores[2, 10] = scores[2, 11] = scores[2].max() + 1  # two tied leaders
+    scores[3] = 0.0  # uniform: every score ties
+    scores[4, 7] = scores[4, 8] = scores[4].topk(config.top_k).values[-1]  # a tie at the nucleus' last place
+    logp = scores.log_softmax(-1)
+    for row, nucleus in zip(logp, nuclei(logp, config), strict=True):
+        probs = row.softmax(0)
+        ranked, order = probs.sort(descending=True, stable=True)
+        before = torch.cat([ranked.new_zeros(1), ranked.cumsum(0)[:-1]])
+        count = max(1, min(config.top_k, int((before < config.top_p).sum())))
+        assert torch.equal(nucleus.top, ranked[:count]) and torch.equal(nucleus.ids, order[:count])
+        assert torch.equal(nucleus.probs, probs)
 
 
 def test_generation_writes_the_official_tokens() -> None:
