@@ -165,8 +165,9 @@ class ChunkSchedule:
 
     first_frames: int = 32  # an utterance's first chunk: room for the next chunk even with 8 sessions on 2 cores
     # The staged decoder's (a CPU's) first chunk of a stream's first utterance while no other
-    # session waits: each frame of it is first-audio time, and alone the next chunk still finishes
-    # before it has played. With others waiting, first_frames: their first chunks go in between.
+    # session waits, where shorter than first_frames: each frame of it is first-audio time, and
+    # alone the next chunk still finishes before it has played. With others waiting, first_frames:
+    # their first chunks go in between.
     staged_first_frames: int = 16
     growth: float = 16.0  # 32 -> 512 -> 1024: chunk k+1 still finishes well before chunk k has played
     max_frames: int = 1024
@@ -174,10 +175,10 @@ class ChunkSchedule:
     flow_piece_frames: int = 256  # staged decoding: after the first chunk, the first stage runs this far ahead
 
     def __post_init__(self) -> None:
-        if (min(self.first_frames, self.staged_first_frames) < 1
-                or self.max_frames < max(self.first_frames, self.staged_first_frames) or self.growth < 1.0):
-            raise ValueError("chunk schedule needs first_frames and staged_first_frames >= 1 and <= max_frames, "
-                             "growth >= 1")
+        if min(self.first_frames, self.staged_first_frames) < 1 or self.max_frames < self.first_frames \
+                or self.growth < 1.0:
+            raise ValueError("chunk schedule needs first_frames and staged_first_frames >= 1, "
+                             "max_frames >= first_frames, growth >= 1")
 
     def first_chunk(self, utterance_index: int) -> int:
         """Frames in an utterance's first chunk: small for the stream's first utterance (time
