@@ -16,12 +16,12 @@ import torch
 def pinned(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     """`values` as a host tensor a non-blocking copy to `device` can read (pinned on CUDA)."""
     t = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
-    return t.pin_memory() if device.type == "cuda" else t
+    return t.pin_memory() if device.type == "cuda" and t.device.type == "cpu" else t
 
 
 def to_device(values: torch.Tensor | np.ndarray | Sequence[int] | Sequence[Sequence[int]], device: torch.device,
               dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`values` (host) on `device`, queued behind the stream's work on CUDA rather than waiting for it."""
+    """`values` on `device`; from the host, queued behind the stream's work on CUDA rather than waiting for it."""
     if isinstance(values, torch.Tensor):
         host = values
     elif isinstance(values, np.ndarray):
