@@ -194,7 +194,7 @@ class TokenEncoder(nn.Module):
         next `pre_lookahead_len` tokens (streaming, not the last chunk)."""
         cfg = self.config
         t = x.shape[1]
-        lengths = torch.tensor(sizes).to(x.device, non_blocking=True)
+        lengths = to_device(list(sizes), x.device)
         valid = (torch.arange(t, device=x.device)[None, :] < lengths[:, None])[:, None]
         x = self.embed(x)
         if context is not None and context.shape[1]:
