@@ -489,7 +489,7 @@ class TtsEngine:
             raise InvalidArgument("config.max_chunk_frames",
                                   f"{largest} must be between first_chunk_frames ({first}) and {MAX_CHUNK_FRAMES}")
         self._check_dictionary(c.custom_dictionary or {})
-        staged = c.first_chunk_frames or min(base.staged_first_frames, largest)
+        staged = c.first_chunk_frames or base.staged_first_frames
         schedule = dataclasses.replace(base, first_frames=first, staged_first_frames=staged, max_frames=largest)
         params = SynthesisParams(
             length_scale=info.length_scale / rate, options=options, seed=c.seed,

@@ -50,11 +50,15 @@ def relative_positions(size: int, length: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=256)
-def host_positions(size: int, length: int, device_type: str) -> torch.Tensor:
-    """`relative_positions`, made once per length and kept in host memory a copy to
-    `device_type` reads without waiting."""
+def _host_positions(size: int, length: int, device_type: str) -> torch.Tensor:
     with torch.inference_mode(False):
         return pinned(relative_positions(size, length), torch.device(device_type))
+
+
+def positions(size: int, like: torch.Tensor) -> torch.Tensor:
+    """`relative_positions` for `like`'s length, on its device and in its dtype: made once per
+    length, kept in host memory a copy to the device reads without waiting."""
+    return to_device(_host_positions(size, like.shape[1], like.device.type), like.device).to(like.dtype)
 
 
 class InputLayer(nn.Module):
@@ -199,8 +203,7 @@ class TokenEncoder(nn.Module):
         x = self.embed(x)
         if context is not None and context.shape[1]:
             context = self.embed(context)
-        pos = host_positions(cfg.size, t, x.device.type)
-        pos = to_device(pos, x.device).to(x.dtype)
+        pos = positions(cfg.size, x)
         mask = attention_mask(valid, cfg.static_chunk_size if streaming else 0)
         batched = min(sizes) < t  # rows of other lengths: each row's lookahead at its own end
         x = self.pre_lookahead_layer(x, context, sizes if batched else None)
@@ -211,8 +214,7 @@ class TokenEncoder(nn.Module):
         t = x.shape[1]
         valid = (torch.arange(t, device=x.device)[None, :] < lengths[:, None])[:, None]
         x = self.up_embed(x)
-        pos = host_positions(cfg.size, t, x.device.type)
-        pos = to_device(pos, x.device).to(x.dtype)
+        pos = positions(cfg.size, x)
         mask = attention_mask(valid, cfg.static_chunk_size * cfg.up_stride if streaming else 0)
         for layer in self.up_encoders:
             x = layer(x, mask, pos)
