@@ -209,8 +209,9 @@ def summarise(core: Sequence[Event], recorded: Recorded) -> list[str]:
     window = [e for e in core if start <= _f(e, "t") <= end]
     plans = sum(1 for e in window if e["k"] == "plan")
     lines.append(f"engine thread in that window: {plans} iterations with work")
-    for kind, size, label in (("acoustic", "sentences", "acoustic calls"), ("launch", "rows", "step launches"),
-                              ("landed", "rows", "step results"), ("chunk", "frames", "staged chunks")):
+    for kind, size, label in (("acoustic", "sentences", "acoustic calls"), ("tokens", "rows", "token steps"),
+                              ("launch", "rows", "step launches"), ("landed", "rows", "step results"),
+                              ("chunk", "frames", "staged chunks")):
         n, mean, wall, cpu, ready = _calls(window, kind, size)
         if n:
             lines.append(f"  {label:15s} {n:4d} x {mean:5.1f} {size:9s} wall {wall * 1000:7.1f} ms, "

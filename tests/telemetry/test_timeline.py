@@ -181,6 +181,7 @@ def test_summary_of_a_hand_made_period() -> None:
 
     core = [*first(1, 10.0), *first(2, 10.1),
             {"t": 10.020, "k": "acoustic", "s": 10.010, "cpu": 0.004, "sentences": 1, "first": 1},
+            {"t": 10.024, "k": "tokens", "s": 10.021, "cpu": 0.001, "rows": 2},
             {"t": 10.030, "k": "launch", "s": 10.025, "cpu": 0.002, "ready": 0.001, "rows": 2, "first": True,
              "frames": 77},
             {"t": 10.031, "k": "gc", "s": 10.030, "generation": 2, "collected": 5},
@@ -199,6 +200,7 @@ def test_summary_of_a_hand_made_period() -> None:
     # how a burst's sessions came in: their first texts reached the server 100 ms apart
     assert "the server took their first texts in over 100.0 ms (from one to the next: p50 100.00 ms, " \
            "longest 100.0 ms)" in lines
+    assert any("token steps" in line and "2.0 rows" in line and "wall     3.0 ms" in line for line in lines)
     assert any("step launches" in line and "CPU     2.0 ms, waiting for a CPU     1.0 ms" in line for line in lines)
     assert "garbage collections in the core process: 1 (1 full), 1.0 ms in all, longest 1.0 ms" in lines
     assert "garbage collections in the server process: 1 (0 full), 1.0 ms in all, longest 1.0 ms" in lines
