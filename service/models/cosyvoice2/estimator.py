@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from service.models.stacked import stack_linears
+
 
 @dataclass(frozen=True)
 class EstimatorConfig:
@@ -90,20 +92,15 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
         inner = heads * head_dim
-        self.to_q = nn.Linear(dim, inner, bias=False)
-        self.to_k = nn.Linear(dim, inner, bias=False)
-        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
+        stack_linears(self, "to_qkv", (("to_q", inner), ("to_k", inner), ("to_v", inner)))
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [B, T, D]; mask [B, 1, T, T], boolean or added to the scores (0 or -inf)."""
         b, t, _ = x.shape
-
-        def heads(y: torch.Tensor) -> torch.Tensor:
-            return y.view(b, t, self.heads, self.head_dim).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x)),
-                                             attn_mask=mask)
+        q, k, v = self.to_qkv(x).view(b, t, 3, self.heads, self.head_dim).transpose(1, 3).unbind(2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from service.models.stacked import stack_linears
+
 
 @dataclass(frozen=True)
 class Qwen2Config:
@@ -54,15 +56,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        """Normalised in FP32, then scaled in x's dtype (as Qwen2's); one fused kernel in FP32."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on x [..., head_dim] with `Rotary`'s (cos, sin): Qwen2's
+    `x * cos + rotate_half(x) * sin`, where rotating a half is a roll by half the head and the
+    sign rides on sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class Rotary(nn.Module):
@@ -74,10 +78,10 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, head_dim]."""
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim] for `rotate` (sin's first half negated)."""
         freqs = positions.float()[:, :, None] * self.inv_freq[None, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1).to(dtype)[:, None], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None]
 
 
 @dataclass
@@ -106,9 +110,8 @@ class Attention(nn.Module):
         super().__init__()
         self.config = config
         d, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
-        self.q_proj = nn.Linear(config.hidden_size, h * d)
-        self.k_proj = nn.Linear(config.hidden_size, kv * d)
-        self.v_proj = nn.Linear(config.hidden_size, kv * d)
+        self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kv) * d)
+        stack_linears(self, "qkv_proj", (("q_proj", h * d), ("k_proj", kv * d), ("v_proj", kv * d)))
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
@@ -118,11 +121,10 @@ class Attention(nn.Module):
         `mask.shape[-1]` positions under `mask` [B, 1, T, span] (True: may attend)."""
         cfg = self.config
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        h = cfg.num_heads
+        qkv = self.qkv_proj(x).view(b, t, h + 2 * cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        qk = rotate(qkv[:, : h + cfg.num_kv_heads], cos, sin)  # queries and keys in one go
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + cfg.num_kv_heads :]
         # keys[rows[i], :, positions[i, j]] = k[i, :, j]: advanced indices around a slice put [B, T] first
         keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
         values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
@@ -135,12 +137,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: Qwen2Config) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False)
+        stack_linears(self, "gate_up_proj", (("gate_proj", size), ("up_proj", size)))
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
