@@ -175,48 +175,65 @@ class SpeechUtterance:
         return TokenPrior(self)
 
 
-class GraphedTokenStep:
-    """One-token LM steps replayed as CUDA graphs, one per (rows, span) bucket, both powers of
-    two: eagerly a step is hundreds of small kernel launches, whatever the batch. Rows past the
-    batch point at the cache's scratch row (its length is reset inside the graph), and the span
-    read is the bucket's (the mask hides what lies past each row's length). A graph holds the
-    cache's tensors: a grown cache gets a new instance."""
+class GraphedLM:
+    """LM calls replayed as CUDA graphs, one per (rows, new positions, span) bucket, each a power
+    of two: eagerly a call is hundreds of small kernel launches, whatever the batch. Single-token
+    steps have a new-positions bucket of 1; prefills of up to `MAX_PREFILL` rows and positions
+    have theirs (longer ones run eagerly: they are bound by arithmetic, not launches). Rows past
+    the batch point at the cache's scratch row (its length is reset inside the graph), and the
+    span read is the bucket's (the mask hides what lies past each row's length). A graph holds
+    the cache's tensors: a grown cache gets a new instance."""
 
     SMALLEST_SPAN = 64
+    SMALLEST_PREFILL = 16
+    MAX_PREFILL = (8, 512)  # rows, new positions
 
     def __init__(self, lm: SpeechLM, cache: KVCache, scratch: int) -> None:
         self.lm, self.cache, self.scratch = lm, cache, scratch
         self.capturer = GraphCapturer(cache.lengths.device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor]] = {}
 
-    def buckets(self, rows: int, span: int) -> tuple[int, int]:
-        return bucket(rows), min(self.cache.capacity, bucket(span, self.SMALLEST_SPAN))
+    def buckets(self, rows: int, new: int, span: int) -> tuple[int, int, int]:
+        length = 1 if new == 1 else bucket(new, self.SMALLEST_PREFILL)
+        return bucket(rows), length, min(self.cache.capacity, bucket(max(span, length), self.SMALLEST_SPAN))
 
-    def capture(self, rows: int, span: int) -> None:
-        key = self.buckets(rows, span)
+    def graphed(self, rows: int, new: int) -> bool:
+        """Whether a call of `rows` rows of `new` positions replays a graph."""
+        most_rows, most_new = self.MAX_PREFILL
+        return new == 1 or (rows <= most_rows and new <= most_new)
+
+    def capture(self, rows: int, new: int, span: int) -> None:
+        key = self.buckets(rows, new, span)
         if key in self._graphs:
             return
-        b, s = key
+        b, t, s = key
         lm, cache, scratch = self.lm, self.cache, self.scratch
-        x = torch.zeros(b, 1, lm.config.hidden_size, device=cache.lengths.device)
-        at = torch.full((b,), scratch, dtype=torch.long, device=cache.lengths.device)
+        device = cache.lengths.device
+        x = torch.zeros(b, t, lm.config.hidden_size, device=device)
+        at = torch.full((b,), scratch, dtype=torch.long, device=device)
+        lengths = torch.ones(b, dtype=torch.long, device=device)
 
-        def step(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        def call(x: torch.Tensor, at: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
             cache.lengths[scratch : scratch + 1].zero_()
-            return lm(x, cache, at, span=s)
+            return lm(x, cache, at, lengths, span=s)
 
-        graph, out = self.capturer.capture(step, x, at)
-        self._graphs[key] = (graph, x, at, out)
+        graph, out = self.capturer.capture(call, x, at, lengths)
+        self._graphs[key] = (graph, x, at, lengths, out)
 
-    def __call__(self, x: torch.Tensor, rows: torch.Tensor, span: int) -> torch.Tensor:
-        """`SpeechLM.forward(x, cache, rows, span=span)` for x [B, 1, D]: log-probabilities [B, V]."""
-        n = x.shape[0]
-        self.capture(n, span)
-        graph, static_x, static_rows, out = self._graphs[self.buckets(n, span)]
-        static_x[:n] = x
-        static_x[n:] = 0
+    def __call__(self, x: torch.Tensor, rows: torch.Tensor, span: int,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """`SpeechLM.forward(x, cache, rows, lengths, span=span)` for x [B, T, D] (`graphed(B, T)`):
+        log-probabilities [B, V]."""
+        n, t, _ = x.shape
+        self.capture(n, t, span)
+        graph, static_x, static_rows, static_lengths, out = self._graphs[self.buckets(n, t, span)]
+        static_x.zero_()
+        static_x[:n, :t] = x
         static_rows[:n] = rows
         static_rows[n:] = self.scratch
+        static_lengths.fill_(1)
+        static_lengths[:n] = t if lengths is None else lengths
         graph.replay()
         return out[:n]
 
@@ -224,7 +241,7 @@ class GraphedTokenStep:
 class SpeechTokens:
     """The token stage: a KV cache with a row per sentence making tokens (grown by doubling when
     full), prefill and batched single-token steps (`service.models.family.TokenStage`). On CUDA
-    the single-token steps replay CUDA graphs (`GraphedTokenStep`); row 0 is their scratch row."""
+    the LM calls replay CUDA graphs (`GraphedLM`); row 0 is their scratch row."""
 
     SCRATCH = 0
 
@@ -248,16 +265,22 @@ class SpeechTokens:
     def _use(self, cache: KVCache, first_free: int) -> None:
         self.cache = cache
         self.free = [r for r in range(first_free, len(cache.lengths)) if not (self.graphs and r == self.SCRATCH)]
-        self._graphed = GraphedTokenStep(self.lm, cache, self.SCRATCH) if self.graphs else None
+        self._graphed = GraphedLM(self.lm, cache, self.SCRATCH) if self.graphs else None
 
     def capture(self, rows: int) -> None:
-        """The token-step graphs for batches of up to `rows` rows at every span (CUDA only)."""
-        if self._graphed is None:
+        """The token-step graphs for batches of up to `rows` rows at every span, and the graphs of
+        fresh sentences' prefills (CUDA only)."""
+        graphed = self._graphed
+        if graphed is None:
             return
         with torch.inference_mode(), self._on_stream():
             for b in buckets_up_to(rows):
-                for span in buckets_up_to(self.capacity, GraphedTokenStep.SMALLEST_SPAN):
-                    self._graphed.capture(b, min(span, self.capacity))
+                for span in buckets_up_to(self.capacity, GraphedLM.SMALLEST_SPAN):
+                    graphed.capture(b, 1, min(span, self.capacity))
+            most_rows, most_new = GraphedLM.MAX_PREFILL
+            for b in buckets_up_to(min(rows, most_rows)):
+                for new in buckets_up_to(min(most_new, self.capacity), GraphedLM.SMALLEST_PREFILL):
+                    graphed.capture(b, new, new)
 
     def _take_row(self) -> int:
         if not self.free:
@@ -311,7 +334,11 @@ class SpeechTokens:
         rows = to_device(_row_ids(utts), self.device)
         for u, p in zip(utts, prompts, strict=True):
             u.cached += p.shape[0]
-        logp = self.lm(x, self.cache, rows, lengths, span=max(u.cached for u in utts))
+        span = max(u.cached for u in utts)
+        if self._graphed is not None and self._graphed.graphed(len(utts), x.shape[1]):
+            logp = self._graphed(x, rows, span, lengths)
+        else:
+            logp = self.lm(x, self.cache, rows, lengths, span=span)
         for u, nucleus in zip(utts, nuclei(logp.cpu(), self.sampling), strict=True):
             self._draw(u, nucleus, prompt=True)
 

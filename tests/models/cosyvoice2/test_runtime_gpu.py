@@ -1,5 +1,6 @@
-"""The CosyVoice2 runtime on CUDA: its CUDA graphs against eager calls (`GraphedTokenStep`: the
-same scores and cache, for batches that pad to a bucket and spans that cross one; `GraphedSolve`:
+"""The CosyVoice2 runtime on CUDA: its CUDA graphs against eager calls (`GraphedLM`: the same
+scores and cache for token steps and prefills, for batches that pad to a bucket and spans that
+cross one; `GraphedSolve`:
 the same mel for a padded batch of unequal rows), and steps the engine thread queues without
 waiting for the device."""
 
@@ -18,7 +19,7 @@ from service.models import registry
 from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
 from service.models.cosyvoice2.lm import KVCache, Qwen2Config, SpeechLM
-from service.models.cosyvoice2.runtime import CosyVoice2Runtime, GraphedTokenStep, SpeechUtterance
+from service.models.cosyvoice2.runtime import CosyVoice2Runtime, GraphedLM, SpeechUtterance
 from service.models.family import AcousticJob, StepRows, SynthesisParams, utterance_rng
 
 CONFIG = Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
@@ -36,7 +37,7 @@ def test_graphed_steps_equal_eager_steps() -> None:
     for row, n in prompts.items():
         lm(torch.randn(1, n, CONFIG.hidden_size, device=dev), cache, torch.tensor([row], device=dev))
     eager = copy.deepcopy(cache)
-    graphed = GraphedTokenStep(lm, cache, scratch=0)
+    graphed = GraphedLM(lm, cache, scratch=0)
     lengths = dict(prompts)
     for step in range(8):
         rows = [3, 1, 4] if step % 2 else [4, 1]  # 3 rows pad to 4 (the scratch row)
@@ -48,11 +49,43 @@ def test_graphed_steps_equal_eager_steps() -> None:
         want = lm(x, eager, at, span=span)
         got = graphed(x, at, span)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-    assert graphed.buckets(3, 66) in graphed._graphs and graphed.buckets(2, 60) in graphed._graphs
+    assert graphed.buckets(3, 1, 66) in graphed._graphs and graphed.buckets(2, 1, 60) in graphed._graphs
     real = list(prompts)
     torch.testing.assert_close(cache.lengths[real], eager.lengths[real], atol=0, rtol=0)
     for mine, theirs in zip(cache.keys + cache.values, eager.keys + eager.values, strict=True):
         torch.testing.assert_close(mine[real], theirs[real], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_graphed_prefills_equal_eager_prefills() -> None:
+    """Prompts of unequal lengths in one padded batch onto fresh rows, then again onto rows that
+    hold positions (a prompt fed again): the same scores, lengths and cache as eager calls."""
+    torch.manual_seed(1)
+    dev = torch.device("cuda")
+    lm = SpeechLM(CONFIG).to(dev).eval()
+    cache = KVCache.empty(CONFIG, rows=6, capacity=300, device=dev)
+    eager = copy.deepcopy(cache)
+    graphed = GraphedLM(lm, cache, scratch=0)
+    spans = {1: 0, 3: 0, 5: 0}
+    for sizes in ({1: 20, 3: 7, 5: 33}, {3: 40, 5: 9}):
+        rows = list(sizes)
+        assert graphed.graphed(len(rows), max(sizes.values()))
+        x = torch.randn(len(rows), max(sizes.values()), CONFIG.hidden_size, device=dev)
+        lengths = torch.tensor(list(sizes.values()), device=dev)
+        for r, n in sizes.items():
+            spans[r] += n
+        span = max(spans[r] for r in rows)
+        at = torch.tensor(rows, device=dev)
+        want = lm(x, eager, at, lengths, span=span)
+        got = graphed(x, at, span, lengths)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(cache.lengths[rows], eager.lengths[rows], atol=0, rtol=0)
+        for mine, theirs in zip(cache.keys + cache.values, eager.keys + eager.values, strict=True):
+            for r in rows:  # what the rows hold (past their lengths each holds padding)
+                torch.testing.assert_close(mine[r, :, : spans[r]], theirs[r, :, : spans[r]], atol=1e-5, rtol=1e-4)
+    assert graphed.buckets(3, 33, 33) in graphed._graphs and graphed.buckets(2, 40, 47) in graphed._graphs
+    assert not graphed.graphed(9, 20) and not graphed.graphed(2, 513)
 
 
 @pytest.mark.gpu
