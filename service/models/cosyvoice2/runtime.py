@@ -565,8 +565,8 @@ class CosyVoice2Runtime:
         """A fresh streaming state for `utt`: its speaker's flow prompt, its vocoder generator."""
         generator = torch.Generator(device=self.device).manual_seed(utt.key)
         sp = utt.speaker
-        return Token2WavState(generator, sp.flow_prompt_tokens.to(self.device), sp.prompt_mel.to(self.device),
-                              sp.embedding.to(self.device))
+        return Token2WavState(generator, to_device(sp.flow_prompt_tokens, self.device),
+                              to_device(sp.prompt_mel, self.device), to_device(sp.embedding, self.device))
 
     # Flow solves captured before serving (larger ones are captured when first seen).
     PREPARED_SOLVES = (8, 1024)  # rows, frames
