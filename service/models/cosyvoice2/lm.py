@@ -11,6 +11,7 @@ step over many sessions is one batched call (the engine's continuous batching)."
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -118,20 +119,23 @@ class Attention(nn.Module):
                 values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] at `positions` [B, T] of cache rows `rows` [B]: their keys and values are
         written into the cache in place, then the queries attend over the rows' first
-        `mask.shape[-1]` positions under `mask` [B, 1, T, span] (True: may attend)."""
+        `mask.shape[-1]` positions under `mask` (`grouped_bias`)."""
         cfg = self.config
         b, t, _ = x.shape
-        h = cfg.num_heads
-        qkv = self.qkv_proj(x).view(b, t, h + 2 * cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        qk = rotate(qkv[:, : h + cfg.num_kv_heads], cos, sin)  # queries and keys in one go
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + cfg.num_kv_heads :]
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.qkv_proj(x).view(b, t, h + 2 * kv, d).transpose(1, 2)
+        qk = rotate(qkv[:, : h + kv], cos, sin)  # queries and keys in one go
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv :]
         # keys[rows[i], :, positions[i, j]] = k[i, :, j]: advanced indices around a slice put [B, T] first
         keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
         values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
         span = mask.shape[-1]
-        out = F.scaled_dot_product_attention(
-            q, keys[rows, :, :span].to(q.dtype), values[rows, :, :span].to(q.dtype), attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim))
+        # Grouped-query attention as plain attention over the key-value heads, each taking its
+        # group of query heads as its queries: a form every SDPA kernel runs (with enable_gqa
+        # and a mask, CUDA falls back to the many-kernel math path).
+        out = F.scaled_dot_product_attention(q.reshape(b, kv, h // kv * t, d), keys[rows, :, :span].to(q.dtype),
+                                             values[rows, :, :span].to(q.dtype), attn_mask=mask)
+        return self.o_proj(out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d))
 
 
 class MLP(nn.Module):
@@ -159,6 +163,13 @@ class DecoderLayer(nn.Module):
                 values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, rows, positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def grouped_bias(allowed: torch.Tensor, config: Qwen2Config, dtype: torch.dtype) -> torch.Tensor:
+    """The attention bias [B, 1, G * T, S] (0 or -inf) of `allowed` [B, T, S] for queries grouped
+    per key-value head (G query heads each, head-major), made once for every layer."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, -math.inf)
+    return bias[:, None].repeat(1, 1, config.num_heads // config.num_kv_heads, 1)
 
 
 class SpeechLM(nn.Module):
@@ -195,7 +206,7 @@ class SpeechLM(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         slots = torch.arange(cache.capacity if span is None else span, device=device)
         # Each query sees the cache up to its own position: the row's past and its new tokens so far.
-        mask = (slots[None, None, :] <= positions[:, :, None])[:, None]
+        mask = grouped_bias(slots[None, None, :] <= positions[:, :, None], self.config, x.dtype)
         # Padding past a row's new tokens is written (and later overwritten) but never read.
         positions = positions.clamp(max=cache.capacity - 1)
         h = x
