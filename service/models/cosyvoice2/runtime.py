@@ -478,7 +478,7 @@ class TokenAudioSlots:
             if not group:
                 continue
             requests = [t2w.request(s.state, s.tokens, finalize) for s in group]
-            mels = t2w.flow.batch(requests, streaming=not finalize, finalize=finalize)
+            mels = t2w.flow.batch(requests, streaming=not finalize, finalize=finalize, tf32=t2w.tf32)
             for s, audio in zip(group, t2w.vocode_batch([s.state for s in group], mels, finalize), strict=True):
                 s.audio = torch.cat([s.audio, audio[0].float()])
             made += len(group)
@@ -524,7 +524,7 @@ class CosyVoice2Runtime:
         self.limits = LengthLimits()
         self._tokens = SpeechTokens(self.model, self.device)
         self._audio: dict[str, Token2Wav] = {}
-        self._solver = self.model.flow.use_graphs() if self.device.type == "cuda" else None
+        self._solvers = self.model.flow.use_graphs() if self.device.type == "cuda" else []
 
     @property
     def sample_rate(self) -> int:
@@ -543,7 +543,9 @@ class CosyVoice2Runtime:
         return ("fp32", "fp16")
 
     def token2wav(self, precision: str) -> Token2Wav:
-        """The streaming token-to-audio stage in `precision` (FP16: a pinned twin, made once)."""
+        """The streaming token-to-audio stage in `precision` (FP16: a pinned twin of the vocoder,
+        made once, and the flow's products in TF32 on CUDA: the flow itself stays FP32, since
+        FP16 before the vocoder's sine source loses its pitch)."""
         if precision not in self.precisions():
             raise ValueError(f"CosyVoice2 on {self.device.type} runs {' or '.join(self.precisions())}, not {precision}")
         found = self._audio.get(precision)
@@ -557,7 +559,7 @@ class CosyVoice2Runtime:
                 hift = to_mixed_precision(model.hift, self.fp32_pins, torch.float16)
                 for name in FP32_STAGES:  # FP32, outputs too
                     setattr(hift, name, getattr(model.hift, name))
-                found = Token2Wav(model.flow, hift, model.config.stream)
+                found = Token2Wav(model.flow, hift, model.config.stream, tf32=True)
             self._audio[precision] = found
         return found
 
@@ -575,14 +577,13 @@ class CosyVoice2Runtime:
         """On CUDA, the CUDA graphs of the token steps for the cache's first rows and of the
         flow's solves up to `PREPARED_SOLVES`."""
         self._tokens.capture(len(self._tokens.cache.lengths))
-        if self._solver is None:
-            return
         rows, frames = self.PREPARED_SOLVES
         with torch.inference_mode():
-            for streaming in (True, False):
-                for b in buckets_up_to(rows):
-                    for t in buckets_up_to(frames, self._solver.SMALLEST_FRAMES):
-                        self._solver.capture(b, t, streaming)
+            for solver in self._solvers:
+                for streaming in (True, False):
+                    for b in buckets_up_to(rows):
+                        for t in buckets_up_to(frames, solver.SMALLEST_FRAMES):
+                            solver.capture(b, t, streaming)
 
     def acoustic_batch(self, jobs: list[AcousticJob]) -> Sequence[DecoderInput]:
         """Each sentence's LM prompt prefilled (one padded batch) and its first token drawn."""

@@ -41,8 +41,10 @@ class Token2WavState:
 
 
 class Token2Wav:
-    def __init__(self, flow: Flow, hift: HiFT, config: StreamConfig | None = None) -> None:
-        self.flow, self.hift = flow, hift
+    """`tf32`: the flow's products in TF32 on CUDA (the FP16 path; its vocoder is `hift`)."""
+
+    def __init__(self, flow: Flow, hift: HiFT, config: StreamConfig | None = None, tf32: bool = False) -> None:
+        self.flow, self.hift, self.tf32 = flow, hift, tf32
         self.config = config or StreamConfig()
         self.mel_ratio = flow.config.encoder.up_stride
         self.lookahead = flow.config.encoder.pre_lookahead_len
@@ -79,7 +81,7 @@ class Token2Wav:
         back for the cross-fade; `finalize`: everything left."""
         r = self.request(state, tokens, finalize)
         mel = self.flow(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=not finalize,
-                        finalize=finalize)
+                        finalize=finalize, tf32=self.tf32)
         return self.vocode(state, mel, finalize)
 
     def request(self, state: Token2WavState, tokens: torch.Tensor, finalize: bool) -> FlowRequest:
