@@ -7,9 +7,10 @@ its own choice, justified by `cadenza precision sensitivity` on the served path.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -76,3 +77,17 @@ def _output_caster(dtype: torch.dtype) -> Callable[[nn.Module, Any, Any], Any]:
         return _cast(output, dtype)
 
     return hook
+
+
+@contextlib.contextmanager
+def strict_fp32() -> Iterator[None]:
+    """FP32 matrix products and convolutions on CUDA without TF32, for what runs (or is
+    captured into a CUDA graph) inside. PyTorch lets cuDNN convolutions use TF32 by default: a
+    10-bit mantissa, which in a vocoder's F0 path loses the pitch as FP16 does, and whose
+    rounding differs between batch shapes."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn

@@ -154,8 +154,9 @@ def test_on_cuda_token_steps_run_while_decoder_steps_are_on_the_device(cuda_harn
 
 
 @pytest.mark.gpu
-def test_on_cuda_fp16_decoding_with_tf32_flow_is_within_45_db_of_fp32(cuda_harness: EngineHarness) -> None:
-    """On CUDA the FP16 path's flow solves run their products in TF32 (the FP32 path's do not)."""
+def test_on_cuda_fp16_decoding_is_within_45_db_of_fp32(cuda_harness: EngineHarness) -> None:
+    """As on the CPU: FP16 runs the vocoder only, its F0 path and the flow stay strictly FP32
+    (TF32 there, as a try put it for the flow's products, gave 21-24 dB)."""
     cfg = SessionConfig(seed=3, encoding=FLOAT, precision=Precision.FP16)
     half, _, summary = cuda_harness.run(cuda_harness.engine.synthesize_all(cfg, TEXT))
     full, _, _ = cuda_harness.run(cuda_harness.engine.synthesize_all(

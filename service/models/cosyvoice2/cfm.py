@@ -8,15 +8,14 @@ prefix, sees the same noise under the frames it has already produced."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from service.models.cosyvoice2.estimator import Estimator
 from service.models.cuda_graphs import GraphCapturer, bucket
+from service.models.mixed_precision import strict_fp32
 
 
 @dataclass(frozen=True)
@@ -69,31 +68,17 @@ def solve(estimator: Estimator, noise: torch.Tensor, mu: torch.Tensor, mask: tor
     return x.float()
 
 
-@contextlib.contextmanager
-def tf32_products(enabled: bool) -> Iterator[None]:
-    """Matrix products and convolutions on CUDA in TF32 (tensor cores; FP32's range, a 10-bit
-    mantissa) or strictly FP32, for the kernels chosen inside (a captured graph keeps them)."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
-
-
 class GraphedSolve:
     """`solve` replayed as CUDA graphs, one per (rows, frames) bucket (powers of two) and mode:
     eagerly its estimator passes are thousands of small kernel launches, whatever the batch.
     Inputs are padded up to the bucket: padded frames are masked, as in a batch of unequal rows,
-    and the noise under the real frames is the same prefix of the fixed buffer. `tf32`: the
-    graphs' products in TF32 (`tf32_products`); solvers that never run at once share a capturer."""
+    and the noise under the real frames is the same prefix of the fixed buffer."""
 
     SMALLEST_FRAMES = 128
 
-    def __init__(self, estimator: Estimator, noise: torch.Tensor, config: CfmConfig, tf32: bool = False,
-                 capturer: GraphCapturer | None = None) -> None:
-        self.estimator, self.noise, self.config, self.tf32 = estimator, noise, config, tf32
-        self.capturer = capturer or GraphCapturer(noise.device)
+    def __init__(self, estimator: Estimator, noise: torch.Tensor, config: CfmConfig) -> None:
+        self.estimator, self.noise, self.config = estimator, noise, config
+        self.capturer = GraphCapturer(noise.device)
         self._graphs: dict[tuple[int, int, bool],
                            tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
@@ -112,7 +97,7 @@ class GraphedSolve:
         def run(mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
             return solve(self.estimator, self.noise, mu, mask, spks, cond, self.config, streaming=streaming)
 
-        with tf32_products(self.tf32):
+        with strict_fp32():
             graph, out = self.capturer.capture(run, *static, warmups=1)
         self._graphs[key] = (graph, static, out)
 

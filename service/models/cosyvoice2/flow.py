@@ -12,10 +12,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve, tf32_products
+from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve
 from service.models.cosyvoice2.encoder import EncoderConfig, TokenEncoder
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
-from service.models.cuda_graphs import GraphCapturer
 
 
 @dataclass(frozen=True)
@@ -60,25 +59,19 @@ class Flow(nn.Module):
         self.decoder = _Decoder(config.estimator)
         self.noise: torch.Tensor
         self.register_buffer("noise", fixed_noise(config.cfm), persistent=False)
-        self.graphed: dict[bool, GraphedSolve] = {}
+        self.graphed: GraphedSolve | None = None
 
-    def use_graphs(self) -> list[GraphedSolve]:
-        """Solve through CUDA graphs from now on (the flow on a CUDA device, in FP32): the FP32
-        solver and the TF32 one, sharing their graphs' memory (they never run at once)."""
-        if not self.graphed:
-            capturer = GraphCapturer(self.noise.device)
-            self.graphed = {tf32: GraphedSolve(self.decoder.estimator, self.noise, self.config.cfm, tf32, capturer)
-                            for tf32 in (False, True)}
-        return list(self.graphed.values())
+    def use_graphs(self) -> GraphedSolve:
+        """Solve through CUDA graphs from now on (the flow on a CUDA device, in FP32)."""
+        if self.graphed is None:
+            self.graphed = GraphedSolve(self.decoder.estimator, self.noise, self.config.cfm)
+        return self.graphed
 
     def _solve(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
-               streaming: bool, tf32: bool) -> torch.Tensor:
-        graphed = self.graphed.get(tf32)
-        if graphed is not None and mu.dtype == torch.float32:
-            return graphed(mu, mask, spks, cond, streaming)
-        with tf32_products(tf32 and mu.is_cuda):
-            return solve(self.decoder.estimator, self.noise, mu, mask, spks, cond, self.config.cfm,
-                         streaming=streaming)
+               streaming: bool) -> torch.Tensor:
+        if self.graphed is not None and mu.dtype == torch.float32:
+            return self.graphed(mu, mask, spks, cond, streaming)
+        return solve(self.decoder.estimator, self.noise, mu, mask, spks, cond, self.config.cfm, streaming=streaming)
 
     def speaker(self, embedding: torch.Tensor) -> torch.Tensor:
         """A speaker embedding [B, 192] (CAM++ x-vector) as the solver's condition [B, 80]."""
@@ -96,15 +89,13 @@ class Flow(nn.Module):
         h, _ = self.encoder(x, [x.shape[1]], context=context, streaming=streaming)
         return self.encoder_proj(h).transpose(1, 2)
 
-    def batch(self, requests: Sequence[FlowRequest], streaming: bool, finalize: bool,
-              tf32: bool = False) -> list[torch.Tensor]:
+    def batch(self, requests: Sequence[FlowRequest], streaming: bool, finalize: bool) -> list[torch.Tensor]:
         """Several utterances' calls at once (each row as alone, to kernel rounding: padding is
         masked everywhere and each row's lookahead context follows its own last token) -> each
-        one's mel [1, 80, frames]. `tf32`: the solver's products in TF32 (CUDA)."""
+        one's mel [1, 80, frames]."""
         if len(requests) == 1:
             r = requests[0]
-            return [self(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=streaming, finalize=finalize,
-                         tf32=tf32)]
+            return [self(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=streaming, finalize=finalize)]
         k = 0 if finalize else self.config.encoder.pre_lookahead_len
         full = [torch.cat([r.prompt_tokens, r.tokens], dim=1)[0] for r in requests]
         sizes = [f.shape[0] - k for f in full]  # on the host: nothing below waits for the device
@@ -125,14 +116,13 @@ class Flow(nn.Module):
         for i, r in enumerate(requests):
             cond[i, :, : r.prompt_mel.shape[1]] = r.prompt_mel[0].T
         spks = self.speaker(torch.cat([r.embedding for r in requests]))
-        mel = self._solve(mu, valid[:, None].to(mu.dtype), spks, cond, streaming, tf32)
+        mel = self._solve(mu, valid[:, None].to(mu.dtype), spks, cond, streaming)
         up = self.config.encoder.up_stride
         return [mel[i : i + 1, :, r.prompt_mel.shape[1] : n * up] for i, (r, n) in enumerate(zip(requests, sizes,
                                                                                                strict=True))]
 
     def forward(self, tokens: torch.Tensor, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
-                embedding: torch.Tensor, streaming: bool = False, finalize: bool = True,
-                tf32: bool = False) -> torch.Tensor:
+                embedding: torch.Tensor, streaming: bool = False, finalize: bool = True) -> torch.Tensor:
         """Mel [1, 80, frames] for `tokens` [1, T] after the prompt (prompt_tokens [1, P],
         prompt_mel [1, P', 80] its mel, embedding [1, 192] the speaker)."""
         spks = self.speaker(embedding)
@@ -142,7 +132,7 @@ class Flow(nn.Module):
         cond = torch.zeros(1, frames, self.config.output_size, device=mu.device, dtype=mu.dtype)
         cond[:, :prompt_frames] = prompt_mel
         mask = torch.ones(1, 1, frames, device=mu.device, dtype=mu.dtype)
-        mel = self._solve(mu, mask, spks, cond.transpose(1, 2), streaming, tf32)
+        mel = self._solve(mu, mask, spks, cond.transpose(1, 2), streaming)
         return mel[:, :, prompt_frames:]
 
 

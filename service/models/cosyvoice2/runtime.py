@@ -49,6 +49,7 @@ from service.models.family import (
     UtteranceDecoder,
     VoiceInfo,
 )
+from service.models.mixed_precision import strict_fp32, to_mixed_precision
 from service.models.transfer import to_device
 
 # In the FP16 decoder the flow and the vocoder's F0 path (F0 predictor, sine source) stay whole in
@@ -472,16 +473,17 @@ class TokenAudioSlots:
         they are complete); how many slots made one."""
         t2w = self.token2wav
         made = 0
-        for finalize in (False, True):
-            group = [s for s in slots if t2w.ready(s.state, s.tokens.shape[1]) != finalize
-                     and (s.utt.complete or not finalize)]  # the last chunk waits for the last token
-            if not group:
-                continue
-            requests = [t2w.request(s.state, s.tokens, finalize) for s in group]
-            mels = t2w.flow.batch(requests, streaming=not finalize, finalize=finalize, tf32=t2w.tf32)
-            for s, audio in zip(group, t2w.vocode_batch([s.state for s in group], mels, finalize), strict=True):
-                s.audio = torch.cat([s.audio, audio[0].float()])
-            made += len(group)
+        with strict_fp32():
+            for finalize in (False, True):
+                group = [s for s in slots if t2w.ready(s.state, s.tokens.shape[1]) != finalize
+                         and (s.utt.complete or not finalize)]  # the last chunk waits for the last token
+                if not group:
+                    continue
+                requests = [t2w.request(s.state, s.tokens, finalize) for s in group]
+                mels = t2w.flow.batch(requests, streaming=not finalize, finalize=finalize)
+                for s, audio in zip(group, t2w.vocode_batch([s.state for s in group], mels, finalize), strict=True):
+                    s.audio = torch.cat([s.audio, audio[0].float()])
+                made += len(group)
         return made
 
 
@@ -524,7 +526,7 @@ class CosyVoice2Runtime:
         self.limits = LengthLimits()
         self._tokens = SpeechTokens(self.model, self.device)
         self._audio: dict[str, Token2Wav] = {}
-        self._solvers = self.model.flow.use_graphs() if self.device.type == "cuda" else []
+        self._solver = self.model.flow.use_graphs() if self.device.type == "cuda" else None
 
     @property
     def sample_rate(self) -> int:
@@ -543,9 +545,7 @@ class CosyVoice2Runtime:
         return ("fp32", "fp16")
 
     def token2wav(self, precision: str) -> Token2Wav:
-        """The streaming token-to-audio stage in `precision` (FP16: a pinned twin of the vocoder,
-        made once, and the flow's products in TF32 on CUDA: the flow itself stays FP32, since
-        FP16 before the vocoder's sine source loses its pitch)."""
+        """The streaming token-to-audio stage in `precision` (FP16: a pinned twin, made once)."""
         if precision not in self.precisions():
             raise ValueError(f"CosyVoice2 on {self.device.type} runs {' or '.join(self.precisions())}, not {precision}")
         found = self._audio.get(precision)
@@ -554,12 +554,10 @@ class CosyVoice2Runtime:
             if precision == "fp32":
                 found = model.token2wav
             else:
-                from service.models.mixed_precision import to_mixed_precision
-
                 hift = to_mixed_precision(model.hift, self.fp32_pins, torch.float16)
                 for name in FP32_STAGES:  # FP32, outputs too
                     setattr(hift, name, getattr(model.hift, name))
-                found = Token2Wav(model.flow, hift, model.config.stream, tf32=True)
+                found = Token2Wav(model.flow, hift, model.config.stream)
             self._audio[precision] = found
         return found
 
@@ -577,13 +575,14 @@ class CosyVoice2Runtime:
         """On CUDA, the CUDA graphs of the token steps for the cache's first rows and of the
         flow's solves up to `PREPARED_SOLVES`."""
         self._tokens.capture(len(self._tokens.cache.lengths))
+        if self._solver is None:
+            return
         rows, frames = self.PREPARED_SOLVES
         with torch.inference_mode():
-            for solver in self._solvers:
-                for streaming in (True, False):
-                    for b in buckets_up_to(rows):
-                        for t in buckets_up_to(frames, solver.SMALLEST_FRAMES):
-                            solver.capture(b, t, streaming)
+            for streaming in (True, False):
+                for b in buckets_up_to(rows):
+                    for t in buckets_up_to(frames, self._solver.SMALLEST_FRAMES):
+                        self._solver.capture(b, t, streaming)
 
     def acoustic_batch(self, jobs: list[AcousticJob]) -> Sequence[DecoderInput]:
         """Each sentence's LM prompt prefilled (one padded batch) and its first token drawn."""

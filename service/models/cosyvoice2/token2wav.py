@@ -17,6 +17,7 @@ import torch
 
 from service.models.cosyvoice2.flow import Flow, FlowRequest
 from service.models.cosyvoice2.hift import HiFT
+from service.models.mixed_precision import strict_fp32
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,8 @@ class Token2WavState:
 
 
 class Token2Wav:
-    """`tf32`: the flow's products in TF32 on CUDA (the FP16 path; its vocoder is `hift`)."""
-
-    def __init__(self, flow: Flow, hift: HiFT, config: StreamConfig | None = None, tf32: bool = False) -> None:
-        self.flow, self.hift, self.tf32 = flow, hift, tf32
+    def __init__(self, flow: Flow, hift: HiFT, config: StreamConfig | None = None) -> None:
+        self.flow, self.hift = flow, hift
         self.config = config or StreamConfig()
         self.mel_ratio = flow.config.encoder.up_stride
         self.lookahead = flow.config.encoder.pre_lookahead_len
@@ -80,9 +79,10 @@ class Token2Wav:
         `finalize`: only when `ready`, and the chunk's last `source_cache_len` samples are held
         back for the cross-fade; `finalize`: everything left."""
         r = self.request(state, tokens, finalize)
-        mel = self.flow(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=not finalize,
-                        finalize=finalize, tf32=self.tf32)
-        return self.vocode(state, mel, finalize)
+        with strict_fp32():
+            mel = self.flow(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=not finalize,
+                            finalize=finalize)
+            return self.vocode(state, mel, finalize)
 
     def request(self, state: Token2WavState, tokens: torch.Tensor, finalize: bool) -> FlowRequest:
         """The flow call the next chunk needs (`Flow.batch` runs many sessions' at once)."""
