@@ -7,10 +7,9 @@ its own choice, justified by `cadenza precision sensitivity` on the served path.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import fnmatch
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -79,15 +78,10 @@ def _output_caster(dtype: torch.dtype) -> Callable[[nn.Module, Any, Any], Any]:
     return hook
 
 
-@contextlib.contextmanager
-def strict_fp32() -> Iterator[None]:
-    """FP32 matrix products and convolutions on CUDA without TF32, for what runs (or is
-    captured into a CUDA graph) inside. PyTorch lets cuDNN convolutions use TF32 by default: a
-    10-bit mantissa, which in a vocoder's F0 path loses the pitch as FP16 does, and whose
-    rounding differs between batch shapes."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+def no_tf32() -> None:
+    """FP32 matrix products and convolutions on CUDA without TF32, for the whole process. PyTorch
+    lets cuDNN convolutions use TF32 by default: a 10-bit mantissa, no better than FP16 (in
+    CosyVoice2's flow it changes the waveform as much as FP16 does), rounded differently for each
+    batch shape, while the FP32 path is every family's reference and numerical safety net."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False

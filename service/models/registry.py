@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from service.models.family import ChunkSchedule, Family, TextFrontend, VoiceInfo, VoiceNotFoundError, VoiceRuntime
+from service.models.mixed_precision import no_tf32
 
 # name -> "module:attribute" of its `Family`; the first family with a built-in voice gives the default voice.
 FAMILIES: dict[str, str] = {
@@ -70,5 +71,8 @@ def open_frontend(key: str) -> TextFrontend:
 
 def open_voice(info: VoiceInfo, backend: str, device: str, schedule: ChunkSchedule | None = None,
                **options: Any) -> VoiceRuntime:
-    """Load `info`'s weights on `backend` ("auto": its family's choice for `device`)."""
+    """Load `info`'s weights on `backend` ("auto": its family's choice for `device`). On CUDA,
+    FP32 means FP32 from here on in this process (`no_tf32`)."""
+    if device.startswith("cuda"):
+        no_tf32()
     return family(info.family).open(info, backend, device, schedule or ChunkSchedule(), **options)

@@ -15,7 +15,6 @@ import torch
 
 from service.models.cosyvoice2.estimator import Estimator
 from service.models.cuda_graphs import GraphCapturer, bucket
-from service.models.mixed_precision import strict_fp32
 
 
 @dataclass(frozen=True)
@@ -97,8 +96,7 @@ class GraphedSolve:
         def run(mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
             return solve(self.estimator, self.noise, mu, mask, spks, cond, self.config, streaming=streaming)
 
-        with strict_fp32():
-            graph, out = self.capturer.capture(run, *static, warmups=1)
+        graph, out = self.capturer.capture(run, *static, warmups=1)
         self._graphs[key] = (graph, static, out)
 
     def __call__(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,

@@ -49,7 +49,7 @@ from service.models.family import (
     UtteranceDecoder,
     VoiceInfo,
 )
-from service.models.mixed_precision import strict_fp32, to_mixed_precision
+from service.models.mixed_precision import to_mixed_precision
 from service.models.transfer import to_device
 
 # In the FP16 decoder the flow and the vocoder's F0 path (F0 predictor, sine source) stay whole in
@@ -473,17 +473,16 @@ class TokenAudioSlots:
         they are complete); how many slots made one."""
         t2w = self.token2wav
         made = 0
-        with strict_fp32():
-            for finalize in (False, True):
-                group = [s for s in slots if t2w.ready(s.state, s.tokens.shape[1]) != finalize
-                         and (s.utt.complete or not finalize)]  # the last chunk waits for the last token
-                if not group:
-                    continue
-                requests = [t2w.request(s.state, s.tokens, finalize) for s in group]
-                mels = t2w.flow.batch(requests, streaming=not finalize, finalize=finalize)
-                for s, audio in zip(group, t2w.vocode_batch([s.state for s in group], mels, finalize), strict=True):
-                    s.audio = torch.cat([s.audio, audio[0].float()])
-                made += len(group)
+        for finalize in (False, True):
+            group = [s for s in slots if t2w.ready(s.state, s.tokens.shape[1]) != finalize
+                     and (s.utt.complete or not finalize)]  # the last chunk waits for the last token
+            if not group:
+                continue
+            requests = [t2w.request(s.state, s.tokens, finalize) for s in group]
+            mels = t2w.flow.batch(requests, streaming=not finalize, finalize=finalize)
+            for s, audio in zip(group, t2w.vocode_batch([s.state for s in group], mels, finalize), strict=True):
+                s.audio = torch.cat([s.audio, audio[0].float()])
+            made += len(group)
         return made
 
 

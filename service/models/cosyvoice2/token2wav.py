@@ -17,7 +17,6 @@ import torch
 
 from service.models.cosyvoice2.flow import Flow, FlowRequest
 from service.models.cosyvoice2.hift import HiFT
-from service.models.mixed_precision import strict_fp32
 
 
 @dataclass(frozen=True)
@@ -79,10 +78,9 @@ class Token2Wav:
         `finalize`: only when `ready`, and the chunk's last `source_cache_len` samples are held
         back for the cross-fade; `finalize`: everything left."""
         r = self.request(state, tokens, finalize)
-        with strict_fp32():
-            mel = self.flow(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=not finalize,
-                            finalize=finalize)
-            return self.vocode(state, mel, finalize)
+        mel = self.flow(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=not finalize,
+                        finalize=finalize)
+        return self.vocode(state, mel, finalize)
 
     def request(self, state: Token2WavState, tokens: torch.Tensor, finalize: bool) -> FlowRequest:
         """The flow call the next chunk needs (`Flow.batch` runs many sessions' at once)."""

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from kernels.guard import guard
 from service.models.cuda_graphs import GraphCapturer
 from service.models.device_audio import GuardedCopy, guard_async, pinned_copy
+from service.models.mixed_precision import no_tf32
 from service.models.transfer import to_device
 from service.models.vits.backends.base import Capabilities, DevicePriorOut, EncodeOut, HostAudio, VocodeOut
 from service.models.vits.backends.stage_export import cache_home
@@ -74,10 +75,7 @@ class TorchBackend:
         elif compile_acoustic:
             log.info("compile_acoustic applies to CUDA only: the acoustic stage runs eagerly on %s", device)
         if self._device.type == "cuda":
-            # FP32 must mean FP32: TF32 tensor-core math keeps only 10 mantissa bits, no
-            # better than FP16, and the FP32 path is the numerical safety net.
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
+            no_tf32()  # also done where any voice opens on CUDA; this backend is built directly too
             # The decoder runs a few fixed shapes (its step graphs' buckets), so letting cuDNN
             # time its algorithms once per shape pays for itself; its heuristic choice is slower
             # for the vocoder's FP16 convolutions. (The encoder runs with cuDNN off: see encode.)
