@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from service.models.family import ChunkSchedule, Family, TextFrontend, VoiceInfo, VoiceNotFoundError, VoiceRuntime
-from service.models.mixed_precision import no_tf32
 
 # name -> "module:attribute" of its `Family`; the first family with a built-in voice gives the default voice.
 FAMILIES: dict[str, str] = {
@@ -74,5 +73,7 @@ def open_voice(info: VoiceInfo, backend: str, device: str, schedule: ChunkSchedu
     """Load `info`'s weights on `backend` ("auto": its family's choice for `device`). On CUDA,
     FP32 means FP32 from here on in this process (`no_tf32`)."""
     if device.startswith("cuda"):
+        from service.models.mixed_precision import no_tf32  # torch: the API process lists voices without it
+
         no_tf32()
     return family(info.family).open(info, backend, device, schedule or ChunkSchedule(), **options)
