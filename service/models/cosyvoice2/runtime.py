@@ -332,16 +332,9 @@ class SpeechTokens:
         x = torch.zeros(len(utts), max(sizes), self.lm.config.hidden_size, device=self.device)
         for i, p in enumerate(prompts):
             x[i, : p.shape[0]] = p
-        rows = to_device(_row_ids(utts), self.device)
         for u, p in zip(utts, prompts, strict=True):
             u.cached += p.shape[0]
-        span = max(u.cached for u in utts)
-        if self._graphed is not None and self._graphed.graphed(len(utts), x.shape[1]):
-            logp = self._graphed(x, rows, span, lengths)
-        else:
-            logp = self.lm(x, self.cache, rows, lengths, span=span)
-        for u, nucleus in zip(utts, nuclei(logp.cpu(), self.sampling), strict=True):
-            self._draw(u, nucleus, prompt=True)
+        self._advance(utts, x, lengths, prompt=True)
 
     @torch.inference_mode()
     def step(self, rows: Sequence[DecoderInput | None]) -> list[bool | Exception]:
@@ -360,11 +353,22 @@ class SpeechTokens:
             x = self.lm.speech_embedding(last)[:, None]
             for u in going:
                 u.cached += 1
-            at = to_device(_row_ids(going), self.device)
-            span = max(u.cached for u in going)
-            logp = self._graphed(x, at, span) if self._graphed else self.lm(x, self.cache, at, span=span)
-            for u, nucleus in zip(going, nuclei(logp.cpu(), self.sampling), strict=True):
-                self._draw(u, nucleus, prompt=False)
+            self._advance(going, x, None, prompt=False)
+
+    def _advance(self, utts: list[SpeechUtterance], x: torch.Tensor, lengths: torch.Tensor | None,
+                 prompt: bool) -> None:
+        """`x` [B, T, D] appended to the sentences' rows (each one's first `lengths[i]` positions;
+        None: all T; `cached` already counts them), then each one's next token drawn. The LM call
+        replays a CUDA graph where one covers it."""
+        rows = to_device(_row_ids(utts), self.device)
+        span = max(u.cached for u in utts)
+        graphed = self._graphed
+        if graphed is not None and graphed.graphed(len(utts), x.shape[1]):
+            logp = graphed(x, rows, span, lengths)
+        else:
+            logp = self.lm(x, self.cache, rows, lengths, span=span)
+        for u, nucleus in zip(utts, nuclei(logp.cpu(), self.sampling), strict=True):
+            self._draw(u, nucleus, prompt=prompt)
 
     def _draw(self, u: SpeechUtterance, nucleus: Nucleus, prompt: bool) -> None:
         """The next token from the LM's scores, as `lm.generate` takes it; a sentence whose
