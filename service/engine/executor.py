@@ -204,6 +204,11 @@ class Executor:
         stage_of_tokens = session.spec.runtime.tokens
         if u.status is UtteranceStatus.TOKENS and stage_of_tokens is not None and u.decoder_input is not None:
             stage_of_tokens.release(u.decoder_input)
+        self._free_slot(session, u)
+
+    def _free_slot(self, session: SessionState, u: UtteranceState) -> None:
+        """Give back the decoder slot only (a guard redo moves the utterance to an FP32 slot while
+        it may still be making tokens)."""
         if u.slot is not None:
             pool = self.slots(session.spec.runtime, u.precision)
             pool.decoder.free(u.slot)
@@ -523,7 +528,7 @@ class Executor:
         (same prior sample), keep this chunk's span (audio and PCM), and continue the utterance
         in FP32."""
         runtime = s.spec.runtime
-        self.release(s, u)
+        self._free_slot(s, u)
         u.precision = "fp32"
         if not self._start(s, u):  # the session fails with this; the others go on
             raise RuntimeError("no FP32 decoder slot or prior memory free for a guard redo")

@@ -86,6 +86,36 @@ def test_a_fault_in_the_fp16_vocoder_trips_the_guard_and_is_redone_in_fp32(harne
     assert psnr_db(expected, out) >= 45.0
 
 
+def test_a_guard_trip_while_tokens_are_still_being_made_keeps_the_sentence_making_them(
+        harness: EngineHarness) -> None:
+    """The FP32 redo moves the utterance to an FP32 decoder slot; its KV row stays, since the
+    sentence is still making tokens (a redo that gave the row back failed the next token step,
+    and every session batched in it)."""
+    from service.engine.faults import inject_nonfinite
+
+    long_sentence = ("Thank you for calling the support line of the city library, where our friendly team "
+                     "will gladly help you renew your books and find the ones you want to read next.")
+    cfg = SessionConfig(seed=7, encoding=FLOAT, precision=Precision.FP16)
+    others = [dataclasses.replace(cfg, seed=8 + i) for i in range(2)]
+    fault = inject_nonfinite(runtime_of(harness).token2wav("fp16").hift, "resblocks.0", value=float("nan"), limit=1)
+    trips = harness.engine.stats()["fp32_fallbacks"]
+
+    async def together() -> list[tuple[bytes, object, object]]:
+        return await asyncio.gather(*[harness.engine.synthesize_all(c, long_sentence) for c in [cfg, *others]])
+
+    try:
+        results = harness.run(together())
+    finally:
+        fault.remove()
+    assert fault.fired == 1 and harness.engine.stats()["fp32_fallbacks"] > trips  # the rows the fault reached
+    for c, (data, _, summary) in zip([cfg, *others], results, strict=True):
+        ref, _, _ = harness.run(harness.engine.synthesize_all(dataclasses.replace(c, precision=Precision.FP32),
+                                                              long_sentence))
+        out = samples(data)
+        assert np.isfinite(out).all() and len(out) == len(samples(ref)) > 0
+        assert psnr_db(samples(ref), out) >= 45.0
+
+
 def test_a_cancelled_session_gives_its_kv_row_back(harness: EngineHarness) -> None:
     stage = runtime_of(harness).tokens
 
