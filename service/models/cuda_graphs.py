@@ -32,7 +32,8 @@ class GraphCapturer:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread (an engine thread, a launcher) may use the device meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = fn(*static)
         return graph, out
 

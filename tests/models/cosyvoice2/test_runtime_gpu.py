@@ -19,7 +19,7 @@ from service.models import registry
 from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
 from service.models.cosyvoice2.lm import KVCache, Qwen2Config, SpeechLM
-from service.models.cosyvoice2.runtime import CosyVoice2Runtime, GraphedLM, SpeechUtterance
+from service.models.cosyvoice2.runtime import CosyVoice2Runtime, GraphedLM, SpeechUtterance, TokenAudioSlots
 from service.models.family import AcousticJob, StepRows, SynthesisParams, utterance_rng
 
 CONFIG = Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
@@ -161,8 +161,20 @@ def test_steps_are_queued_without_waiting_for_the_device(cosyvoice2_dir: Path) -
     assert waits and all("logp.cpu()" in w for w in waits), waits
     while not all(u.complete for u in utts):
         rt.tokens.step(utts)
-    decoder = rt.streaming_decoder("fp16", 2, max_rows=2, graphs=True, graph_frames=())
+    decoder = TokenAudioSlots(rt, "fp16", 2)  # no launcher: the step's device work runs on this thread
     for slot, u in enumerate(utts):
         assert decoder.start(slot, u.prior)
     decoder.step(StepRows([0, 1], [0, 0], 20, None))  # warm: first chunks, allocations
     assert host_waits(lambda: decoder.step(StepRows([0, 1], [20, 20], 40, None))) == []
+
+
+@pytest.mark.gpu
+def test_on_cuda_batched_token_steps_give_each_sentence_what_it_gets_alone(cosyvoice2_dir: Path) -> None:
+    """As on the CPU (`test_runtime.batched_equals_alone`): the same tokens batched and alone,
+    but for a near-tie flip in one sentence, after its first 10 tokens."""
+    from tests.models.cosyvoice2.test_runtime import batched_equals_alone
+
+    rt = registry.open_voice(registry.recognise(cosyvoice2_dir), "auto", "cuda")
+    assert isinstance(rt, CosyVoice2Runtime)
+    with torch.inference_mode():
+        batched_equals_alone(rt, registry.open_frontend(rt.info.frontend_key))
