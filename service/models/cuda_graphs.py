@@ -32,8 +32,7 @@ class GraphCapturer:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread (an engine thread, a launcher) may use the device meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool):
             out = fn(*static)
         return graph, out
 

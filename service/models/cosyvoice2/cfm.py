@@ -115,4 +115,6 @@ class GraphedSolve:
         s_spks[:b] = spks
         s_cond[:b, :, :t] = cond
         graph.replay()
-        return out[:b, :, :t]
+        # A copy: the next replay writes the graph's output again, and callers keep slices of
+        # this one (a sentence's mel tail waits for its next chunk).
+        return out[:b, :, :t].clone()

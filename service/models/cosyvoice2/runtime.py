@@ -20,7 +20,6 @@ can go (`ready_frames`: the streaming chunks the tokens so far allow) and decode
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Sequence
@@ -39,13 +38,11 @@ from service.models.cosyvoice2.text import MAX_SENTENCE_TOKENS
 from service.models.cosyvoice2.token2wav import Token2Wav, Token2WavState
 from service.models.cosyvoice2.voices import SPEAKERS_FILE
 from service.models.cuda_graphs import GraphCapturer, bucket, buckets_up_to
-from service.models.device_audio import guard_async
 from service.models.family import (
     AcousticJob,
     Capabilities,
     ChunkSchedule,
     DecoderInput,
-    HostAudio,
     PendingAudio,
     Prior,
     StepRows,
@@ -406,53 +403,34 @@ def _row_ids(utts: list[SpeechUtterance]) -> list[int]:
     return rows
 
 
-def ready_frames(token2wav: Token2Wav, utt: SpeechUtterance, tokens: int | None = None,
-                 complete: bool | None = None) -> int:
-    """Frames of `utt`'s audio that can be made now (from `tokens` of its tokens, all of them if
-    `complete`; by default as it is now): all of them once its tokens are complete, else what
-    the streaming chunks before the last make."""
-    tokens = len(utt.tokens) if tokens is None else tokens
-    if utt.complete if complete is None else complete:
-        return tokens * utt.mel_ratio
-    return token2wav.streamable_frames(utt.speaker.flow_prompt_tokens.shape[1], tokens)
+def ready_frames(token2wav: Token2Wav, utt: SpeechUtterance) -> int:
+    """Frames of `utt`'s audio that can be made now: all of them once its tokens are complete,
+    else what the streaming chunks before the last make."""
+    if utt.complete:
+        return utt.frames
+    return token2wav.streamable_frames(utt.speaker.flow_prompt_tokens.shape[1], len(utt.tokens))
 
 
 @dataclass
 class _Slot:
     utt: SpeechUtterance
     state: Token2WavState
-    tokens: torch.Tensor  # [1, T]: the sentence's tokens when its last step was asked for
-    complete: bool  # ... and whether they were all of them
+    tokens: torch.Tensor
     audio: torch.Tensor  # [samples] made so far
-
-    def take_tokens(self, token2wav: Token2Wav, device: torch.device) -> int:
-        """Snapshot the sentence's tokens for a step, on the thread that makes them (`complete`
-        read first: if set, the list read after it is whole); returns the frames they can make."""
-        complete, tokens = self.utt.complete, len(self.utt.tokens)
-        if tokens != self.tokens.shape[1]:
-            self.tokens = to_device([self.utt.tokens[:tokens]], device, torch.long)
-        self.complete = complete
-        return ready_frames(token2wav, self.utt, tokens, complete)
 
 
 class TokenAudioSlots:
     """The slot decoder (`service.models.family.StreamingDecoder`): each slot streams its
     sentence through `Token2Wav` as the steps reach its audio (a chunk is made when a step needs
-    audio past what is made), and each step hands out the next frames of each row's audio.
-
-    With a `launcher` (CUDA), `step` reads the rows' tokens on the calling thread and queues the
-    device work on the launcher's thread, returning a `LaunchedStep`: a flow solve's launch holds
-    its thread for much of the solve, and the engine thread makes tokens meanwhile."""
+    audio past what is made), and each step hands out the next frames of each row's audio."""
 
     lag = 0
 
-    def __init__(self, runtime: CosyVoice2Runtime, precision: str, slots: int,
-                 launcher: concurrent.futures.Executor | None = None) -> None:
+    def __init__(self, runtime: CosyVoice2Runtime, precision: str, slots: int) -> None:
         self.runtime, self.precision, self.capacity = runtime, precision, slots
         self.hop = runtime.hop
         self.step_seconds: dict[tuple[int, int], float] = {}
         self.token2wav = runtime.token2wav(precision)
-        self.launcher = launcher
         self._slots: dict[int, _Slot] = {}
 
     def start(self, slot: int, prior: Prior) -> bool:
@@ -462,7 +440,7 @@ class TokenAudioSlots:
 
     def _fresh(self, utt: SpeechUtterance) -> _Slot:
         return _Slot(utt, self.runtime.stream_state(utt, self.precision),
-                     to_device([utt.tokens], self.runtime.device, torch.long), utt.complete,
+                     to_device([utt.tokens], self.runtime.device, torch.long),
                      torch.zeros(0, device=self.runtime.device))
 
     def free(self, slot: int) -> None:
@@ -471,35 +449,26 @@ class TokenAudioSlots:
     def capture_all(self) -> None:
         """No CUDA graphs yet: chunk shapes vary with each sentence's prompt and tokens."""
 
-    def step(self, rows: StepRows) -> torch.Tensor | LaunchedStep:
+    @torch.inference_mode()
+    def step(self, rows: StepRows) -> torch.Tensor:
         """Rows whose audio falls short of the step make their next chunk together: one batched
         flow call per round (final chunks in their own call), then the vocoder over the rows whose
         input is as long (no padding: its convolutions would see it), until every row has its span."""
-        hop, frames = self.hop, rows.frames
-        wanted = []
+        size = rows.frames * self.hop
+        short = {}
         for slot, fed in zip(rows.slots, rows.fed, strict=True):
             s = self._slots[slot]
-            ready = s.take_tokens(self.token2wav, self.runtime.device)
-            wanted.append((s, fed * hop, min(ready, fed + frames) * hop))
-        if self.launcher is None:
-            return self._audio(wanted, frames * hop)
-        return LaunchedStep(self.launcher.submit(self._launched, wanted, frames * hop))
-
-    def _launched(self, wanted: list[tuple[_Slot, int, int]], size: int) -> PendingAudio:
-        device = self.runtime.device
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            return guard_async(self._audio(wanted, size))
-
-    @torch.inference_mode()
-    def _audio(self, wanted: list[tuple[_Slot, int, int]], size: int) -> torch.Tensor:
-        """[rows, size]: each row's audio from its start on (zeros past its end), once made up to its end."""
-        while pending := [s for s, _, end in wanted if s.audio.shape[0] < end and not s.state.done]:
+            if s.tokens.shape[1] != len(s.utt.tokens):  # made while its tokens are being made
+                s.tokens = to_device([s.utt.tokens], self.runtime.device, torch.long)
+            ready = ready_frames(self.token2wav, s.utt)
+            short[slot] = (s, min(ready * self.hop, (fed + rows.frames) * self.hop))
+        while pending := [s for s, end in short.values() if s.audio.shape[0] < end and not s.state.done]:
             if not self._chunks(pending):
                 raise RuntimeError("a step asked for audio past what the sentence's tokens so far can make")
         dtype = torch.float16 if self.precision == "fp16" else torch.float32
-        out = torch.zeros(len(wanted), size, device=self.runtime.device, dtype=dtype)
-        for row, (s, start, _) in enumerate(wanted):
-            piece = s.audio[start : start + size]
+        out = torch.zeros(len(rows.slots), size, device=self.runtime.device, dtype=dtype)
+        for row, (slot, fed) in enumerate(zip(rows.slots, rows.fed, strict=True)):
+            piece = self._slots[slot].audio[fed * self.hop : fed * self.hop + size]
             out[row, : piece.shape[0]] = piece
         return out
 
@@ -510,7 +479,7 @@ class TokenAudioSlots:
         made = 0
         for finalize in (False, True):
             group = [s for s in slots if t2w.ready(s.state, s.tokens.shape[1]) != finalize
-                     and (s.complete or not finalize)]  # the last chunk waits for the last token
+                     and (s.utt.complete or not finalize)]  # the last chunk waits for the last token
             if not group:
                 continue
             requests = [t2w.request(s.state, s.tokens, finalize) for s in group]
@@ -519,20 +488,6 @@ class TokenAudioSlots:
                 s.audio = torch.cat([s.audio, audio[0].float()])
             made += len(group)
         return made
-
-
-class LaunchedStep:
-    """A slot decoder step queued on its launcher's thread; `CosyVoice2Runtime.guard_async`
-    takes it like a step's audio."""
-
-    def __init__(self, future: concurrent.futures.Future[PendingAudio]) -> None:
-        self.future = future
-
-    def ready(self) -> bool:
-        return self.future.done() and (self.future.exception() is not None or self.future.result().ready())
-
-    def result(self) -> HostAudio:
-        return self.future.result().result()
 
 
 _MODELS: dict[tuple[str, str], CosyVoice2] = {}
@@ -575,9 +530,6 @@ class CosyVoice2Runtime:
         self._tokens = SpeechTokens(self.model, self.device)
         self._audio: dict[str, Token2Wav] = {}
         self._solver = self.model.flow.use_graphs() if self.device.type == "cuda" else None
-        # One thread launches every decoder step on CUDA, in the order they are asked for.
-        self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cosyvoice2-steps")
-                          if self.device.type == "cuda" else None)
 
     @property
     def sample_rate(self) -> int:
@@ -656,7 +608,7 @@ class CosyVoice2Runtime:
     def streaming_decoder(self, precision: str, slots: int, *, max_rows: int, graphs: bool,
                           graph_frames: tuple[int, ...]) -> TokenAudioSlots:
         self.token2wav(precision)  # an unsupported precision fails here, before serving
-        return TokenAudioSlots(self, precision, slots, self._launcher)
+        return TokenAudioSlots(self, precision, slots)
 
     def streaming_lag(self) -> int:
         return TokenAudioSlots.lag
@@ -676,6 +628,6 @@ class CosyVoice2Runtime:
         return slot.audio.cpu().numpy()
 
     def guard_async(self, device_audio: Any) -> PendingAudio:
-        if isinstance(device_audio, LaunchedStep):  # guarded on its launcher's thread
-            return device_audio
+        from service.models.device_audio import guard_async
+
         return guard_async(device_audio)

@@ -6,7 +6,6 @@ the official code (`cadenza voices check`)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import shutil
 from pathlib import Path
 
@@ -20,9 +19,7 @@ from service.models.cosyvoice2.config import ConfigError
 from service.models.cosyvoice2.runtime import (
     MAX_PROMPT_SPEECH_TOKENS,
     CosyVoice2Runtime,
-    LaunchedStep,
     SpeechUtterance,
-    TokenAudioSlots,
     load_speakers,
 )
 from service.models.family import AcousticJob, StepRows, SynthesisParams, TextFrontend, utterance_rng
@@ -147,34 +144,6 @@ def test_decoding_starts_before_the_tokens_are_complete(runtime: CosyVoice2Runti
     assert early >= 2  # more than one step's audio came before the last token
     want = runtime.reference(u)
     np.testing.assert_allclose(np.concatenate(pieces), want, atol=1e-5, rtol=0)
-
-
-def test_steps_queued_on_a_launcher_thread_use_the_tokens_they_were_asked_with(
-        runtime: CosyVoice2Runtime, frontend: TextFrontend) -> None:
-    """A step launched on another thread (as on CUDA) reads the sentence's tokens when it is
-    asked for, on the thread that makes them: token steps taken while it runs, the last one
-    included, change nothing in it, and the streamed audio is the reference."""
-    (u,) = [v for v in runtime.acoustic_batch(jobs(frontend, TEXTS[1:2], seed=6)) if isinstance(v, SpeechUtterance)]
-    stage = runtime.tokens
-    with concurrent.futures.ThreadPoolExecutor(1) as launcher:
-        decoder = TokenAudioSlots(runtime, "fp32", 1, launcher)
-        assert decoder.start(0, u.prior)
-        fed, pieces, early, during = 0, [], 0, 0
-        while fed < u.frames or not u.complete:
-            if not u.complete:
-                stage.step([u])
-            ready = stage.ready_frames(u)
-            if ready > fed:
-                launched = decoder.step(StepRows([0], [fed], ready - fed, None))
-                assert isinstance(launched, LaunchedStep)
-                early += not u.complete
-                while not u.complete and not launched.ready():
-                    stage.step([u])  # tokens made while the step runs
-                    during += 1
-                pieces.append(runtime.guard_async(launched).result().audio[0])
-                fed = ready
-    assert early >= 1 and during >= 1
-    np.testing.assert_allclose(np.concatenate(pieces), runtime.reference(u), atol=1e-5, rtol=0)
 
 
 def test_kv_rows_grow_when_full_and_come_back(runtime: CosyVoice2Runtime, frontend: TextFrontend) -> None:
