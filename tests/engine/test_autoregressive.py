@@ -151,8 +151,8 @@ def cuda_harness(cosyvoice2_dir: Path) -> Iterator[EngineHarness]:
     h.close()
 
 
-def batched_and_alone(h: EngineHarness, precision: Precision) -> tuple[list[np.ndarray], list[np.ndarray], int]:
-    """Six sessions alone, then together: (alone, together, token steps overlapped meanwhile)."""
+def batched_and_alone(h: EngineHarness, precision: Precision) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Six sessions alone, then together: (alone, together)."""
     configs = [SessionConfig(seed=i, encoding=FLOAT, speaker=i % 2, precision=precision) for i in range(6)]
     alone = [samples(h.run(h.engine.synthesize_all(c, TEXT * 2))[0]) for c in configs]
 
@@ -160,28 +160,19 @@ def batched_and_alone(h: EngineHarness, precision: Precision) -> tuple[list[np.n
         results = await asyncio.gather(*[h.engine.synthesize_all(c, TEXT * 2) for c in configs])
         return [data for data, _, _ in results]
 
-    before = h.engine.stats()["overlapped_token_steps"]
-    batched = [samples(d) for d in h.run(together())]
-    return alone, batched, h.engine.stats()["overlapped_token_steps"] - before
+    return alone, [samples(d) for d in h.run(together())]
 
 
 @pytest.mark.gpu
 def test_on_cuda_sessions_batched_together_get_what_they_get_alone(cuda_harness: EngineHarness) -> None:
-    alone, batched, _ = batched_and_alone(cuda_harness, Precision.FP32)
+    """Batched rows replay other graphs between a sentence's chunks: what a chunk keeps for the
+    next one must be its own (a kept view of a graph's output gave 19-29 dB here)."""
+    alone, batched = batched_and_alone(cuda_harness, Precision.FP32)
     seen = [(len(a), len(b), round(psnr_db(a, b), 1) if len(a) == len(b) else None)
             for a, b in zip(alone, batched, strict=True)]
     for a, b in zip(alone, batched, strict=True):
         assert len(a) == len(b) > 0 and np.isfinite(b).all(), seen
         assert psnr_db(a, b) >= 60.0, seen
-
-
-@pytest.mark.gpu
-def test_on_cuda_token_steps_run_while_decoder_steps_are_on_the_device(cuda_harness: EngineHarness) -> None:
-    """The token stage's own stream: its steps go on while a decoder step runs (in the tiny test
-    voice; at the full 0.5B shapes a graphed solve's launch holds the engine thread for most of
-    the step, and launching steps from a thread of their own measured slower: bench/RESULTS.md)."""
-    _, _, overlapped = batched_and_alone(cuda_harness, Precision.FP32)
-    assert overlapped > 0
 
 
 @pytest.mark.gpu

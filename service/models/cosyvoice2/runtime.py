@@ -21,8 +21,9 @@ can go (`ready_frames`: the streaming chunks the tokens so far allow) and decode
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ from service.models.family import (
 )
 from service.models.mixed_precision import to_mixed_precision
 from service.models.transfer import to_device
+
+log = logging.getLogger(__name__)
 
 # In the FP16 decoder the flow and the vocoder's F0 path (F0 predictor, sine source) stay whole in
 # FP32, outputs included: the sine source sums F0 into a phase over each chunk, so a mel or an F0
@@ -317,10 +320,8 @@ class SpeechTokens:
     def prefill(self, utts: list[SpeechUtterance]) -> None:
         """Each sentence's prompt appended to its row (a fresh one if it has none; one padded
         batch) and its next token drawn."""
-        if not utts:
-            return
         with self._on_stream():
-            self._prefill(utts)
+            self._isolated(self._prefill, utts)
 
     def _prefill(self, utts: list[SpeechUtterance]) -> None:
         prompts = [self._prompt(u) for u in utts]
@@ -343,9 +344,38 @@ class SpeechTokens:
         going = [u for u in utts if not u.fed_prompt]
         self.prefill(again)
         with self._on_stream():
-            self._step(going)
+            self._isolated(self._step, going)
         return [u.failed if isinstance(u, SpeechUtterance) and u.failed else
                 not isinstance(u, SpeechUtterance) or u.complete for u in rows]
+
+    def _isolated(self, call: Callable[[list[SpeechUtterance]], None], utts: list[SpeechUtterance]) -> None:
+        """`call(utts)` (a prefill or a step); if it raises, each sentence goes again alone from
+        where it was (its cache row and length), so a fault that one sentence causes fails only
+        that one. The draws after the LM call fail their sentence alone (`_draw`), so a raise
+        comes before any sentence has drawn."""
+        if not utts:
+            return
+        before = [(u.row, u.cached) for u in utts]
+        try:
+            call(utts)
+        except Exception as exc:
+            if len(utts) == 1:
+                log.warning("sentence failed in the token stage (%r)", exc)
+                self._fail(utts[0], exc)
+                return
+            log.warning("token stage call of %d sentences failed (%r); each goes again alone", len(utts), exc)
+            for u, (row, cached) in zip(utts, before, strict=True):
+                if u.row is not None and row is None:  # taken in the call
+                    self.free.append(u.row)
+                u.row, u.cached = row, cached
+                if row is not None:
+                    self.cache.lengths[row] = cached
+            for u in utts:
+                self._isolated(call, [u])
+
+    def _fail(self, u: SpeechUtterance, exc: Exception) -> None:
+        u.failed, u.complete = exc, True
+        self.release(u)
 
     def _step(self, going: list[SpeechUtterance]) -> None:
         if going:
@@ -376,9 +406,8 @@ class SpeechTokens:
         redraw = self.eos if u.steps < u.min_tokens else None
         try:
             token = sample_token(nucleus, u.tokens, self.sampling, u.sampler, redraw=redraw)
-        except RuntimeError as exc:
-            u.failed, u.complete = exc, True
-            self.release(u)
+        except Exception as exc:
+            self._fail(u, exc)
             return
         u.steps += 1
         if token == self.eos:

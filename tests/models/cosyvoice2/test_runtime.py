@@ -146,6 +146,48 @@ def test_decoding_starts_before_the_tokens_are_complete(runtime: CosyVoice2Runti
     np.testing.assert_allclose(np.concatenate(pieces), want, atol=1e-5, rtol=0)
 
 
+def test_a_fault_in_one_sentence_of_a_token_step_fails_only_that_one(runtime: CosyVoice2Runtime,
+                                                                     frontend: TextFrontend) -> None:
+    """A batched token step that raises is taken again sentence by sentence from where each was
+    (its cache row and length): the sentence that raises alone fails, the others go on with the
+    tokens they make without it. The fault here is the one a guard redo once caused: a sentence
+    still making tokens without its cache row."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def started() -> list[SpeechUtterance]:
+            utts = [u for u in runtime.acoustic_batch(jobs(frontend, TEXTS, seed=8)) if isinstance(u, SpeechUtterance)]
+            for _ in range(3):
+                runtime.tokens.step(utts)
+            assert not any(u.complete for u in utts)
+            return utts
+
+        stage = runtime.tokens
+        faulty = started()
+        broken = faulty[1]
+        stage.release(broken)  # its row given back while it is still making tokens
+        first = stage.step(faulty)
+        assert isinstance(first[1], AssertionError) and broken.complete and broken.failed is first[1]
+        assert first[0] is False and first[2] is False
+        for u in (faulty[0], faulty[2]):
+            assert u.row is not None and int(stage.cache.lengths[u.row]) == u.cached
+        while not all(u.complete for u in faulty):
+            stage.step(faulty)
+
+        control = started()
+        stage.release(control[1])
+        control[1].complete = True
+        for u in (control[0], control[2]):
+            stage.step([u])  # as the faulty step went on: each alone
+        while not all(u.complete for u in control):
+            stage.step(control)
+        for i in (0, 2):
+            assert faulty[i].failed is None and faulty[i].tokens == control[i].tokens
+        assert len(stage.free) == len(stage.cache.lengths)  # every row back
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_kv_rows_grow_when_full_and_come_back(runtime: CosyVoice2Runtime, frontend: TextFrontend) -> None:
     stage = runtime.tokens
     many = jobs(frontend, TEXTS * 4, seed=7)
