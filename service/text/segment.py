@@ -176,10 +176,13 @@ def force_cut(window: str) -> int:
             best = match.end()
     if 0 < best:
         return best
+    lead = 0  # whitespace the window starts with (a piece of its own rather than a word cut in two)
     for match in _WHITESPACE.finditer(window):
         if match.start() > 0:
             best = match.end()
-    return best if best > 0 else len(window)
+        elif match.end() < len(window):
+            lead = match.end()
+    return best or lead or len(window)
 
 
 class IncrementalSegmenter:

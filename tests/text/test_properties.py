@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Set
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from service.text.annotations import (
@@ -122,6 +122,12 @@ _SEPARATORS = st.sampled_from([" ", "  ", ". ", ", ", "! ", "? ", "\n", ".\" ", 
 @given(
     _WORDS, st.lists(_SEPARATORS, min_size=25, max_size=25), CONFIGS,
     st.lists(st.integers(0, 10_000), max_size=40), st.lists(st.floats(0.0, 0.99), min_size=41, max_size=41),
+)
+@example(  # a long word after a double space: the forced cut once fell inside it
+    words=["1"] * 7 + ["111111111111"] * 3, separators=[" "] * 7 + ["  ", "  "] + [" "] * 16,
+    config=SegmenterConfig(min_clause_chars=1, max_chars=0, first_min_clause_chars=None,
+                           first_clause_lookahead_chars=0),
+    cuts=[], gaps=[0.0] * 41,
 )
 def test_idle_releases_never_split_a_word(
     words: list[str], separators: list[str], config: SegmenterConfig, cuts: list[int], gaps: list[float]
