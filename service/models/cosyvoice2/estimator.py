@@ -213,38 +213,43 @@ class Estimator(nn.Module):
         time = self.time_mlp(time)
         x = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)
 
+        # Each resolution's frame mask and attention bias, made once per pass (the bias as the
+        # scores' additive term: what SDPA makes of a boolean mask). Indexed by depth, not by
+        # length, so a compiled pass does not specialise on the number of frames.
+        masks = [mask]
+        for _ in self.down_blocks[1:]:
+            masks.append(masks[-1][:, :, ::2])
         biases: dict[int, torch.Tensor] = {}
 
-        def level(stage: nn.Module, h: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        def level(stage: nn.Module, h: torch.Tensor, depth: int) -> torch.Tensor:
             """A stage's ResNet block, then its transformer blocks (a stage is [resnet, blocks, ...])."""
             assert isinstance(stage, nn.ModuleList)
+            frames = masks[depth]
             h = stage[0](h, frames, time).transpose(1, 2)
-            attn = biases.get(frames.shape[-1])
-            if attn is None:  # once per length and pass, as the scores' bias (what SDPA makes of a boolean mask)
+            attn = biases.get(depth)
+            if attn is None:
                 allowed = attention_mask(frames, chunk)[:, None]
                 attn = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill(~allowed, -math.inf)
-                biases[frames.shape[-1]] = attn
+                biases[depth] = attn
             blocks = stage[1]
             assert isinstance(blocks, nn.ModuleList)
             for block in blocks:
                 h = block(h, attn)
             return h.transpose(1, 2)
 
-        skips, masks = [], [mask]
-        for stage in self.down_blocks:
-            m = masks[-1]
-            x = level(stage, x, m)
+        skips = []
+        for depth, stage in enumerate(self.down_blocks):
+            x = level(stage, x, depth)
             skips.append(x)
-            x = stage[2](x * m)  # type: ignore[index]
-            masks.append(m[:, :, ::2])
-        masks = masks[:-1]
-        m = masks[-1]
+            x = stage[2](x * masks[depth])  # type: ignore[index]
+        depth = len(masks) - 1
         for stage in self.mid_blocks:
-            x = level(stage, x, m)
+            x = level(stage, x, depth)
         for stage in self.up_blocks:
-            m = masks.pop()
             skip = skips.pop()
             x = torch.cat([x[:, :, :skip.shape[-1]], skip], dim=1)
-            x = stage[2](level(stage, x, m) * m)  # type: ignore[index]
+            x = stage[2](level(stage, x, depth) * masks[depth])  # type: ignore[index]
+            depth -= 1
+        m = masks[0]
         x = self.final_block(x, m)
         return self.final_proj(x * m) * mask
