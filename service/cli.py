@@ -267,6 +267,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
         device=args.device, threads=args.threads, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         cache_bytes=0, frontend=FrontendPoolConfig(workers=0),  # one text: no frontend processes needed
         core="thread",  # ... nor a process for the core (no event loop to share a GIL with)
+        fp32_pins=_pins(args.fp32_pins),
     )
     prompt = None
     if args.prompt_wav:
@@ -457,7 +458,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             cache_bytes=args.cache_mb << 20,
             preload=args.preload, cache_dir=_path(args.cache_dir),
             shadow_fraction=args.shadow_fraction, core=args.core, profile_dir=_path(args.profile),
-            timeline_dir=_path(args.timeline),
+            timeline_dir=_path(args.timeline), fp32_pins=_pins(args.fp32_pins),
             limits=Limits(
                 max_sessions=args.max_sessions, max_text_chars=args.max_text_chars,
                 max_message_bytes=args.max_message_bytes, idle_timeout_s=args.idle_timeout,
@@ -569,7 +570,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
     return run_compare(args.precision, voice, voices_dir, _resolved_device(args.device),
                        Path(args.out) if args.out else None, args.limit,
-                       corpus=Path(args.corpus) if args.corpus else None)
+                       corpus=Path(args.corpus) if args.corpus else None, pins=_pins(args.fp32_pins))
 
 
 def _cmd_sensitivity(args: argparse.Namespace) -> int:
@@ -639,6 +640,18 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
     )
     return run_bench_load(config, args.sweep, Path(args.json) if args.json else None,
                           Path(args.png) if args.png else None, connection, _path(args.timeline))
+
+
+def _add_fp32_pins_arg(p: _Options) -> None:
+    p.add_argument("--fp32-pins", default=None, metavar="PATTERNS",
+                   help="modules kept in FP32 when running FP16: comma-separated patterns over the voice's "
+                        "module names, '' for none (default: its family's, which GetServerInfo lists and "
+                        "`cadenza precision sensitivity` measures)")
+
+
+def _pins(value: str | None) -> tuple[str, ...] | None:
+    """--fp32-pins as EngineConfig takes them (unset: None, the family's)."""
+    return None if value is None else tuple(p.strip() for p in value.split(",") if p.strip())
 
 
 def _path(value: str | Path | None) -> Path | None:
@@ -785,6 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--words", action="store_true", help="print word timings")
     _add_voice_args(say, device="cpu", backend=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "backend"))
     _add_cache_dir_arg(say)
+    _add_fp32_pins_arg(say)
     say.set_defaults(func=_cmd_say)
 
     voices = _subcommand(sub, "voices", "list or check voices")
@@ -842,6 +856,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="only the first N sentences (default: all)")
     compare.add_argument("--corpus", default=None, metavar="FILE",
                          help="sentences to compare, one a line (default: the 12-sentence check corpus)")
+    _add_fp32_pins_arg(compare)
     compare.set_defaults(func=_cmd_compare)
 
     precision = _subcommand(sub, "precision", "precision tools")
@@ -1021,6 +1036,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="load, export and warm up every voice (--voices) before health says SERVING; "
                                  "without it only the default voice is, and others load on their first request")
     _add_cache_dir_arg(voice_opts)
+    _add_fp32_pins_arg(voice_opts)
 
     _add_batch_args(engine, advanced=advanced, limits=limits)
     engine.add_argument("--cache-mb", type=int, default=engine_option("cache_bytes", lambda n: n >> 20),

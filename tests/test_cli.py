@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 import wave
 from pathlib import Path
@@ -413,3 +414,18 @@ def test_client_metadata_option() -> None:
     for bad in ("novalue", "=v", "bad key=v", "grpc-timeout=1"):
         with pytest.raises(argparse.ArgumentTypeError):
             metadata_arg(bad)
+
+
+@pytest.mark.slow
+def test_fp32_pins_choose_what_fp16_keeps_in_fp32_and_a_pin_naming_nothing_is_refused(cosyvoice2_dir: Path) -> None:
+    voices = ("--voices", str(cosyvoice2_dir.parent), "--voice", "cosyvoice2-test")
+    code, out, err, _ = _cadenza("compare", *voices, "--fp32-pins", "hift.conv_post, flow.decoder.estimator.final_proj",
+                                 "--limit", "1", timeout=600)
+    assert code == 0, err
+    lines = out.decode().splitlines()
+    assert lines[0].endswith("FP32 pins: hift.conv_post, flow.decoder.estimator.final_proj")
+    assert re.fullmatch(r"min_psnr_db=\d+\.\d+", lines[-1])
+    code, out, err, _ = _cadenza("say", *voices, "--fp32-pins", "lm", "Hello there.", "-o", "-")
+    assert code == 1 and not out
+    _no_traceback(err)
+    assert "FP32 pin 'lm' names no part that runs in FP16: pin flow (the whole solve)" in err

@@ -88,13 +88,13 @@ def corpus_sentences(corpus: Path | None) -> list[str]:
 
 def run_compare(
     precision: str, voice: str | None, voices_dir: str | None, device: str, out_dir: Path | None,
-    limit: int | None, seed: int = 1234, corpus: Path | None = None,
+    limit: int | None, seed: int = 1234, corpus: Path | None = None, pins: Sequence[str] | None = None,
 ) -> int:
     """FP16 against FP32, both as served, on the check corpus (or `corpus`: one sentence a line).
     Writes compare.json, and compare.png where matplotlib is installed, into `out_dir` (default: a
     fresh temporary directory). Last line: min_psnr_db=."""
     texts = corpus_sentences(corpus)[:limit]
-    served = ServedVoice(voice, voices_dir, device)
+    served = ServedVoice(voice, voices_dir, device, pins=pins)
     try:
         print(f"voice {served.voice} on {device}: {precision} vs fp32, seed {seed} ({SERVED}); FP32 pins: "
               f"{', '.join(served.pins) or 'none'}")

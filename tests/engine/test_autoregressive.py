@@ -17,11 +17,13 @@ import pytest
 from service.audio.encoding import AudioEncoding
 from service.audio.quality import psnr_db
 from service.engine.contract import Precision, SessionConfig
+from service.models.cosyvoice2.flow import HalfEstimator
 from service.models.cosyvoice2.runtime import CosyVoice2Runtime
 from tests.engine.conftest import EngineHarness, tiny_engine_config
 
 VOICE = "cosyvoice2-test"
 TEXT = "Thank you for calling. How can I help you today?"
+SENTENCE = "Thank you for calling, how can I help you today?"
 FLOAT = AudioEncoding.FLOAT32
 
 
@@ -84,6 +86,49 @@ def test_a_fault_in_the_fp16_vocoder_trips_the_guard_and_is_redone_in_fp32(harne
     assert fault.fired == 1 and summary.fallbacks >= 1
     assert np.isfinite(out).all() and len(out) == len(expected)
     assert psnr_db(expected, out) >= 45.0
+
+
+@pytest.fixture(scope="module")
+def half_flow(cosyvoice2_dir: Path) -> Iterator[EngineHarness]:
+    """The voice with its flow unpinned: FP16 runs the estimator too."""
+    h = EngineHarness(tiny_engine_config(voice=VOICE, voices_dir=cosyvoice2_dir.parent, fp32_pins=("hift.conv_post",)))
+    yield h
+    h.close()
+
+
+def test_with_the_flow_unpinned_fp16_speaks_the_same_tokens(half_flow: EngineHarness) -> None:
+    """Finite audio of FP32's length, no fallback. Its waveform is not FP32's to 45 dB: F0 is
+    read from the mel, and the sine source sums it into a phase (the mel itself stays within
+    FP16's rounding: test_runtime's estimator test)."""
+    cfg = SessionConfig(seed=3, encoding=FLOAT, precision=Precision.FP16)
+    half, _, summary = half_flow.run(half_flow.engine.synthesize_all(cfg, TEXT))
+    fp32 = dataclasses.replace(cfg, precision=Precision.FP32)
+    full, _, _ = half_flow.run(half_flow.engine.synthesize_all(fp32, TEXT))
+    assert summary.precision is Precision.FP16 and summary.fallbacks == 0
+    assert len(samples(full)) == len(samples(half)) and np.isfinite(samples(half)).all()
+
+
+def test_an_fp16_overflow_in_the_estimator_trips_the_guard_and_is_redone_in_fp32(half_flow: EngineHarness) -> None:
+    """Upstream's FP16 failure (a LayerNorm's output overflowing FP16, PR #1803; an attention
+    bias of -1e10 that FP16 makes -inf): one estimator pass gives inf, the solve's mel turns
+    non-finite, the guard trips on the chunk's audio and the FP32 redo leaves every sample finite."""
+    from service.engine.faults import inject_nonfinite
+
+    flow = runtime_of(half_flow).token2wav("fp16").flow
+    half = flow.decoder.estimator
+    assert isinstance(half, HalfEstimator)
+    fault = inject_nonfinite(half.estimator, "mid_blocks.0.1.0.norm1", value=float("inf"), limit=1)
+    try:  # one sentence: its first chunk trips, and the redo decodes it all in FP32
+        cfg = SessionConfig(seed=5, encoding=FLOAT, precision=Precision.FP16)
+        data, _, summary = half_flow.run(half_flow.engine.synthesize_all(cfg, SENTENCE))
+    finally:
+        fault.remove()
+    ref, _, _ = half_flow.run(half_flow.engine.synthesize_all(dataclasses.replace(cfg, precision=Precision.FP32),
+                                                              SENTENCE))
+    out, expected = samples(data), samples(ref)
+    assert fault.fired == 1 and summary.fallbacks >= 1
+    assert np.isfinite(out).all() and len(out) == len(expected)
+    assert psnr_db(expected, out) >= 60.0
 
 
 def test_a_guard_trip_while_tokens_are_still_being_made_keeps_the_sentence_making_them(

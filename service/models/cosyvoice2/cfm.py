@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from service.models.cosyvoice2.estimator import Estimator
 from service.models.cuda_graphs import GraphCapturer, bucket
 
 
@@ -43,7 +43,7 @@ def time_span(config: CfmConfig, dtype: torch.dtype, device: torch.device) -> to
     return t
 
 
-def solve(estimator: Estimator, noise: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor,
+def solve(estimator: nn.Module, noise: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor,
           cond: torch.Tensor, config: CfmConfig, streaming: bool = False) -> torch.Tensor:
     """Mel [B, 80, T] for B utterances at once. noise: the fixed buffer; mu, cond [B, 80, T];
     mask [B, 1, T]; spks [B, 80]. Each step runs the estimator once over 2B rows: the B
@@ -75,9 +75,10 @@ class GraphedSolve:
 
     SMALLEST_FRAMES = 128
 
-    def __init__(self, estimator: Estimator, noise: torch.Tensor, config: CfmConfig) -> None:
+    def __init__(self, estimator: nn.Module, noise: torch.Tensor, config: CfmConfig,
+                 capturer: GraphCapturer | None = None) -> None:
         self.estimator, self.noise, self.config = estimator, noise, config
-        self.capturer = GraphCapturer(noise.device)
+        self.capturer = capturer or GraphCapturer(noise.device)
         self._graphs: dict[tuple[int, int, bool],
                            tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
 

@@ -209,7 +209,7 @@ class Estimator(nn.Module):
         """Velocity [B, 80, T] of the noisy mel x [B, 80, T] at times t [B], under the frame
         mask [B, 1, T]; mu and cond [B, 80, T], spks [B, 80]."""
         chunk = self.config.static_chunk_size if streaming else 0
-        time = timestep_embedding(t, self.config.in_channels).to(t.dtype)
+        time = timestep_embedding(t, self.config.in_channels).to(x.dtype)  # from t as given (FP32 in an FP16 pass)
         time = self.time_mlp(time)
         x = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)
 

@@ -5,6 +5,7 @@ result. Module names follow the official `CausalMaskedDiffWithXvec`, so `flow.pt
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from torch.nn import functional as F
 from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve
 from service.models.cosyvoice2.encoder import EncoderConfig, TokenEncoder
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
+from service.models.cuda_graphs import GraphCapturer
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,24 @@ class FlowConfig:
 class _Decoder(nn.Module):
     """Holds the estimator under upstream's name (`decoder.estimator`)."""
 
-    def __init__(self, config: EstimatorConfig) -> None:
+    def __init__(self, estimator: nn.Module) -> None:
         super().__init__()
-        self.estimator = Estimator(config)
+        self.estimator = estimator
+
+
+class HalfEstimator(nn.Module):
+    """An FP16 estimator (its pinned modules FP32) inside an FP32 solve: the Euler state, the
+    guidance mix and the time embedding stay FP32; each pass takes its tensors in FP16 and hands
+    its velocity back in FP32, so rounding does not pile up over the steps."""
+
+    def __init__(self, estimator: nn.Module) -> None:
+        super().__init__()
+        self.estimator = estimator
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
+                spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
+        h = torch.float16
+        return self.estimator(x.to(h), mask.to(h), mu.to(h), t, spks.to(h), cond.to(h), streaming=streaming).float()
 
 
 @dataclass(frozen=True)
@@ -56,16 +73,26 @@ class Flow(nn.Module):
         self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.output_size)
         self.encoder = TokenEncoder(config.encoder)
         self.encoder_proj = nn.Linear(size, config.output_size)
-        self.decoder = _Decoder(config.estimator)
+        self.decoder = _Decoder(Estimator(config.estimator))
         self.noise: torch.Tensor
         self.register_buffer("noise", fixed_noise(config.cfm), persistent=False)
         self.graphed: GraphedSolve | None = None
 
-    def use_graphs(self) -> GraphedSolve:
-        """Solve through CUDA graphs from now on (the flow on a CUDA device, in FP32)."""
+    def use_graphs(self, capturer: GraphCapturer | None = None) -> GraphedSolve:
+        """Solve through CUDA graphs from now on (the flow on a CUDA device, FP32 inputs).
+        `capturer`: another flow's, to share its graphs' memory (flows that never run at once)."""
         if self.graphed is None:
-            self.graphed = GraphedSolve(self.decoder.estimator, self.noise, self.config.cfm)
+            self.graphed = GraphedSolve(self.decoder.estimator, self.noise, self.config.cfm, capturer)
         return self.graphed
+
+    def with_estimator(self, estimator: nn.Module) -> Flow:
+        """A flow that shares every module and buffer of this one but solves with `estimator`
+        (an FP16 twin beside the FP32 flow costs only the estimator's weights); no graphs yet."""
+        twin = copy.copy(self)
+        twin._modules = dict(self._modules)
+        twin.decoder = _Decoder(estimator)
+        twin.graphed = None
+        return twin
 
     def _solve(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                streaming: bool) -> torch.Tensor:

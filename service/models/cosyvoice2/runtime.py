@@ -21,6 +21,7 @@ can go (`ready_frames`: the streaming chunks the tokens so far allow) and decode
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from service.models.cosyvoice2.config import ConfigError
+from service.models.cosyvoice2.flow import HalfEstimator
 from service.models.cosyvoice2.lm import KVCache, LengthLimits, Nucleus, SpeechLM, nuclei, sample_token
 from service.models.cosyvoice2.model import CosyVoice2, load_model
 from service.models.cosyvoice2.prompt import MAX_PROMPT_SPEECH_TOKENS
@@ -55,18 +57,52 @@ from service.models.transfer import to_device
 
 log = logging.getLogger(__name__)
 
-# In the FP16 decoder the flow and the vocoder's F0 path (F0 predictor, sine source) stay whole in
-# FP32, outputs included: the sine source sums F0 into a phase over each chunk, so a mel or an F0
-# rounded to FP16 (1/4 Hz steps at 300 Hz) drifts that phase and the waveform with it. FP16 runs
-# the vocoder's convolution stack; these patterns (fnmatch over `HiFT`) are pinned in it. Why:
-# - conv_post: its output goes through exp() (the magnitude).
+# FP32 pins are fnmatch patterns over the token-to-audio stage's modules: `flow.decoder.estimator.*`
+# (the estimator: ten guided passes per chunk, nearly all of the flow's time) and `hift.*` (the
+# vocoder's convolution stack); a pin on the estimator or above it (`flow`) keeps the whole solve
+# FP32. The flow's encoder and the vocoder's F0 path (F0 predictor, sine source) are always FP32.
+# Why the family pins what it pins:
+# - flow: the sine source sums F0 into a phase over each chunk, and F0 is read from the mel, so a
+#   mel off by FP16's rounding (about 60 dB) drifts that phase: the waveform parts from FP32's by
+#   far more than 45 dB allows, though its spectrum does not. Unpinned, the estimator runs FP16
+#   with its Euler state in FP32 (`HalfEstimator`).
+# - hift.conv_post: its output goes through exp() (the magnitude).
 # `cadenza precision sensitivity --voice DIR` measures each on the served path.
-COSYVOICE2_FP32_PINS: tuple[str, ...] = ("conv_post",)
-# The vocoder's F0 path, kept whole in FP32 (the FP32 model's own modules) beside the FP32 flow.
+COSYVOICE2_FP32_PINS: tuple[str, ...] = ("flow", "hift.conv_post")
+ESTIMATOR = "flow.decoder.estimator"
+# The vocoder's F0 path, kept whole in FP32 (the FP32 model's own modules).
 FP32_STAGES: tuple[str, ...] = ("f0_predictor", "source")
 COSYVOICE2_PIN_CANDIDATES: tuple[str, ...] = (
-    "conv_pre", "ups.*", "resblocks.*", "source_downs.*", "source_resblocks.*", "conv_post",
+    "flow", f"{ESTIMATOR}.time_mlp", f"{ESTIMATOR}.*norm*", f"{ESTIMATOR}.final_proj",
+    "hift.conv_pre", "hift.ups.*", "hift.resblocks.*", "hift.source_downs.*", "hift.source_resblocks.*",
+    "hift.conv_post",
 )
+
+
+@dataclass(frozen=True)
+class PinSplit:
+    """FP32 pins as each FP16 part takes them."""
+
+    estimator_fp32: bool  # the whole solve in FP32
+    estimator: tuple[str, ...]  # patterns relative to the estimator
+    vocoder: tuple[str, ...]  # patterns relative to the vocoder
+
+
+def split_pins(pins: Sequence[str]) -> PinSplit:
+    whole, estimator, vocoder = False, [], []
+    for p in pins:
+        if p.startswith(ESTIMATOR + "."):
+            estimator.append(p[len(ESTIMATOR) + 1:])
+        elif p.startswith("hift."):
+            vocoder.append(p[len("hift."):])
+        elif p == "hift":
+            vocoder.append("*")
+        elif any(fnmatch.fnmatchcase(name, p) for name in ("flow", "flow.decoder", ESTIMATOR)):
+            whole = True
+        else:
+            raise ValueError(f"CosyVoice2 FP32 pin {p!r} names no part that runs in FP16: pin flow (the whole "
+                             f"solve), or patterns under {ESTIMATOR}. or hift.")
+    return PinSplit(whole, tuple(estimator), tuple(vocoder))
 
 
 @dataclass(frozen=True)
@@ -555,6 +591,7 @@ class CosyVoice2Runtime:
         self.speakers = load_speakers(info.model_path / SPEAKERS_FILE, config.flow.output_size,
                                       config.flow.spk_embed_dim)
         self.fp32_pins = tuple(pins)
+        self._pins = split_pins(self.fp32_pins)  # a pin naming nothing fails here, at load
         self.limits = LengthLimits()
         self._tokens = SpeechTokens(self.model, self.device)
         self._audio: dict[str, Token2Wav] = {}
@@ -577,7 +614,8 @@ class CosyVoice2Runtime:
         return ("fp32", "fp16")
 
     def token2wav(self, precision: str) -> Token2Wav:
-        """The streaming token-to-audio stage in `precision` (FP16: a pinned twin, made once)."""
+        """The streaming token-to-audio stage in `precision` (FP16: a pinned twin of the vocoder
+        and, unless `flow` is pinned, of the estimator; made once)."""
         if precision not in self.precisions():
             raise ValueError(f"CosyVoice2 on {self.device.type} runs {' or '.join(self.precisions())}, not {precision}")
         found = self._audio.get(precision)
@@ -586,10 +624,16 @@ class CosyVoice2Runtime:
             if precision == "fp32":
                 found = model.token2wav
             else:
-                hift = to_mixed_precision(model.hift, self.fp32_pins, torch.float16)
+                hift = to_mixed_precision(model.hift, self._pins.vocoder, torch.float16)
                 for name in FP32_STAGES:  # FP32, outputs too
                     setattr(hift, name, getattr(model.hift, name))
-                found = Token2Wav(model.flow, hift, model.config.stream)
+                flow = model.flow
+                if not self._pins.estimator_fp32:
+                    half = to_mixed_precision(flow.decoder.estimator, self._pins.estimator, torch.float16)
+                    flow = flow.with_estimator(HalfEstimator(half))
+                    if self._solver is not None:  # its own graphs in the FP32 ones' memory: never at once
+                        flow.use_graphs(self._solver.capturer)
+                found = Token2Wav(flow, hift, model.config.stream)
             self._audio[precision] = found
         return found
 
@@ -605,16 +649,22 @@ class CosyVoice2Runtime:
 
     def prepare(self, max_batch: int) -> None:
         """On CUDA, the CUDA graphs of the token steps for the cache's first rows and of the
-        flow's solves up to `PREPARED_SOLVES`."""
+        flow's solves up to `PREPARED_SOLVES` (the FP16 estimator's too, where it runs)."""
         self._tokens.capture(len(self._tokens.cache.lengths))
         if self._solver is None:
             return
+        solvers = [self._solver]
+        if not self._pins.estimator_fp32:
+            half = self.token2wav("fp16").flow.graphed
+            assert half is not None
+            solvers.append(half)
         rows, frames = self.PREPARED_SOLVES
         with torch.inference_mode():
-            for streaming in (True, False):
-                for b in buckets_up_to(rows):
-                    for t in buckets_up_to(frames, self._solver.SMALLEST_FRAMES):
-                        self._solver.capture(b, t, streaming)
+            for solver in solvers:
+                for streaming in (True, False):
+                    for b in buckets_up_to(rows):
+                        for t in buckets_up_to(frames, solver.SMALLEST_FRAMES):
+                            solver.capture(b, t, streaming)
 
     def acoustic_batch(self, jobs: list[AcousticJob]) -> Sequence[DecoderInput]:
         """Each sentence's LM prompt prefilled (one padded batch) and its first token drawn."""

@@ -16,11 +16,15 @@ import torch
 from service.audio.quality import psnr_db
 from service.models import registry
 from service.models.cosyvoice2.config import ConfigError
+from service.models.cosyvoice2.flow import HalfEstimator
 from service.models.cosyvoice2.runtime import (
+    COSYVOICE2_FP32_PINS,
     MAX_PROMPT_SPEECH_TOKENS,
     CosyVoice2Runtime,
+    PinSplit,
     SpeechUtterance,
     load_speakers,
+    split_pins,
 )
 from service.models.family import AcousticJob, StepRows, SynthesisParams, TextFrontend, utterance_rng
 
@@ -261,3 +265,52 @@ def test_the_voice_equals_the_official_code(runtime: CosyVoice2Runtime, frontend
         theirs, ours = parity.pair(sentence)
         assert len(theirs) == len(ours) > 0
         assert psnr_db(theirs, ours) >= 60
+
+
+def test_fp32_pins_split_into_the_estimators_and_the_vocoders() -> None:
+    assert split_pins(COSYVOICE2_FP32_PINS) == PinSplit(True, (), ("conv_post",))
+    assert split_pins(("flow.decoder.estimator.time_mlp", "hift.ups.*", "hift")) == PinSplit(
+        False, ("time_mlp",), ("ups.*", "*"))
+    assert split_pins(("flow.decoder",)).estimator_fp32 and split_pins(("flow*",)).estimator_fp32
+    assert split_pins(()) == PinSplit(False, (), ())
+    with pytest.raises(ValueError, match=r"'conv_post' names no part .* pin flow .* under flow\.decoder\.estimator\. "
+                                         r"or hift\."):
+        split_pins(("conv_post",))
+
+
+def test_an_unknown_pin_fails_when_the_voice_opens(cosyvoice2_dir: Path) -> None:
+    with pytest.raises(ValueError, match="'lm' names no part"):
+        registry.open_voice(registry.recognise(cosyvoice2_dir), "auto", "cpu", pins=("lm",))
+
+
+def test_with_flow_unpinned_fp16_solves_with_an_fp16_estimator_beside_the_fp32_flow(
+        runtime: CosyVoice2Runtime, frontend: TextFrontend, cosyvoice2_dir: Path) -> None:
+    """The FP16 twin shares the flow's encoder and every other module: only the estimator is a
+    second copy, in FP16 (pins FP32), inside a solve whose state stays FP32. Its mel is FP16's
+    rounding away from FP32's; the FP32 flow is untouched."""
+    half_rt = registry.open_voice(registry.recognise(cosyvoice2_dir), "auto", "cpu",
+                                  pins=("hift.conv_post", "flow.decoder.estimator.final_proj"))
+    assert isinstance(half_rt, CosyVoice2Runtime)
+    fp32 = half_rt.token2wav("fp32").flow
+    flow = half_rt.token2wav("fp16").flow
+    assert fp32 is runtime.token2wav("fp32").flow and runtime.token2wav("fp16").flow is fp32  # flow pinned there
+    assert flow.encoder is fp32.encoder and flow.input_embedding is fp32.input_embedding and flow.noise is fp32.noise
+    half = flow.decoder.estimator
+    assert isinstance(half, HalfEstimator)
+    assert half.estimator.time_mlp.linear_1.weight.dtype == torch.float16
+    assert half.estimator.final_proj.weight.dtype == torch.float32  # pinned
+    assert all(p.dtype == torch.float32 for p in fp32.parameters())
+    utt = tokens_of(half_rt, jobs(frontend, TEXTS[1:2], seed=6))[0]
+    state32, state16 = half_rt.stream_state(utt, "fp32"), half_rt.stream_state(utt, "fp16")
+    tokens = torch.tensor([utt.tokens])
+    with torch.inference_mode():
+        want = fp32.batch([half_rt.token2wav("fp32").request(state32, tokens, True)], streaming=False,
+                          finalize=True)[0]
+        got = flow.batch([half_rt.token2wav("fp16").request(state16, tokens, True)], streaming=False,
+                         finalize=True)[0]
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    mel_db = psnr_db(want.numpy().ravel(), got.numpy().ravel())
+    print(f"FP16 estimator against FP32: mel {mel_db:.1f} dB")
+    assert mel_db >= 45.0
+    audio = half_rt.reference(utt, "fp16")
+    assert np.isfinite(audio).all() and len(audio) == len(half_rt.reference(utt))

@@ -132,6 +132,40 @@ def solves_equal() -> None:
             torch.testing.assert_close(got[i, :, :n], want[i, :, :n], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_fp16_estimator_graphs_share_the_fp32_ones_memory_and_equal_eager_fp16() -> None:
+    """The unpinned flow's FP16 estimator (`HalfEstimator`) solves through its own graphs in the
+    FP32 solver's capturer: each equals its eager solve, the FP16 mel stays within FP16's
+    rounding of FP32's, and replays of one do not change what the other handed out."""
+    from service.models.cosyvoice2.flow import HalfEstimator
+    from service.models.mixed_precision import to_mixed_precision
+
+    torch.manual_seed(2)
+    dev = torch.device("cuda")
+    config = EstimatorConfig(channels=(64,), attention_head_dim=16, n_blocks=1, num_mid_blocks=1, num_heads=2)
+    estimator = Estimator(config).to(dev).eval()
+    half = HalfEstimator(to_mixed_precision(estimator, ("final_proj",), torch.float16))
+    cfm = CfmConfig()
+    noise = fixed_noise(cfm).to(dev)
+    fp32 = GraphedSolve(estimator, noise, cfm)
+    fp16 = GraphedSolve(half, noise, cfm, fp32.capturer)
+    mask = torch.ones(2, 1, 140, device=dev)
+    mu, cond = torch.randn(2, 80, 140, device=dev), torch.zeros(2, 80, 140, device=dev)
+    spks = torch.randn(2, 80, device=dev)
+    got32 = fp32(mu, mask, spks, cond, True)
+    got16 = fp16(mu, mask, spks, cond, True)
+    eager16 = solve(half, noise, mu, mask, spks, cond, cfm, streaming=True)
+    torch.testing.assert_close(got16, eager16, atol=2e-3, rtol=2e-3)
+    want32 = solve(estimator, noise, mu, mask, spks, cond, cfm, streaming=True)
+    torch.testing.assert_close(got32, want32, atol=1e-4, rtol=1e-4)
+    error = (got16 - want32).pow(2).mean()
+    assert 10 * torch.log10(want32.abs().max() ** 2 / error) >= 45.0
+    fp32(mu.flip(0), mask, spks.flip(0), cond, True)
+    fp16(mu.flip(0), mask, spks.flip(0), cond, True)
+    torch.testing.assert_close(got32, want32, atol=1e-4, rtol=1e-4)  # a copy, not the graph's output
+
+
 def host_waits(call: Callable[[], object]) -> list[str]:
     """Where `call` made the host wait for the device (torch's sync debug mode, as warnings;
     one the mode switch itself reports, from torch.cuda's own module, is not `call`'s)."""
