@@ -184,15 +184,16 @@ def run_sensitivity(
         served.close()
     print(f"FP32 pins on the {SERVED}; {len(texts)} sentence(s), voice {served.voice} on {device}; "
           f"the family's pins: {', '.join(pins) or 'none'}", flush=True)
-    print(f"{'FP16 run':40s} {'min_db':>8s} {'median_db':>9s} {'redos':>5s} {'len_changes':>11s}")
-    _print_row("with the family's pins", baseline)
     trials = [(f"without {p}", tuple(q for q in pins if q != p)) for p in pins]
     trials += [(f"with {c} added", (*pins, c)) for c in candidates if c not in pins]
     trials.append(("no pins", ()))
+    width = max(40, *(len(label) for label, _ in trials))
+    print(f"{'FP16 run':{width}s} {'min_db':>8s} {'median_db':>9s} {'redos':>5s} {'len_changes':>11s}")
+    _print_row("with the family's pins", baseline, width)
     for label, trial in trials:
         one = ServedVoice(voice, voices_dir, device, threads, pins=trial)
         try:
-            _print_row(label, _score(one, texts, refs, seed))
+            _print_row(label, _score(one, texts, refs, seed), width)
         finally:
             one.close()
     return 0
@@ -208,7 +209,7 @@ def _score(served: ServedVoice, texts: list[str], refs: list[np.ndarray], seed: 
     return values, redos, length_changes
 
 
-def _print_row(label: str, score: tuple[list[float], int, int]) -> None:
+def _print_row(label: str, score: tuple[list[float], int, int], width: int) -> None:
     values, redos, length_changes = score
-    print(f"{label:40s} {min(values):8.2f} {statistics.median(values):9.2f} {redos:5d} {length_changes:11d}",
+    print(f"{label:{width}s} {min(values):8.2f} {statistics.median(values):9.2f} {redos:5d} {length_changes:11d}",
           flush=True)
