@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -408,18 +407,3 @@ def test_cuda_compiled_acoustic_stage_keeps_every_duration() -> None:
             assert np.array_equal(a.durations, b.durations)
             np.testing.assert_allclose(a.prior.mean, b.prior.mean, atol=1e-4)
     assert graphs._graphs and graphs._encode != graphs.model.encode  # it ran compiled
-
-
-def test_compiled_kernels_are_kept_in_cadenzas_cache_unless_the_user_says_where(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """inductor's default home is /tmp (gone with the machine): the compiled acoustic stage keeps
-    its kernels under Cadenza's cache, and a TORCHINDUCTOR_CACHE_DIR set by the user stays."""
-    from service.models.vits.backends.torch_backend import _keep_compiled_kernels
-
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    _keep_compiled_kernels()
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cadenza" / "inductor")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/srv/kernels")
-    _keep_compiled_kernels()
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/srv/kernels"

@@ -8,13 +8,18 @@ prefix, sees the same noise under the frames it has already produced."""
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from service.models.compiled import keep_compiled_kernels
 from service.models.cuda_graphs import GraphCapturer, bucket
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,8 @@ def time_span(config: CfmConfig, dtype: torch.dtype, device: torch.device) -> to
     return t
 
 
-def solve(estimator: nn.Module, noise: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor,
-          cond: torch.Tensor, config: CfmConfig, streaming: bool = False) -> torch.Tensor:
+def solve(estimator: Callable[..., torch.Tensor], noise: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
+          spks: torch.Tensor, cond: torch.Tensor, config: CfmConfig, streaming: bool = False) -> torch.Tensor:
     """Mel [B, 80, T] for B utterances at once. noise: the fixed buffer; mu, cond [B, 80, T];
     mask [B, 1, T]; spks [B, 80]. Each step runs the estimator once over 2B rows: the B
     conditioned, then the same B with mu, speaker and prompt zeroed (the unconditioned half)."""
@@ -76,9 +81,16 @@ class GraphedSolve:
     SMALLEST_FRAMES = 128
 
     def __init__(self, estimator: nn.Module, noise: torch.Tensor, config: CfmConfig,
-                 capturer: GraphCapturer | None = None) -> None:
+                 capturer: GraphCapturer | None = None, compiled: bool = False) -> None:
         self.estimator, self.noise, self.config = estimator, noise, config
         self.capturer = capturer or GraphCapturer(noise.device)
+        # `compiled`: the estimator's passes as inductor's fused kernels under the graphs (compiled
+        # at the first capture's warm-up, for every bucket: dynamic shapes; eager if that fails).
+        self.compiled = compiled
+        self._estimator: Callable[..., torch.Tensor] = estimator
+        if compiled:
+            keep_compiled_kernels()
+            self._estimator = torch.compile(estimator, dynamic=True)
         self._graphs: dict[tuple[int, int, bool],
                            tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
@@ -95,9 +107,17 @@ class GraphedSolve:
                   torch.zeros(b, bins, device=dev), torch.zeros(b, bins, t, device=dev))
 
         def run(mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-            return solve(self.estimator, self.noise, mu, mask, spks, cond, self.config, streaming=streaming)
+            return solve(self._estimator, self.noise, mu, mask, spks, cond, self.config, streaming=streaming)
 
-        graph, out = self.capturer.capture(run, *static, warmups=1)
+        try:
+            graph, out = self.capturer.capture(run, *static, warmups=1)
+        except Exception as exc:  # a compiler failure shows at the warm-up run, before the capture
+            if self._estimator is self.estimator:
+                raise
+            log.warning("compiling the flow's estimator failed (%s: %s); its solves run eager kernels",
+                        type(exc).__name__, exc)
+            self._estimator = self.estimator
+            graph, out = self.capturer.capture(run, *static, warmups=1)
         self._graphs[key] = (graph, static, out)
 
     def __call__(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,

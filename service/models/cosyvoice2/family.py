@@ -40,8 +40,9 @@ class CosyVoice2Family:
         if options.get("threads"):
             torch.set_num_threads(int(options["threads"]))
         pins = options.get("pins")
-        runtime: VoiceRuntime = (CosyVoice2Runtime(info, device, schedule) if pins is None
-                                 else CosyVoice2Runtime(info, device, schedule, tuple(pins)))
+        compile_flow = bool(options.get("compile_flow"))
+        runtime: VoiceRuntime = (CosyVoice2Runtime(info, device, schedule, compile_flow=compile_flow) if pins is None
+                                 else CosyVoice2Runtime(info, device, schedule, tuple(pins), compile_flow))
         return runtime
 
     def parity(self, runtime: VoiceRuntime, threads: int | None) -> ParityCheck:

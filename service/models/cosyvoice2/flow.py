@@ -78,11 +78,12 @@ class Flow(nn.Module):
         self.register_buffer("noise", fixed_noise(config.cfm), persistent=False)
         self.graphed: GraphedSolve | None = None
 
-    def use_graphs(self, capturer: GraphCapturer | None = None) -> GraphedSolve:
+    def use_graphs(self, capturer: GraphCapturer | None = None, compiled: bool = False) -> GraphedSolve:
         """Solve through CUDA graphs from now on (the flow on a CUDA device, FP32 inputs).
-        `capturer`: another flow's, to share its graphs' memory (flows that never run at once)."""
+        `capturer`: another flow's, to share its graphs' memory (flows that never run at once);
+        `compiled`: the estimator through torch.compile under them (`GraphedSolve`)."""
         if self.graphed is None:
-            self.graphed = GraphedSolve(self.decoder.estimator, self.noise, self.config.cfm, capturer)
+            self.graphed = GraphedSolve(self.decoder.estimator, self.noise, self.config.cfm, capturer, compiled)
         return self.graphed
 
     def with_estimator(self, estimator: nn.Module) -> Flow:

@@ -582,7 +582,8 @@ class CosyVoice2Runtime:
     pin_candidates = COSYVOICE2_PIN_CANDIDATES
 
     def __init__(self, info: VoiceInfo, device: str, schedule: ChunkSchedule | None = None,
-                 pins: tuple[str, ...] = COSYVOICE2_FP32_PINS) -> None:
+                 pins: tuple[str, ...] = COSYVOICE2_FP32_PINS, compile_flow: bool = False) -> None:
+        """`compile_flow`: on CUDA, the flow's estimator through torch.compile under its graphs."""
         self.info = info
         self.device = torch.device(device)
         self.capabilities = Capabilities(slot_decoder=True, asynchronous=self.device.type == "cuda")
@@ -596,7 +597,9 @@ class CosyVoice2Runtime:
         self.limits = LengthLimits()
         self._tokens = SpeechTokens(self.model, self.device)
         self._audio: dict[str, Token2Wav] = {}
-        self._solver = self.model.flow.use_graphs() if self.device.type == "cuda" else None
+        self._solver = self.model.flow.use_graphs(compiled=compile_flow) if self.device.type == "cuda" else None
+        if compile_flow and self._solver is None:
+            log.info("compile_flow applies to CUDA only: the flow runs eagerly on %s", self.device)
 
     @property
     def sample_rate(self) -> int:
@@ -633,7 +636,7 @@ class CosyVoice2Runtime:
                     half = to_mixed_precision(flow.decoder.estimator, self._pins.estimator, torch.float16)
                     flow = flow.with_estimator(HalfEstimator(half))
                     if self._solver is not None:  # its own graphs in the FP32 ones' memory: never at once
-                        flow.use_graphs(self._solver.capturer)
+                        flow.use_graphs(self._solver.capturer, self._solver.compiled)
                 found = Token2Wav(flow, hift, model.config.stream)
             self._audio[precision] = found
         return found

@@ -166,6 +166,39 @@ def test_fp16_estimator_graphs_share_the_fp32_ones_memory_and_equal_eager_fp16()
     torch.testing.assert_close(got32, want32, atol=1e-4, rtol=1e-4)  # a copy, not the graph's output
 
 
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_compiled_solves_equal_eager_ones_and_a_compiler_failure_falls_back(monkeypatch: pytest.MonkeyPatch,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """`compile_flow`: the estimator's passes as inductor's kernels under the graphs give the eager
+    graphs' mel (FP32 arithmetic, fused differently); a compiler that fails leaves eager kernels."""
+    torch.manual_seed(3)
+    dev = torch.device("cuda")
+    config = EstimatorConfig(channels=(64,), attention_head_dim=16, n_blocks=1, num_mid_blocks=1, num_heads=2)
+    estimator = Estimator(config).to(dev).eval()
+    cfm = CfmConfig()
+    noise = fixed_noise(cfm).to(dev)
+    mask = torch.ones(2, 1, 200, device=dev)
+    mu, cond = torch.randn(2, 80, 200, device=dev), torch.zeros(2, 80, 200, device=dev)
+    spks = torch.randn(2, 80, device=dev)
+    want = GraphedSolve(estimator, noise, cfm)(mu, mask, spks, cond, True)
+    compiled = GraphedSolve(estimator, noise, cfm, compiled=True)
+    torch.testing.assert_close(compiled(mu, mask, spks, cond, True), want, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(compiled(mu[:1, :, :150], mask[:1, :, :150], spks[:1], cond[:1, :, :150], True),
+                               want[:1, :, :150], atol=1e-3, rtol=1e-3)  # another bucket, the same compile
+
+    def broken(*args: object, **kwargs: object) -> Callable[..., torch.Tensor]:
+        def fail(*a: object, **k: object) -> torch.Tensor:
+            raise RuntimeError("no compiler here")
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level("WARNING"):
+        fallen = GraphedSolve(estimator, noise, cfm, compiled=True)
+        torch.testing.assert_close(fallen(mu, mask, spks, cond, True), want, atol=1e-4, rtol=1e-4)
+    assert "compiling the flow's estimator failed (RuntimeError: no compiler here)" in caplog.text
+
+
 def host_waits(call: Callable[[], object]) -> list[str]:
     """Where `call` made the host wait for the device (torch's sync debug mode, as warnings;
     one the mode switch itself reports, from torch.cuda's own module, is not `call`'s)."""

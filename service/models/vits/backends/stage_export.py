@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from service.models.compiled import cache_home
 from service.models.vits.flow import fold_couplings
 from service.models.vits.generator import polyphase_upsamplers
 from service.models.vits.model import VitsModel
@@ -156,13 +156,6 @@ PREBUILT_DIR = Path("/opt/cadenza/onnx")
 def export_dir_name(onnx_path: Path) -> str:
     """<voice>-<digest>-v<version>: a changed voice file or export code never reuses old graphs."""
     return f"{onnx_path.name.removesuffix('.onnx')}-{voice_digest(onnx_path)}-v{EXPORT_VERSION}"
-
-
-def cache_home() -> Path:
-    """Cadenza's own cache: $XDG_CACHE_HOME or ~/.cache, /cadenza (never raises for a user without
-    a home: an unusable path falls back later, see writable_cache_dir)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cadenza"
 
 
 def default_cache_dir() -> Path:

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import logging
 import math
-import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -19,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.guard import guard
+from service.models.compiled import keep_compiled_kernels
 from service.models.cuda_graphs import GraphCapturer
 from service.models.device_audio import GuardedCopy, guard_async, pinned_copy
 from service.models.mixed_precision import no_tf32
 from service.models.transfer import to_device
 from service.models.vits.backends.base import Capabilities, DevicePriorOut, EncodeOut, HostAudio, VocodeOut
-from service.models.vits.backends.stage_export import cache_home
 from service.models.vits.model import VitsModel
 from service.models.vits.precision import VITS_FP32_PINS, to_mixed_precision
 from service.models.vits.receptive_field import decoder_stage_table
@@ -223,13 +222,6 @@ class TorchBackend:
         return _to_host(model.vocode(self._input(z, precision), self._sid(sid)), precision)
 
 
-def _keep_compiled_kernels() -> None:
-    """inductor keeps what it compiled under /tmp by default, so a new machine or a cleared /tmp
-    compiles again at start-up: keep it under Cadenza's cache home instead (`cache_home()`). A
-    TORCHINDUCTOR_CACHE_DIR the user set wins (the Helm chart sets it to its volume)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home() / "inductor"))
-
-
 class _EncoderGraphs:
     """The acoustic stage as CUDA graphs, one per (batch bucket, phoneme-length bucket): the
     encoder and the duration predictor are hundreds of small kernels, so launching them costs
@@ -247,7 +239,7 @@ class _EncoderGraphs:
         # (dynamic shapes) at the first capture's warm-up run; eager if compiling fails.
         self._encode: Callable[..., tuple[torch.Tensor, ...]] = model.encode
         if compiled:
-            _keep_compiled_kernels()
+            keep_compiled_kernels()
             self._encode = torch.compile(model.encode, dynamic=True)
         self.device = device
         self.length_step = length_step
