@@ -102,13 +102,17 @@ def test_graphed_solves_equal_eager_solves() -> None:
         torch.backends.cudnn.allow_tf32 = tf32
 
 
-def solves_equal() -> None:
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
+def small_solver(seed: int) -> tuple[Estimator, CfmConfig, torch.Tensor]:
+    """A small estimator on CUDA with random weights, the solver's config and its fixed noise."""
+    torch.manual_seed(seed)
     config = EstimatorConfig(channels=(64,), attention_head_dim=16, n_blocks=1, num_mid_blocks=1, num_heads=2)
-    estimator = Estimator(config).to(dev).eval()
     cfm = CfmConfig()
-    noise = fixed_noise(cfm).to(dev)
+    return Estimator(config).cuda().eval(), cfm, fixed_noise(cfm).cuda()
+
+
+def solves_equal() -> None:
+    dev = torch.device("cuda")
+    estimator, cfm, noise = small_solver(0)
     graphed = GraphedSolve(estimator, noise, cfm)
     frames = torch.tensor([150, 90, 120], device=dev)
     mask = (torch.arange(150, device=dev)[None, :] < frames[:, None]).float()[:, None]
@@ -141,13 +145,9 @@ def test_fp16_estimator_graphs_share_the_fp32_ones_memory_and_equal_eager_fp16()
     from service.models.cosyvoice2.flow import HalfEstimator
     from service.models.mixed_precision import to_mixed_precision
 
-    torch.manual_seed(2)
     dev = torch.device("cuda")
-    config = EstimatorConfig(channels=(64,), attention_head_dim=16, n_blocks=1, num_mid_blocks=1, num_heads=2)
-    estimator = Estimator(config).to(dev).eval()
+    estimator, cfm, noise = small_solver(2)
     half = HalfEstimator(to_mixed_precision(estimator, ("final_proj",), torch.float16))
-    cfm = CfmConfig()
-    noise = fixed_noise(cfm).to(dev)
     fp32 = GraphedSolve(estimator, noise, cfm)
     fp16 = GraphedSolve(half, noise, cfm, fp32.capturer)
     mask = torch.ones(2, 1, 140, device=dev)
@@ -172,12 +172,8 @@ def test_compiled_solves_equal_eager_ones_and_a_compiler_failure_falls_back(monk
                                                                             caplog: pytest.LogCaptureFixture) -> None:
     """`compile_flow`: the estimator's passes as inductor's kernels under the graphs give the eager
     graphs' mel (FP32 arithmetic, fused differently); a compiler that fails leaves eager kernels."""
-    torch.manual_seed(3)
     dev = torch.device("cuda")
-    config = EstimatorConfig(channels=(64,), attention_head_dim=16, n_blocks=1, num_mid_blocks=1, num_heads=2)
-    estimator = Estimator(config).to(dev).eval()
-    cfm = CfmConfig()
-    noise = fixed_noise(cfm).to(dev)
+    estimator, cfm, noise = small_solver(3)
     mask = torch.ones(2, 1, 200, device=dev)
     mu, cond = torch.randn(2, 80, 200, device=dev), torch.zeros(2, 80, 200, device=dev)
     spks = torch.randn(2, 80, device=dev)
