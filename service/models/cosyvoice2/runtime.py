@@ -63,9 +63,8 @@ log = logging.getLogger(__name__)
 # FP32. The flow's encoder and the vocoder's F0 path (F0 predictor, sine source) are always FP32.
 # Why the family pins what it pins:
 # - flow: the sine source sums F0 into a phase over each chunk, and F0 is read from the mel, so a
-#   mel off by FP16's rounding (about 60 dB) drifts that phase: the waveform parts from FP32's by
-#   far more than 45 dB allows, though its spectrum does not. Unpinned, the estimator runs FP16
-#   with its Euler state in FP32 (`HalfEstimator`).
+#   mel off by no more than FP16's rounding still drifts that phase, and the waveform with it.
+#   Unpinned, the estimator runs FP16 with its Euler state in FP32 (`HalfEstimator`).
 # - hift.conv_post: its output goes through exp() (the magnitude).
 # `cadenza precision sensitivity --voice DIR` measures each on the served path.
 COSYVOICE2_FP32_PINS: tuple[str, ...] = ("flow", "hift.conv_post")
