@@ -89,6 +89,7 @@ class PinSplit:
 
 
 def split_pins(pins: Sequence[str]) -> PinSplit:
+    """What each pin keeps in FP32, part by part (ValueError for a pin that names neither part)."""
     whole, estimator, vocoder = False, [], []
     for p in pins:
         if p.startswith(ESTIMATOR + "."):
