@@ -738,9 +738,10 @@ def _add_batch_args(p: _Options, advanced: _Options | None = None, limits: _Opti
     p.add_argument("--compile-acoustic", action=argparse.BooleanOptionalAction, default=_batch("compile_acoustic"),
                    help="on CUDA, run the acoustic stage through torch.compile (fused FP32 kernels; compiles at "
                         "the first start-up, kept under ~/.cache/cadenza/inductor or $TORCHINDUCTOR_CACHE_DIR)")
-    p.add_argument("--compile-flow", action=argparse.BooleanOptionalAction, default=_batch("compile_flow"),
-                   help="on CUDA, run CosyVoice2's flow estimator through torch.compile under its CUDA graphs "
-                        "(compiles at start-up, kept as --compile-acoustic keeps it)")
+    p.add_argument("--compile-decoder", action=argparse.BooleanOptionalAction, default=_batch("compile_decoder"),
+                   help="on CUDA, run the decoder through torch.compile under its CUDA graphs where the voice's "
+                        "family can (CosyVoice2: the flow's estimator; compiles at start-up, kept as "
+                        "--compile-acoustic keeps it)")
 
 
 def _batch_config(args: argparse.Namespace) -> BatchConfig:
@@ -750,7 +751,7 @@ def _batch_config(args: argparse.Namespace) -> BatchConfig:
                        step_fill_rows=args.step_fill_rows, slots=args.slots, max_ahead_s=args.max_ahead,
                        stall_timeout_s=args.stall_timeout,
                        acoustic_max_batch=args.acoustic_max_batch, compile_acoustic=args.compile_acoustic,
-                       compile_flow=args.compile_flow)
+                       compile_decoder=args.compile_decoder)
 
 
 def _version() -> str:

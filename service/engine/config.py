@@ -60,10 +60,10 @@ class BatchConfig:
     # less for its durations; the arithmetic stays FP32 (no duration changes, tested). Off: it
     # lengthens every start-up by the compile (bench/RESULTS.md weighs it).
     compile_acoustic: bool = False
-    # On CUDA, run CosyVoice2's flow estimator (ten guided passes per chunk) through torch.compile
-    # under its CUDA graphs: fused kernels, the arithmetic unchanged. Off: each start-up compiles
-    # for minutes the first time (bench/RESULTS.md weighs it).
-    compile_flow: bool = False
+    # On CUDA, run the decoder's hot module through torch.compile under its CUDA graphs, where the
+    # voice's family can (`VoiceRuntime` options): fused kernels, the arithmetic unchanged. Off:
+    # each start-up compiles for minutes the first time (bench/RESULTS.md weighs it).
+    compile_decoder: bool = False
     acoustic_lookahead_s: float = 2.0  # a session's next sentence waits while this much audio is queued
     # Staged decoding: while another session is starting or has less than `cpu_urgent_slack_s`
     # of audio left, a chunk is cut to at most this many frames, so one session's big chunk does

@@ -123,7 +123,7 @@ class Runtimes:
             if runtime is None:
                 options: dict[str, object] = {"threads": self.config.threads} if self.config.threads else {}
                 options["compile_acoustic"] = self.config.batch.compile_acoustic
-                options["compile_flow"] = self.config.batch.compile_flow
+                options["compile_decoder"] = self.config.batch.compile_decoder
                 if self.config.cache_dir is not None:
                     options["cache_dir"] = self.config.cache_dir
                 if self.config.fp32_pins is not None:

@@ -177,9 +177,10 @@ def test_gpu_mode_switches_the_image_and_asks_for_a_gpu_node() -> None:
     assert volumes["voices"]["persistentVolumeClaim"] == {"claimName": "piper-voices", "readOnly": True}
     # The acoustic stage compiled on request, and what inductor compiled kept in the cache volume.
     assert serve_args(c["args"]).compile_acoustic is False
-    compiled = container(render("gpu.enabled=true", "server.compileAcoustic=true", "server.compileFlow=true"))
-    assert serve_args(compiled["args"]).compile_acoustic is True and serve_args(compiled["args"]).compile_flow is True
-    assert serve_args(c["args"]).compile_flow is False
+    compiled = container(render("gpu.enabled=true", "server.compileAcoustic=true", "server.compileDecoder=true"))
+    flags = serve_args(compiled["args"])
+    assert flags.compile_acoustic is True and flags.compile_decoder is True
+    assert serve_args(c["args"]).compile_decoder is False
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(
         next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "cache") + "/")
@@ -387,7 +388,7 @@ def test_values_defaults_are_the_servers_own() -> None:
         == (batch.step_frames, batch.max_step_rows, batch.step_fill_rows, batch.slots, batch.decoder)
     assert (server["maxAheadSeconds"], server["admissionWaitSeconds"]) == (batch.max_ahead_s, limits.admission_wait_s)
     assert server["stallTimeoutSeconds"] == batch.stall_timeout_s
-    assert server["compileAcoustic"] is batch.compile_acoustic and server["compileFlow"] is batch.compile_flow
+    assert server["compileAcoustic"] is batch.compile_acoustic and server["compileDecoder"] is batch.compile_decoder
     assert (server["maxSessions"], server["maxTextChars"], server["maxMessageBytes"], server["idleTimeoutSeconds"]) \
         == (limits.max_sessions, limits.max_text_chars, limits.max_message_bytes, limits.idle_timeout_s)
     assert (server["device"], server["backend"], server["cacheMb"] << 20, server["core"]) == (

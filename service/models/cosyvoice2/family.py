@@ -40,7 +40,7 @@ class CosyVoice2Family:
         if options.get("threads"):
             torch.set_num_threads(int(options["threads"]))
         pins = options.get("pins")
-        compile_flow = bool(options.get("compile_flow"))
+        compile_flow = bool(options.get("compile_decoder"))  # its decoder's hot module: the flow's estimator
         runtime: VoiceRuntime = (CosyVoice2Runtime(info, device, schedule, compile_flow=compile_flow) if pins is None
                                  else CosyVoice2Runtime(info, device, schedule, tuple(pins), compile_flow))
         return runtime

@@ -599,7 +599,7 @@ class CosyVoice2Runtime:
         self._audio: dict[str, Token2Wav] = {}
         self._solver = self.model.flow.use_graphs(compiled=compile_flow) if self.device.type == "cuda" else None
         if compile_flow and self._solver is None:
-            log.info("compile_flow applies to CUDA only: the flow runs eagerly on %s", self.device)
+            log.info("compiling the decoder applies to CUDA only: the flow runs eagerly on %s", self.device)
 
     @property
     def sample_rate(self) -> int:

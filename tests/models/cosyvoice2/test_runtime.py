@@ -316,8 +316,8 @@ def test_with_flow_unpinned_fp16_solves_with_an_fp16_estimator_beside_the_fp32_f
     assert np.isfinite(audio).all() and len(audio) == len(half_rt.reference(utt))
 
 
-def test_compile_flow_applies_to_cuda_only(cosyvoice2_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_compiling_the_decoder_applies_to_cuda_only(cosyvoice2_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="service.models.cosyvoice2.runtime"):
-        rt = registry.open_voice(registry.recognise(cosyvoice2_dir), "auto", "cpu", compile_flow=True)
+        rt = registry.open_voice(registry.recognise(cosyvoice2_dir), "auto", "cpu", compile_decoder=True)
     assert isinstance(rt, CosyVoice2Runtime) and rt.token2wav("fp32").flow.graphed is None
-    assert "compile_flow applies to CUDA only: the flow runs eagerly on cpu" in caplog.text
+    assert "compiling the decoder applies to CUDA only: the flow runs eagerly on cpu" in caplog.text

@@ -170,7 +170,7 @@ def test_fp16_estimator_graphs_share_the_fp32_ones_memory_and_equal_eager_fp16()
 @torch.inference_mode()
 def test_compiled_solves_equal_eager_ones_and_a_compiler_failure_falls_back(monkeypatch: pytest.MonkeyPatch,
                                                                             caplog: pytest.LogCaptureFixture) -> None:
-    """`compile_flow`: the estimator's passes as inductor's kernels under the graphs give the eager
+    """`compile_decoder`: the estimator's passes as inductor's kernels under the graphs give the eager
     graphs' mel (FP32 arithmetic, fused differently); a compiler that fails leaves eager kernels."""
     dev = torch.device("cuda")
     estimator, cfm, noise = small_solver(3)
