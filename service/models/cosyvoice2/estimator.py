@@ -250,6 +250,5 @@ class Estimator(nn.Module):
             x = torch.cat([x[:, :, :skip.shape[-1]], skip], dim=1)
             x = stage[2](level(stage, x, depth) * masks[depth])  # type: ignore[index]
             depth -= 1
-        m = masks[0]
-        x = self.final_block(x, m)
-        return self.final_proj(x * m) * mask
+        x = self.final_block(x, mask)
+        return self.final_proj(x * mask) * mask

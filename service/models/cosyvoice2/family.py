@@ -35,15 +35,13 @@ class CosyVoice2Family:
             raise ValueError(f"CosyVoice2 voices run on the torch backend, not {backend!r} (--backend torch or auto)")
         import torch
 
-        from service.models.cosyvoice2.runtime import CosyVoice2Runtime
+        from service.models.cosyvoice2.runtime import COSYVOICE2_FP32_PINS, CosyVoice2Runtime
 
         if options.get("threads"):
             torch.set_num_threads(int(options["threads"]))
         pins = options.get("pins")
-        compile_flow = bool(options.get("compile_decoder"))  # its decoder's hot module: the flow's estimator
-        runtime: VoiceRuntime = (CosyVoice2Runtime(info, device, schedule, compile_flow=compile_flow) if pins is None
-                                 else CosyVoice2Runtime(info, device, schedule, tuple(pins), compile_flow))
-        return runtime
+        return CosyVoice2Runtime(info, device, schedule, COSYVOICE2_FP32_PINS if pins is None else tuple(pins),
+                                 compile_flow=bool(options.get("compile_decoder")))  # its decoder's hot part
 
     def parity(self, runtime: VoiceRuntime, threads: int | None) -> ParityCheck:
         from service.models.cosyvoice2.check import CosyVoice2Parity
