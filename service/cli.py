@@ -636,7 +636,7 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
         target=args.target, sessions=args.sessions, arrival=args.arrival, rate=args.rate, duration_s=args.duration,
         pace=args.pace, tokens_per_s=args.tokens_per_s, precision=args.precision, voice=args.voice, seed=args.seed,
         connect_timeout_s=args.connect_timeout, procs=args.procs, sessions_per_channel=args.sessions_per_channel,
-        sweep_from=args.sweep_from,
+        sweep_from=args.sweep_from, sweep_p99_ms=args.sweep_p99_ms,
     )
     return run_bench_load(config, args.sweep, Path(args.json) if args.json else None,
                           Path(args.png) if args.png else None, connection, _path(args.timeline))
@@ -959,10 +959,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="llm pacing: text tokens per second")
     bload.add_argument("--sweep", action="store_true",
                        help="find the largest N <= --sessions (poisson: target concurrency) with pass_rate >= "
-                            "0.99 and TTFA p99 <= 150 ms (doubling, then bisection; one line per probe)")
+                            "0.99 and TTFA p99 <= --sweep-p99-ms (doubling, then bisection; one line per probe)")
     bload.add_argument("--sweep-from", type=int, default=load("sweep_from"), metavar="N",
                        help="--sweep: the first N tried, e.g. a figure measured before (doubling from there "
                             "until a probe fails, then bisection)")
+    bload.add_argument("--sweep-p99-ms", type=float, default=load("sweep_p99_ms"), metavar="MS",
+                       help="--sweep: the TTFA p99 a probe must stay within, e.g. 300 for an LLM-based voice")
     bload.add_argument("--precision", choices=("auto", "fp16", "fp32"), default=load("precision"),
                        help="precision each session asks for")
     bload.add_argument("--voice", default=load("voice"), metavar="NAME",

@@ -203,7 +203,7 @@ def test_llm_ttfa_starts_when_the_first_sentence_is_complete() -> None:
 def test_missing_matplotlib_skips_the_png(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
-    assert plot_ttfa_cdf(tmp_path / "x.png", [("3 sessions", [1.0, 2.0])]) is False
+    assert plot_ttfa_cdf(tmp_path / "x.png", [("3 sessions", [1.0, 2.0])], 150.0) is False
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
 
@@ -260,6 +260,18 @@ def test_llm_pacing_and_a_small_sweep(server: ServerThread, tmp_path: Path,
         assert r["code"] == "OK"
         # the headline is measured from the first sentence's last token: never more than from the first token
         assert 0 <= r["ttfa_ms"] <= r["ttfa_from_first_text_ms"]
+
+
+def test_the_sweeps_p99_limit_is_an_option(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--sweep-p99-ms`: an LLM-based voice is judged at its own limit; one no session can meet
+    fails every probe, and a limit that is not a positive number is refused before any load."""
+    assert main(["bench", "load", "--target", server.addr, "--sessions", "2", "--sweep",
+                 "--sweep-p99-ms", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert "probe N=1: pass_rate=1.000" in out and "-> fail" in out and "-> pass" not in out
+    assert "ttfa_p99 <= 0.001 ms: none" in out
+    assert main(["bench", "load", "--target", server.addr, "--sweep", "--sweep-p99-ms", "0"]) == 1
+    assert "--sweep-p99-ms must be positive" in capsys.readouterr().err
 
 
 def test_poisson_at_a_target_concurrency(server: ServerThread, tmp_path: Path,

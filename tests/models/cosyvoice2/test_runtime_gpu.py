@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import linecache
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -90,14 +90,20 @@ def test_graphed_prefills_equal_eager_prefills() -> None:
 
 @pytest.mark.gpu
 @torch.inference_mode()
-def test_graphed_solves_equal_eager_solves() -> None:
+def test_graphed_solves_equal_eager_solves(no_tf32_convolutions: None) -> None:
     """A batch of unequal rows padded to its bucket (3 rows of up to 150 frames: 4 x 256) solves
-    as the eager batch does, streaming and not (TF32 convolutions off: their rounding depends on
-    the shape)."""
+    as the eager batch does, streaming and not."""
+    solves_equal()
+
+
+@pytest.fixture
+def no_tf32_convolutions() -> Iterator[None]:
+    """cuDNN's TF32 convolutions off (as for a served voice, `no_tf32`): their rounding depends on
+    the shape, so a solve padded to its graph's bucket would part from the eager one by it."""
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
-        solves_equal()
+        yield
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
 
@@ -138,7 +144,7 @@ def solves_equal() -> None:
 
 @pytest.mark.gpu
 @torch.inference_mode()
-def test_fp16_estimator_graphs_share_the_fp32_ones_memory_and_equal_eager_fp16() -> None:
+def test_fp16_estimator_graphs_share_the_fp32_ones_memory_and_equal_eager_fp16(no_tf32_convolutions: None) -> None:
     """The unpinned flow's FP16 estimator (`HalfEstimator`) solves through its own graphs in the
     FP32 solver's capturer: each equals its eager solve, the FP16 mel stays within FP16's
     rounding of FP32's, and replays of one do not change what the other handed out."""
@@ -168,8 +174,8 @@ def test_fp16_estimator_graphs_share_the_fp32_ones_memory_and_equal_eager_fp16()
 
 @pytest.mark.gpu
 @torch.inference_mode()
-def test_compiled_solves_equal_eager_ones_and_a_compiler_failure_falls_back(monkeypatch: pytest.MonkeyPatch,
-                                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_compiled_solves_equal_eager_ones_and_a_compiler_failure_falls_back(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, no_tf32_convolutions: None) -> None:
     """`compile_decoder`: the estimator's passes as inductor's kernels under the graphs give the eager
     graphs' mel (FP32 arithmetic, fused differently); a compiler that fails leaves eager kernels."""
     dev = torch.device("cuda")
