@@ -8,7 +8,6 @@ prefix, sees the same noise under the frames it has already produced."""
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,10 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from service.models.compiled import keep_compiled_kernels
+from service.models.compiled import CompiledOrEager
 from service.models.cuda_graphs import GraphCapturer, bucket
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,10 +84,7 @@ class GraphedSolve:
         # `compiled`: the estimator's passes as inductor's fused kernels under the graphs (compiled
         # at the first capture's warm-up, for every bucket: dynamic shapes; eager if that fails).
         self.compiled = compiled
-        self._estimator: Callable[..., torch.Tensor] = estimator
-        if compiled:
-            keep_compiled_kernels()
-            self._estimator = torch.compile(estimator, dynamic=True)
+        self._estimator = CompiledOrEager(estimator, "the flow's estimator", compiled)
         self._graphs: dict[tuple[int, int, bool],
                            tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
@@ -109,15 +103,7 @@ class GraphedSolve:
         def run(mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
             return solve(self._estimator, self.noise, mu, mask, spks, cond, self.config, streaming=streaming)
 
-        try:
-            graph, out = self.capturer.capture(run, *static, warmups=1)
-        except Exception as exc:  # a compiler failure shows at the warm-up run, before the capture
-            if self._estimator is self.estimator:
-                raise
-            log.warning("compiling the flow's estimator failed (%s: %s); its solves run eager kernels",
-                        type(exc).__name__, exc)
-            self._estimator = self.estimator
-            graph, out = self.capturer.capture(run, *static, warmups=1)
+        graph, out = self._estimator.retry_eager(lambda: self.capturer.capture(run, *static, warmups=1))
         self._graphs[key] = (graph, static, out)
 
     def __call__(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.guard import guard
-from service.models.compiled import keep_compiled_kernels
+from service.models.compiled import CompiledOrEager
 from service.models.cuda_graphs import GraphCapturer
 from service.models.device_audio import GuardedCopy, guard_async, pinned_copy
 from service.models.mixed_precision import no_tf32
@@ -237,10 +237,7 @@ class _EncoderGraphs:
         self.model = model
         # `compiled`: the stage as inductor's fused FP32 kernels, compiled once for every bucket
         # (dynamic shapes) at the first capture's warm-up run; eager if compiling fails.
-        self._encode: Callable[..., tuple[torch.Tensor, ...]] = model.encode
-        if compiled:
-            keep_compiled_kernels()
-            self._encode = torch.compile(model.encode, dynamic=True)
+        self._encode = CompiledOrEager(model.encode, "the acoustic stage", compiled)
         self.device = device
         self.length_step = length_step
         self.max_phonemes = max_phonemes
@@ -304,11 +301,7 @@ class _EncoderGraphs:
                       torch.zeros(rows, 2, length, dtype=torch.float32, device=dev),
                       torch.zeros(rows, dtype=torch.long, device=dev))
             with torch.inference_mode(), torch.backends.cudnn.flags(enabled=False):
-                try:
-                    graph, outputs = self._capturer.capture(self._run, *inputs, warmups=1)
-                except Exception as exc:
-                    self._eager_after(exc, "capturing")
-                    graph, outputs = self._capturer.capture(self._run, *inputs, warmups=1)
+                graph, outputs = self._encode.retry_eager(lambda: self._capturer.capture(self._run, *inputs, warmups=1))
             self._graphs[key] = (graph, inputs, outputs)
         return self._graphs[key]
 
@@ -325,19 +318,8 @@ class _EncoderGraphs:
     def _run(self, ids: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
              sid: torch.Tensor) -> tuple[torch.Tensor, ...]:
         speaker = sid if self.multi_speaker else None
-        try:
-            m_p, logs_p, logw, _ = self._encode(ids, lengths, noise, speaker)
-        except Exception as exc:  # a compiler failure shows at the first (warm-up) run, outside any capture
-            self._eager_after(exc, "compiling")
-            m_p, logs_p, logw, _ = self._encode(ids, lengths, noise, speaker)
+        m_p, logs_p, logw, _ = self._encode(ids, lengths, noise, speaker)
         return m_p, logs_p, logw
-
-    def _eager_after(self, exc: Exception, doing: str) -> None:
-        """The compiled stage failed: run the eager one from now on (re-raise if it was eager)."""
-        if self._encode == self.model.encode:
-            raise exc
-        log.warning("%s the compiled acoustic stage failed (%s: %s); it runs eagerly", doing, type(exc).__name__, exc)
-        self._encode = self.model.encode
 
     @torch.inference_mode()
     def run(self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray,
