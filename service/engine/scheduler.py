@@ -10,11 +10,13 @@ stage and which sessions advance by one decoder step, most urgent first:
   decoding, where a step serves one session, this keeps the first sessions of a burst playing
   while the rest start);
 * deadlines first: a session with at least `lead_s` of audio ahead of its playback is stepped
-  only when no session is waiting for its first audio or below its lead and no sentence
-  waits for the acoustic stage (the GPU then has time to spare: unary requests and clients
-  that buffer still get their audio as fast as it can be made), or to fill a step that runs
-  anyway up to `fill_rows` (the next in line: on a GPU much of a small step's cost is fixed, so
-  under load sessions are advanced in fewer, fuller steps);
+  only when no session is waiting for its first audio or below its lead, no sentence
+  waits for the acoustic stage and no session is still making the tokens of its first chunk
+  (the GPU then has time to spare: unary requests and clients that buffer still get their
+  audio as fast as it can be made), or to fill a step that runs anyway up to `fill_rows` (the
+  next in line: on a GPU much of a small step's cost is fixed, so under load sessions are
+  advanced in fewer, fuller steps). A decoder step holds the engine thread while it is
+  launched, so a step only to run further ahead would hold up a start's token steps;
 * a session whose client has not yet taken `max_ahead_s` of the audio delivered to it is
   not stepped (backpressure: bounded memory per session, GPU time for those who need it;
   the session wakes the engine when its client catches up);
@@ -121,6 +123,7 @@ class Scheduler:
         tokens: list[tuple[tuple[bool, float, float], SessionState, UtteranceState]] = []
         wake = math.inf
         starts = 0  # sessions waiting for the acoustic stage to begin their audio
+        first_tokens = False  # a session without audio still makes the tokens of its first chunk
         for s in sessions:
             if not s.utterances:  # waiting for text: nothing to plan
                 continue
@@ -133,6 +136,7 @@ class Scheduler:
                 head.status is UtteranceStatus.TOKENS and head.ready_frames(s.spec.runtime.tokens) > head.fed)
             if decodable and s.unread_s() < cfg.max_ahead_s:
                 ready.append((s, head, slack))
+            first_tokens |= not decodable and s.first_audio_at is None and head.status is UtteranceStatus.TOKENS
             nxt = next((u for u in s.utterances if u.status is UtteranceStatus.ACOUSTIC), None)
             if nxt is not None and any(u.status is UtteranceStatus.TOKENS for u in s.utterances):
                 nxt = None  # one sentence at a time makes tokens: the next waits for this one's last
@@ -157,7 +161,7 @@ class Scheduler:
             decode.sort(key=lambda item: item[0])
             # the urgent ones (below their lead, or first chunks) come first in that order
             urgent = sum(item[0][0] < 2 or item[0][1] < lead_s for item in decode)
-            if urgent or acoustic:
+            if urgent or acoustic or first_tokens:
                 decode = decode[: max(urgent, fill)] if urgent else []
             plan.decode = self._take(decode, max_rows, free_slots)
             plan.decode_first = bool(decode) and decode[0][0][0] == 0

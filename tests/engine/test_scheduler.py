@@ -95,6 +95,28 @@ def test_sessions_ahead_of_their_lead_wait_while_others_are_urgent(runtime: Voic
     assert [s for s, _ in plan.decode] == [ahead]
 
 
+def test_sessions_ahead_of_their_lead_wait_while_a_start_makes_its_first_tokens(runtime: VoiceRuntime) -> None:
+    """An autoregressive start's first audio waits for its first chunk's tokens, one token step an
+    iteration: a decoder step only to run a session further ahead would hold those steps up."""
+    cfg = BatchConfig(lead_s=1.0)
+    ahead = _session(runtime, 1, playing_for=1.0, slack=2.5)
+    behind = _session(runtime, 2, playing_for=1.0, slack=0.5)
+    starting = _session(runtime, 3, decoding=False)
+    starting.utterances.append(UtteranceState(0, PhonemizedSentence("hi", ["h", "i"], [1, 2, 3], []),
+                                              UtteranceStatus.TOKENS))
+    plan = Scheduler(cfg).plan([ahead, starting], NOW, max_rows=8, fill_rows=4)
+    assert plan.decode == [] and plan.tokens == [(starting, starting.utterances[0])]
+    # below its lead a session still steps, and its step takes the next in line as before
+    plan = Scheduler(cfg).plan([ahead, behind, starting], NOW, max_rows=8, fill_rows=4)
+    assert [s for s, _ in plan.decode] == [behind, ahead] and len(plan.tokens) == 1
+    # once the start plays, it no longer holds the others back
+    starting.first_audio_at = NOW - 0.1
+    starting.samples_out = round(2.0 * runtime.sample_rate)
+    assert [s for s, _ in Scheduler(cfg).plan([ahead], NOW, max_rows=8).decode] == [ahead]
+    plan = Scheduler(cfg).plan([ahead, starting], NOW, max_rows=8, fill_rows=4)
+    assert [s for s, _ in plan.decode] == [ahead]
+
+
 def test_a_step_for_urgent_rows_is_filled_with_the_next_in_line(runtime: VoiceRuntime) -> None:
     """Up to `fill_rows`, least buffered first; never past backpressure; no step only to fill."""
     cfg = BatchConfig(lead_s=1.0, max_ahead_s=3.0)
