@@ -204,6 +204,7 @@ class EngineCore:
                 for s in list(self._sessions.values()):
                     self._fail(s, RuntimeError("engine stopped"))
                 self.output.flush()
+                self.timeline.flush()  # a busy period cut by the stop is kept too
                 if self.profiler is not None:
                     self.profiler.close()
                 return

@@ -234,3 +234,44 @@ def test_the_server_records_when_its_event_loop_was_late(tmp_path: Path) -> None
     lags = [json.loads(line) for p in tmp_path.glob("api-*.jsonl") for line in p.read_text().splitlines()]
     lags = [e for e in lags if e["k"] == "loop_lag"]
     assert lags and 0.06 <= max(e["lag"] for e in lags) <= 0.5
+
+
+def test_a_busy_period_cut_by_a_stop_is_written(tmp_path: Path) -> None:
+    """A server stopped under load (SIGTERM while sessions still speak) keeps the core's timeline
+    of that busy period: the overload one would want to look at afterwards."""
+    import asyncio
+
+    from service.engine.cache import ResultCache
+    from service.engine.config import BatchConfig
+    from service.engine.core import EngineCore
+    from service.engine.frontend_pool import FrontendPoolConfig
+    from service.engine.state import ReadCursor, WorkSpec
+    from service.models.family import ChunkSchedule, SynthesisParams
+    from service.models.registry import open_voice
+    from service.voices import builtin_voice_info
+
+    class Sink:
+        def on_chunk(self, chunk: object) -> None: ...
+
+        def on_done(self) -> None: ...
+
+        def on_error(self, exc: BaseException) -> None: ...
+
+    loop = asyncio.new_event_loop()
+    core = EngineCore(BatchConfig(), ResultCache(0), frontend=FrontendPoolConfig(workers=0),
+                      timeline=Timeline(tmp_path, "core"))
+    core.start()
+    spec = WorkSpec(1, "joe", None, SynthesisParams(), ChunkSchedule(), "fp32", None,
+                    runtime=open_voice(builtin_voice_info(), "onnxruntime", "cpu", threads=1), sink=Sink(),
+                    loop=loop, cursor=ReadCursor())
+    core.submit_open(spec)
+    core.submit_text(1, "A session that is still open when the server stops. " * 20)  # never ended
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(e[1] == "plan" for e in core.timeline._events):
+        time.sleep(0.01)
+    core.stop()
+    loop.close()
+    files = sorted(tmp_path.glob("core-*.jsonl"))
+    assert files, "the period in progress was not written"
+    kinds = {json.loads(line)["k"] for f in files for line in f.read_text().splitlines()}
+    assert {"open", "text", "plan"} <= kinds
