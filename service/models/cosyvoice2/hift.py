@@ -12,11 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from service.models.cuda_graphs import GraphCapturer, bucket
 from service.models.spectral import istft
 from service.models.weight_norm import fold_weight_norm
 
@@ -95,6 +97,15 @@ class F0Predictor(nn.Module):
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
+@dataclass(frozen=True)
+class SourceNoise:
+    """The sine source's random draws for one call, drawn before the rest of the vocoder runs
+    (so that the rest can replay as a CUDA graph while each row draws from its own generator)."""
+
+    start: torch.Tensor  # [B, harmonics + 1] start phases (the fundamental's is 0)
+    noise: torch.Tensor  # [B, samples, harmonics + 1] standard normal
+
+
 class SineSource(nn.Module):
     """F0 (at the audio rate) -> one excitation channel: the fundamental and its harmonics,
     their phase summed at the frame rate and interpolated back (as upstream's 24 kHz source
@@ -105,37 +116,40 @@ class SineSource(nn.Module):
         self.config = config
         self.merge = nn.Linear(config.nb_harmonics + 1, 1)
 
-    def forward(self, f0: torch.Tensor, generator: Generators) -> torch.Tensor:
-        """f0: [B, T, 1] Hz at the audio rate -> [B, 1, T]. One generator: the batch's draws in
-        upstream's order for that batch; a sequence: row i's from `generator[i]`, in the order
-        upstream draws them for row i alone."""
-        rows = list(generator) if isinstance(generator, Sequence) else [generator]
-        cfg = self.config
-        dim = cfg.nb_harmonics + 1
-        scale = cfg.samples_per_frame
-        harmonics = torch.arange(1, dim + 1, dtype=f0.dtype, device=f0.device)
-        rad = (f0 * harmonics / cfg.sampling_rate) % 1
-        start = torch.cat([torch.rand(f0.shape[0] // len(rows), dim, generator=g, device=f0.device, dtype=f0.dtype)
-                           for g in rows])
+    def draw(self, rows: int, samples: int, generator: Generators, device: torch.device,
+             dtype: torch.dtype) -> SourceNoise:
+        """The draws of a call of `rows` rows of `samples` samples. One generator: the batch's
+        draws in upstream's order for that batch; a sequence: row i's from `generator[i]`, in the
+        order upstream draws them for row i alone."""
+        gens = list(generator) if isinstance(generator, Sequence) else [generator]
+        dim, n = self.config.nb_harmonics + 1, rows // len(gens)
+        starts, noises = [], []
+        for g in gens:
+            starts.append(torch.rand(n, dim, generator=g, device=device, dtype=dtype))
+            # Drawn into a tensor laid out as upstream's sines are (harmonic-major), as its randn_like
+            # fills them: torch fills strided and contiguous tensors in different orders. Upstream also draws a
+            # noise branch it never uses: drawn and dropped here too, so a session's generator stays
+            # in step with upstream's RNG from one chunk to the next.
+            noises.append(torch.empty(n, dim, samples, device=device, dtype=dtype).transpose(1, 2).normal_(generator=g))
+            torch.empty(n, samples, 1, device=device, dtype=dtype).normal_(generator=g)
+        start = torch.cat(starts)
         start[:, 0] = 0
-        rad[:, 0, :] = rad[:, 0, :] + start
+        return SourceNoise(start, torch.cat(noises))
+
+    def forward(self, f0: torch.Tensor, draws: SourceNoise) -> torch.Tensor:
+        """f0: [B, T, 1] Hz at the audio rate, with `draw`'s draws for it -> [B, 1, T]."""
+        cfg = self.config
+        scale = cfg.samples_per_frame
+        harmonics = torch.arange(1, cfg.nb_harmonics + 2, dtype=f0.dtype, device=f0.device)
+        rad = (f0 * harmonics / cfg.sampling_rate) % 1
+        rad[:, 0, :] = rad[:, 0, :] + draws.start
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / scale, mode="linear").transpose(1, 2)
         phase = torch.cumsum(rad, dim=1) * 2 * math.pi
         phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=float(scale), mode="linear").transpose(1, 2)
         sines = torch.sin(phase) * cfg.nsf_alpha
         uv = (f0 > cfg.nsf_voiced_threshold).to(f0.dtype)
         noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
-        # Drawn into a tensor laid out as `sines` is (frame-major after the transposes), as the
-        # official randn_like does: torch fills strided and contiguous tensors in different orders.
-        # Upstream also draws a noise branch it never uses (after this one): drawn and dropped here
-        # too, so a session's generator stays in step with upstream's RNG from one chunk to the next.
-        drawn = torch.empty_like(sines)
-        n = f0.shape[0] // len(rows)
-        for i, g in enumerate(rows):
-            drawn[i * n : (i + 1) * n].normal_(generator=g)
-            torch.empty_like(uv[i * n : (i + 1) * n]).normal_(generator=g)
-        noise = noise_amp * drawn
-        excitation = sines * uv + noise
+        excitation = sines * uv + noise_amp * draws.noise
         return torch.tanh(self.merge(excitation)).transpose(1, 2)
 
 
@@ -173,14 +187,19 @@ class HiFT(nn.Module):
         self.window: torch.Tensor
         self.register_buffer("window", window, persistent=False)
 
-    def source_signal(self, mel: torch.Tensor, generator: Generators,
-                      cache: torch.Tensor | None = None) -> torch.Tensor:
+    def draw(self, mel: torch.Tensor, generator: Generators) -> SourceNoise:
+        """The sine source's draws for a call on `mel` [B, 80, T] (`SineSource.draw`)."""
+        dtype = self.source.merge.weight.dtype
+        return self.source.draw(mel.shape[0], mel.shape[2] * self.config.samples_per_frame, generator, mel.device,
+                                dtype)
+
+    def source_signal(self, mel: torch.Tensor, draws: SourceNoise, cache: torch.Tensor | None = None) -> torch.Tensor:
         """The excitation [B, 1, T * samples_per_frame] the generator fuses; `cache` (the end
         of the previous chunk's excitation, under the frames this chunk repeats) replaces its
         start, so the sine's phase runs on without a jump."""
         f0 = self.f0_predictor(mel.to(self.f0_predictor.classifier.weight.dtype))
         f0 = f0[:, :, None].repeat_interleave(self.config.samples_per_frame, dim=1)
-        source = self.source(f0, generator)
+        source = self.source(f0, draws)
         if cache is not None and cache.shape[2]:
             source[:, :, :cache.shape[2]] = cache
         return source
@@ -217,8 +236,72 @@ class HiFT(nn.Module):
                 cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Audio [B, samples] and the excitation it was made from [B, 1, samples]; `generator`:
         one for every row, or a sequence of one per row (each row then draws as alone)."""
-        source = self.source_signal(mel, generator, cache)
+        return self.synthesize(mel, self.draw(mel, generator), cache)
+
+    def synthesize(self, mel: torch.Tensor, draws: SourceNoise,
+                   cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the draws made (no random numbers drawn: a CUDA graph can replay it)."""
+        source = self.source_signal(mel, draws, cache)
         return self.decode(mel, source), source
+
+
+class GraphedHiFT:
+    """A vocoder's calls replayed as CUDA graphs for the shapes `capture` was given: eagerly a
+    call is about a thousand small kernel launches. The random draws stay outside the graphs,
+    each row's from its own generator; rows are padded up to a power of two, frames are not
+    (the convolutions would see the padding), so a shape not captured runs eagerly."""
+
+    def __init__(self, hift: HiFT, capturer: GraphCapturer) -> None:
+        self.hift, self.capturer = hift, capturer
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
+                                                        tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def capture(self, rows: int, frames: int, cached: bool, cache_samples: int) -> None:
+        """The graph for calls of `rows` rows (or fewer, down to the power of two below) of
+        `frames` mel frames, with a cache of `cache_samples` excitation samples or none."""
+        key = (bucket(rows), frames, cached)
+        if key in self._graphs:
+            return
+        b, hift = key[0], self.hift
+        dev = self.capturer.device
+        dim, samples = hift.config.nb_harmonics + 1, frames * hift.config.samples_per_frame
+        static: tuple[torch.Tensor, ...] = (torch.zeros(b, hift.config.in_channels, frames, device=dev),
+                                            torch.zeros(b, dim, device=dev), torch.zeros(b, samples, dim, device=dev))
+        if cached:
+            static += (torch.zeros(b, 1, cache_samples, device=dev),)
+
+        def run(mel: torch.Tensor, start: torch.Tensor, noise: torch.Tensor,
+                cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            return hift.synthesize(mel, SourceNoise(start, noise), cache)
+
+        graph, out = self.capturer.capture(run, *static)
+        self._graphs[key] = (graph, static, out)
+
+    def _graph(self, rows: int, frames: int, cache: torch.Tensor | None) -> tuple[Any, ...] | None:
+        found = self._graphs.get((bucket(rows), frames, cache is not None))
+        if found is None or (cache is not None and cache.shape[2] != found[1][3].shape[2]):
+            return None
+        return found
+
+    def graphed(self, rows: int, frames: int, cache: torch.Tensor | None) -> bool:
+        """Whether a call of this shape replays a graph."""
+        return self._graph(rows, frames, cache) is not None
+
+    def __call__(self, mel: torch.Tensor, generator: Generators,
+                 cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`HiFT.forward`, replayed where its shape was captured."""
+        b, _, frames = mel.shape
+        found = self._graph(b, frames, cache)
+        draws = self.hift.draw(mel, generator)
+        if found is None:
+            return self.hift.synthesize(mel, draws, cache)
+        graph, static, (speech, source) = found
+        values = (mel, draws.start, draws.noise) + (() if cache is None else (cache,))
+        for to, value in zip(static, values, strict=True):
+            to[:b] = value
+        graph.replay()
+        # Copies: the next replay writes the outputs again, and callers keep parts of them.
+        return speech[:b].clone(), source[:b].clone()
 
 
 def hift_state_dict(official: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

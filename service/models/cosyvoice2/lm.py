@@ -87,23 +87,27 @@ class Rotary(nn.Module):
 
 @dataclass
 class KVCache:
-    """Keys and values per layer, [rows, kv_heads, capacity, head_dim], and each row's length."""
+    """Keys and values per layer, [2, rows, kv_heads, capacity, head_dim] (keys, then values:
+    a step writes both with one kernel and reads a batch's rows with one gather), and each
+    row's length."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    layers: list[torch.Tensor]
     lengths: torch.Tensor  # [rows], int64
 
     @classmethod
     def empty(cls, config: Qwen2Config, rows: int, capacity: int, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> KVCache:
-        shape = (rows, config.num_kv_heads, capacity, config.head_dim)
+        shape = (2, rows, config.num_kv_heads, capacity, config.head_dim)
         return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
                    torch.zeros(rows, dtype=torch.long, device=device))
 
     @property
     def capacity(self) -> int:
-        return int(self.keys[0].shape[2])
+        return int(self.layers[0].shape[3])
+
+    @property
+    def rows(self) -> int:
+        return int(self.layers[0].shape[1])
 
 
 class Attention(nn.Module):
@@ -115,26 +119,32 @@ class Attention(nn.Module):
         stack_linears(self, "qkv_proj", (("q_proj", h * d), ("k_proj", kv * d), ("v_proj", kv * d)))
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] at `positions` [B, T] of cache rows `rows` [B]: their keys and values are
-        written into the cache in place, then the queries attend over the rows' first
-        `mask.shape[-1]` positions under `mask` (`grouped_bias`)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] at `positions` [B, T] of cache rows `rows` [B] (`cache`: one layer's of
+        `KVCache`): their keys and values are written into the cache in place, then the queries
+        attend over the rows' first `mask.shape[-1]` positions under `mask` (`grouped_bias`).
+        cos and sin cover every head (`SpeechLM.rotary_tables`: the value heads' leave them as
+        they are), so one rotation serves queries and keys, and keys and values go in together."""
         cfg = self.config
         b, t, _ = x.shape
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.qkv_proj(x).view(b, t, h + 2 * kv, d).transpose(1, 2)
-        qk = rotate(qkv[:, : h + kv], cos, sin)  # queries and keys in one go
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv :]
-        # keys[rows[i], :, positions[i, j]] = k[i, :, j]: advanced indices around a slice put [B, T] first
-        keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
-        values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
-        span = mask.shape[-1]
+        qkv = rotate(self.qkv_proj(x).view(b, t, h + 2 * kv, d).transpose(1, 2), cos, sin)
+        # cache[:, rows[i], :, positions[i, j]] = new[i, j]: advanced indices around a slice put [B, T] first
+        new = qkv[:, h:].view(b, 2, kv, t, d).permute(0, 3, 1, 2, 4)
+        cache[:, rows[:, None], :, positions] = new.to(cache.dtype)
+        past = cache[:, rows, :, : mask.shape[-1]].to(x.dtype)  # [2, B, kv, span, d]
         # Grouped-query attention as plain attention over the key-value heads, each taking its
-        # group of query heads as its queries: a form every SDPA kernel runs (with enable_gqa
-        # and a mask, CUDA falls back to the many-kernel math path).
-        out = F.scaled_dot_product_attention(q.reshape(b, kv, h // kv * t, d), keys[rows, :, :span].to(q.dtype),
-                                             values[rows, :, :span].to(q.dtype), attn_mask=mask)
+        # group of query heads as its queries (with enable_gqa and a mask, CUDA's SDPA falls back
+        # to its many-kernel math path).
+        q = qkv[:, :h].reshape(b, kv, h // kv * t, d)
+        if t == 1:
+            # One query a head: four small kernels beat a fused attention kernel that would give
+            # the whole span to one thread block per key-value head.
+            scores = torch.add(mask, torch.matmul(q, past[0].transpose(-1, -2)), alpha=d ** -0.5)
+            out = torch.matmul(scores.softmax(dim=-1), past[1])
+        else:
+            out = F.scaled_dot_product_attention(q, past[0], past[1], attn_mask=mask)
         return self.o_proj(out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d))
 
 
@@ -159,9 +169,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, rows, positions, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, rows, positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -192,6 +202,17 @@ class SpeechLM(nn.Module):
             parts.append(self.speech_embedding(prompt_speech))
         return torch.cat(parts, dim=0)
 
+    def rotary_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotate`'s cos and sin [B, heads, T, head_dim] for every head of a layer's query, key
+        and value projection: the rotary positions for query and key heads, 1 and 0 (the identity,
+        exactly) for value heads; made once for every layer."""
+        cfg = self.config
+        cos, sin = self.rotary(positions, dtype)
+        b, _, t, d = cos.shape
+        rotated, kept = cfg.num_heads + cfg.num_kv_heads, (b, cfg.num_kv_heads, t, d)
+        return (torch.cat([cos.expand(b, rotated, t, d), cos.new_ones(kept)], dim=1),
+                torch.cat([sin.expand(b, rotated, t, d), sin.new_zeros(kept)], dim=1))
+
     def forward(self, x: torch.Tensor, cache: KVCache, rows: torch.Tensor, lengths: torch.Tensor | None = None,
                 span: int | None = None) -> torch.Tensor:
         """Embeddings x [B, T, D] appended to cache rows `rows` (each row's new tokens are its
@@ -203,15 +224,15 @@ class SpeechLM(nn.Module):
         new = torch.full((b,), t, dtype=torch.long, device=device) if lengths is None else lengths
         start = cache.lengths[rows]
         positions = start[:, None] + torch.arange(t, device=device)[None, :]
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary_tables(positions, x.dtype)
         slots = torch.arange(cache.capacity if span is None else span, device=device)
         # Each query sees the cache up to its own position: the row's past and its new tokens so far.
         mask = grouped_bias(slots[None, None, :] <= positions[:, :, None], self.config, x.dtype)
         # Padding past a row's new tokens is written (and later overwritten) but never read.
         positions = positions.clamp(max=cache.capacity - 1)
         h = x
-        for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
-            h = layer(h, cos, sin, keys, values, rows, positions, mask)
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            h = layer(h, cos, sin, layer_cache, rows, positions, mask)
         last = self.norm(h[torch.arange(b, device=device), new - 1])
         cache.lengths[rows] = start + new
         return self.llm_decoder(last).log_softmax(dim=-1)

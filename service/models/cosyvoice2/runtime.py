@@ -327,8 +327,8 @@ class SpeechTokens:
         if not self.free:
             rows = len(self.cache.lengths)
             grown = KVCache.empty(self.lm.config, 2 * rows, self.capacity, device=self.device)
-            for old, new in zip(self.cache.keys + self.cache.values, grown.keys + grown.values, strict=True):
-                new[:rows] = old
+            for old, new in zip(self.cache.layers, grown.layers, strict=True):
+                new[:, :rows] = old
             grown.lengths[:rows] = self.cache.lengths
             self._use(grown, first_free=rows)
         row = self.free.pop()
@@ -652,8 +652,9 @@ class CosyVoice2Runtime:
     PREPARED_SOLVES = (8, 1024)  # rows, frames
 
     def prepare(self, max_batch: int) -> None:
-        """On CUDA, the CUDA graphs of the token steps for the cache's first rows and of the
-        flow's solves up to `PREPARED_SOLVES` (the FP16 estimator's too, where it runs)."""
+        """On CUDA, the CUDA graphs of the token steps for the cache's first rows, of the flow's
+        solves up to `PREPARED_SOLVES` (the FP16 estimator's too, where it runs) and of the
+        vocoder's streaming calls (FP32 and FP16) for the saved speakers' prompts."""
         self._tokens.capture(len(self._tokens.cache.lengths))
         if self._solver is None:
             return
@@ -663,12 +664,17 @@ class CosyVoice2Runtime:
             assert half is not None
             solvers.append(half)
         rows, frames = self.PREPARED_SOLVES
+        prompts = [sp.flow_prompt_tokens.shape[1] for sp in self.speakers]
         with torch.inference_mode():
             for solver in solvers:
                 for streaming in (True, False):
                     for b in buckets_up_to(rows):
                         for t in buckets_up_to(frames, solver.SMALLEST_FRAMES):
                             solver.capture(b, t, streaming)
+            for precision in self.precisions():
+                t2w = self.token2wav(precision)
+                t2w.use_graphs(self._solver.capturer)
+                t2w.capture_vocoder(rows, prompts)
 
     def acoustic_batch(self, jobs: list[AcousticJob]) -> Sequence[DecoderInput]:
         """Each sentence's LM prompt prefilled (one padded batch) and its first token drawn."""

@@ -10,13 +10,14 @@ many utterances can stream through one `Token2Wav` at once."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from service.models.cosyvoice2.flow import Flow, FlowRequest
-from service.models.cosyvoice2.hift import HiFT
+from service.models.cosyvoice2.hift import GraphedHiFT, HiFT
+from service.models.cuda_graphs import GraphCapturer, buckets_up_to
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,26 @@ class Token2Wav:
         self.lookahead = flow.config.encoder.pre_lookahead_len
         self.source_cache_len = self.config.mel_cache_len * hift.config.samples_per_frame
         self.window = _hamming(2 * self.source_cache_len)
+        self.graphed: GraphedHiFT | None = None
+
+    def use_graphs(self, capturer: GraphCapturer) -> GraphedHiFT:
+        """Vocode through CUDA graphs from now on where a call's shape was captured
+        (`capture_vocoder`); `capturer`: the flow's, whose graphs never run at the same time."""
+        if self.graphed is None:
+            self.graphed = GraphedHiFT(self.hift, capturer)
+        return self.graphed
+
+    def capture_vocoder(self, rows: int, prompts: Iterable[int]) -> None:
+        """The vocoder graphs of streaming calls of up to `rows` rows: every chunk but the first
+        and the last (their frames and cache are always the same), and the first chunk after a
+        prompt of each length in `prompts` (tokens)."""
+        graphed = self.graphed
+        assert graphed is not None, "use_graphs first"
+        steady = self.config.mel_cache_len + self.config.token_hop_len * self.mel_ratio
+        for b in buckets_up_to(rows):
+            graphed.capture(b, steady, True, self.source_cache_len)
+            for prompt in sorted(set(prompts)):
+                graphed.capture(b, self._hop(prompt, 0) * self.mel_ratio, False, 0)
 
     def hop(self, state: Token2WavState) -> int:
         return self._hop(state.prompt_tokens.shape[1], state.token_offset)
@@ -114,7 +135,8 @@ class Token2Wav:
         for (_, cached), rows in groups.items():
             caches = [c for i in rows if (c := states[i].cache_source) is not None]
             cache = torch.cat(caches) if cached else None
-            speech, source = self.hift(torch.cat([inputs[i] for i in rows]), [states[i].generator for i in rows], cache)
+            vocoder = self.graphed or self.hift
+            speech, source = vocoder(torch.cat([inputs[i] for i in rows]), [states[i].generator for i in rows], cache)
             for j, i in enumerate(rows):
                 out[i] = self._finish(states[i], inputs[i], speech[j : j + 1], source[j : j + 1], finalize)
         return [out[i] for i in range(len(states))]

@@ -18,8 +18,10 @@ import torch
 from service.models import registry
 from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
+from service.models.cosyvoice2.hift import GraphedHiFT, HiFT, HiftConfig
 from service.models.cosyvoice2.lm import KVCache, Qwen2Config, SpeechLM
 from service.models.cosyvoice2.runtime import CosyVoice2Runtime, GraphedLM, SpeechUtterance
+from service.models.cuda_graphs import GraphCapturer
 from service.models.family import AcousticJob, StepRows, SynthesisParams, utterance_rng
 
 CONFIG = Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
@@ -52,7 +54,7 @@ def test_graphed_steps_equal_eager_steps() -> None:
     assert graphed.buckets(3, 1, 66) in graphed._graphs and graphed.buckets(2, 1, 60) in graphed._graphs
     real = list(prompts)
     torch.testing.assert_close(cache.lengths[real], eager.lengths[real], atol=0, rtol=0)
-    for mine, theirs in zip(cache.keys + cache.values, eager.keys + eager.values, strict=True):
+    for mine, theirs in zip(cache.layers, eager.layers, strict=True):
         torch.testing.assert_close(mine[real], theirs[real], atol=1e-5, rtol=1e-4)
 
 
@@ -81,7 +83,7 @@ def test_graphed_prefills_equal_eager_prefills() -> None:
         got = graphed(x, at, span, lengths)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(cache.lengths[rows], eager.lengths[rows], atol=0, rtol=0)
-        for mine, theirs in zip(cache.keys + cache.values, eager.keys + eager.values, strict=True):
+        for mine, theirs in zip(cache.layers, eager.layers, strict=True):
             for r in rows:  # what the rows hold (past their lengths each holds padding)
                 torch.testing.assert_close(mine[r, :, : spans[r]], theirs[r, :, : spans[r]], atol=1e-5, rtol=1e-4)
     assert graphed.buckets(3, 33, 33) in graphed._graphs and graphed.buckets(2, 40, 47) in graphed._graphs
@@ -215,6 +217,36 @@ def host_waits(call: Callable[[], object]) -> list[str]:
     return [f"{w.filename}:{w.lineno}: {linecache.getline(w.filename, w.lineno).strip()}"
             for w in seen if "synchroniz" in str(w.message)
             and not w.filename.replace("\\", "/").endswith("torch/cuda/__init__.py")]
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_graphed_vocoder_calls_equal_eager_ones_and_other_shapes_run_eagerly(no_tf32_convolutions: None) -> None:
+    """`GraphedHiFT`: a captured shape (rows padded to the bucket, with and without a cache)
+    gives each row what the eager vocoder gives it from the same generator; outputs survive
+    the next replay; a shape not captured runs eagerly and still draws from the rows' own
+    generators."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    config = HiftConfig(base_channels=64, f0_cond_channels=32)
+    hift = HiFT(config).to(dev).eval()
+    graphed = GraphedHiFT(hift, GraphCapturer(dev))
+    graphed.capture(4, 20, True, 960)
+    graphed.capture(1, 30, False, 0)
+
+    def generators(seed: int, rows: int) -> list[torch.Generator]:
+        return [torch.Generator(device=dev).manual_seed(seed + r) for r in range(rows)]
+
+    for rows, frames, cached, replayed in ((3, 20, True, True), (1, 30, False, True), (2, 26, False, False)):
+        mel = torch.randn(rows, 80, frames, device=dev)
+        cache = torch.randn(rows, 1, 960, device=dev) if cached else None
+        assert graphed.graphed(rows, frames, cache) == replayed
+        want = hift(mel, generators(rows, rows), cache)
+        got = graphed(mel, generators(rows, rows), cache)
+        graphed(torch.randn(rows, 80, frames, device=dev), generators(99, rows), cache)  # a replay after
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu
