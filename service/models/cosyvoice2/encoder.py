@@ -50,7 +50,9 @@ def relative_positions(size: int, length: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=256)
-def _host_positions(size: int, length: int, device_type: str) -> torch.Tensor:
+def host_positions(size: int, length: int, device_type: str) -> torch.Tensor:
+    """`relative_positions` in host memory a copy to the device reads without waiting (one per
+    length: a CUDA graph that copies from it holds it)."""
     with torch.inference_mode(False):
         return pinned(relative_positions(size, length), torch.device(device_type))
 
@@ -58,7 +60,7 @@ def _host_positions(size: int, length: int, device_type: str) -> torch.Tensor:
 def positions(size: int, like: torch.Tensor) -> torch.Tensor:
     """`relative_positions` for `like`'s length, on its device and in its dtype: made once per
     length, kept in host memory a copy to the device reads without waiting."""
-    return to_device(_host_positions(size, like.shape[1], like.device.type), like.device).to(like.dtype)
+    return to_device(host_positions(size, like.shape[1], like.device.type), like.device).to(like.dtype)
 
 
 class InputLayer(nn.Module):
@@ -144,16 +146,24 @@ class PreLookahead(nn.Module):
         self.conv1 = nn.Conv1d(size, size, lookahead + 1)
         self.conv2 = nn.Conv1d(size, size, 3)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None, lengths: Sequence[int] | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None,
+                lengths: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D]; `context` [B, C, D] (C <= lookahead) follows each row's last valid
-        position (`lengths`; None: all T), zeros after it, as each row alone would see."""
+        position (`lengths`, on the host or the device; None: all T), zeros after it, as each
+        row alone would see."""
         b, t, d = x.shape
         if lengths is None:
             h = x.transpose(1, 2)
             if context is not None and context.shape[1]:
                 h = torch.cat([h, context.transpose(1, 2)], dim=2)
             h = F.pad(h, (0, t + self.lookahead - h.shape[2]))
+        elif isinstance(lengths, torch.Tensor):  # nothing read back: a CUDA graph can hold it
+            valid = torch.arange(t, device=x.device)[None, :] < lengths[:, None]
+            padded = F.pad(torch.where(valid[..., None], x, 0.0), (0, 0, 0, self.lookahead))
+            if context is not None and context.shape[1]:
+                at = lengths[:, None] + torch.arange(context.shape[1], device=x.device)[None, :]
+                padded = padded.scatter(1, at[..., None].expand(-1, -1, d), context)
+            h = padded.transpose(1, 2)
         else:
             padded = x.new_zeros(b, t + self.lookahead, d)
             for i, n in enumerate(lengths):
@@ -191,22 +201,27 @@ class TokenEncoder(nn.Module):
         self.up_encoders = nn.ModuleList(ConformerLayer(config) for _ in range(config.num_up_blocks))
         self.after_norm = nn.LayerNorm(config.size, eps=1e-5)
 
-    def forward(self, x: torch.Tensor, sizes: Sequence[int], context: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, sizes: Sequence[int] | torch.Tensor, context: torch.Tensor | None = None,
                 streaming: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token embeddings x [B, T, D] (each row's length in `sizes`, on the host: nothing here
-        waits for the device) -> [B, 2T, D] and their lengths [B]. `context`: embeddings of the
-        next `pre_lookahead_len` tokens (streaming, not the last chunk)."""
+        """Token embeddings x [B, T, D] (each row's length in `sizes`: on the host, nothing here
+        waits for the device; on the device, nothing is read back, so a CUDA graph can hold the
+        call) -> [B, 2T, D] and their lengths [B]. `context`: embeddings of the next
+        `pre_lookahead_len` tokens (streaming, not the last chunk)."""
         cfg = self.config
         t = x.shape[1]
-        lengths = to_device(list(sizes), x.device)
+        each: Sequence[int] | torch.Tensor | None
+        if isinstance(sizes, torch.Tensor):
+            lengths, each = sizes, sizes  # each row's lookahead at its own end
+        else:
+            lengths = to_device(list(sizes), x.device)
+            each = sizes if min(sizes) < t else None  # rows of other lengths: each row's lookahead at its own end
         valid = (torch.arange(t, device=x.device)[None, :] < lengths[:, None])[:, None]
         x = self.embed(x)
         if context is not None and context.shape[1]:
             context = self.embed(context)
         pos = positions(cfg.size, x)
         mask = attention_mask(valid, cfg.static_chunk_size if streaming else 0)
-        batched = min(sizes) < t  # rows of other lengths: each row's lookahead at its own end
-        x = self.pre_lookahead_layer(x, context, sizes if batched else None)
+        x = self.pre_lookahead_layer(x, context, each)
         for layer in self.encoders:
             x = layer(x, mask, pos)
         x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)

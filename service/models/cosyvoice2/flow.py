@@ -14,9 +14,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve
-from service.models.cosyvoice2.encoder import EncoderConfig, TokenEncoder
+from service.models.cosyvoice2.encoder import EncoderConfig, TokenEncoder, host_positions
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
-from service.models.cuda_graphs import GraphCapturer
+from service.models.cuda_graphs import GraphCapturer, bucket
+from service.models.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -77,18 +78,22 @@ class Flow(nn.Module):
         self.noise: torch.Tensor
         self.register_buffer("noise", fixed_noise(config.cfm), persistent=False)
         self.graphed: GraphedSolve | None = None
+        self.graphed_encoder: GraphedEncoder | None = None
 
     def use_graphs(self, capturer: GraphCapturer | None = None, compiled: bool = False) -> GraphedSolve:
-        """Solve through CUDA graphs from now on (the flow on a CUDA device, FP32 inputs).
-        `capturer`: another flow's, to share its graphs' memory (flows that never run at once);
-        `compiled`: the estimator through torch.compile under them (`GraphedSolve`)."""
+        """Encode and solve through CUDA graphs from now on (the flow on a CUDA device, FP32
+        inputs). `capturer`: another flow's, to share its graphs' memory (flows that never run at
+        once); `compiled`: the estimator through torch.compile under them (`GraphedSolve`)."""
         if self.graphed is None:
             self.graphed = GraphedSolve(self.decoder.estimator, self.noise, self.config.cfm, capturer, compiled)
+        if self.graphed_encoder is None:
+            self.graphed_encoder = GraphedEncoder(self, self.graphed.capturer)
         return self.graphed
 
     def with_estimator(self, estimator: nn.Module) -> Flow:
         """A flow that shares every module and buffer of this one but solves with `estimator`
-        (an FP16 twin beside the FP32 flow costs only the estimator's weights); no graphs yet."""
+        (an FP16 twin beside the FP32 flow costs only the estimator's weights); no solve graphs
+        yet (the encoder's are shared)."""
         twin = copy.copy(self)
         twin._modules = dict(self._modules)
         twin.decoder = _Decoder(estimator)
@@ -121,22 +126,16 @@ class Flow(nn.Module):
         """Several utterances' calls at once (each row as alone, to kernel rounding: padding is
         masked everywhere and each row's lookahead context follows its own last token) -> each
         one's mel [1, 80, frames]."""
-        if len(requests) == 1:
+        if len(requests) == 1 and self.graphed_encoder is None:
             r = requests[0]
             return [self(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=streaming, finalize=finalize)]
         k = 0 if finalize else self.config.encoder.pre_lookahead_len
         full = [torch.cat([r.prompt_tokens, r.tokens], dim=1)[0] for r in requests]
         sizes = [f.shape[0] - k for f in full]  # on the host: nothing below waits for the device
-        top = max(sizes)
-        ids = torch.zeros(len(requests), top, dtype=torch.long, device=full[0].device)
-        for i, f in enumerate(full):
-            ids[i, : f.shape[0] - k] = f[: f.shape[0] - k]
-        x = self.input_embedding(torch.clamp(ids, min=0))
-        context = None
-        if k:
-            context = self.input_embedding(torch.clamp(torch.stack([f[-k:] for f in full]), min=0))
-        h, frames = self.encoder(x, sizes, context=context, streaming=streaming)
-        mu = self.encoder_proj(h).transpose(1, 2)
+        if self.graphed_encoder is not None:
+            mu, frames = self.graphed_encoder(full, sizes, k, streaming)
+        else:
+            mu, frames = self.encode(full, sizes, k, streaming)
         span = mu.shape[2]
         valid = torch.arange(span, device=mu.device)[None, :] < frames[:, None]
         mu = mu * valid[:, None].to(mu.dtype)
@@ -148,6 +147,25 @@ class Flow(nn.Module):
         up = self.config.encoder.up_stride
         return [mel[i : i + 1, :, r.prompt_mel.shape[1] : n * up] for i, (r, n) in enumerate(zip(requests, sizes,
                                                                                                strict=True))]
+
+    def encode(self, full: Sequence[torch.Tensor], sizes: Sequence[int] | torch.Tensor, k: int,
+               streaming: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The condition mu [B, 80, 2T] and each row's frames [B] for rows of token ids `full`
+        (prompt tokens first), each row's first `sizes[i]` through the encoder and, with `k`,
+        its last `k` as their lookahead (rows padded to the longest)."""
+        top = max(f.shape[0] for f in full) - k
+        ids = torch.zeros(len(full), top, dtype=torch.long, device=full[0].device)
+        for i, f in enumerate(full):
+            ids[i, : f.shape[0] - k] = f[: f.shape[0] - k]
+        return self.encode_ids(ids, sizes, torch.stack([f[-k:] for f in full]) if k else None, streaming)
+
+    def encode_ids(self, ids: torch.Tensor, sizes: Sequence[int] | torch.Tensor, context: torch.Tensor | None,
+                   streaming: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode` for padded ids [B, T] and the lookahead's ids [B, k] (or None)."""
+        x = self.input_embedding(torch.clamp(ids, min=0))
+        ahead = None if context is None else self.input_embedding(torch.clamp(context, min=0))
+        h, frames = self.encoder(x, sizes, context=ahead, streaming=streaming)
+        return self.encoder_proj(h).transpose(1, 2), frames
 
     def forward(self, tokens: torch.Tensor, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
                 embedding: torch.Tensor, streaming: bool = False, finalize: bool = True) -> torch.Tensor:
@@ -162,6 +180,64 @@ class Flow(nn.Module):
         mask = torch.ones(1, 1, frames, device=mu.device, dtype=mu.dtype)
         mel = self._solve(mu, mask, spks, cond.transpose(1, 2), streaming)
         return mel[:, :, prompt_frames:]
+
+
+class GraphedEncoder:
+    """The flow's encoder calls (token ids to the condition mu) replayed as CUDA graphs, one per
+    (rows, tokens) bucket (powers of two) and mode: eagerly a call is hundreds of small kernel
+    launches. Rows are padded with tokens the mask hides, as in a batch of unequal rows; rows
+    past the batch are all valid zero tokens (finite, unread)."""
+
+    SMALLEST_TOKENS = 64
+
+    def __init__(self, flow: Flow, capturer: GraphCapturer) -> None:
+        self.flow, self.capturer = flow, capturer
+        self._graphs: dict[tuple[int, int, bool, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
+                                                             tuple[torch.Tensor, torch.Tensor], object]] = {}
+
+    def buckets(self, rows: int, tokens: int) -> tuple[int, int]:
+        return bucket(rows), bucket(tokens, self.SMALLEST_TOKENS)
+
+    def capture(self, rows: int, tokens: int, streaming: bool, lookahead: int) -> None:
+        """The graph for calls of `rows` rows of at most `tokens` tokens each (their buckets),
+        with `lookahead` tokens of context after each row (0: none)."""
+        key = (*self.buckets(rows, tokens), streaming, lookahead)
+        if key in self._graphs:
+            return
+        b, t, _, _ = key
+        flow, dev = self.flow, self.capturer.device
+        static: tuple[torch.Tensor, ...] = (torch.zeros(b, t, dtype=torch.long, device=dev),
+                                            torch.full((b,), t, dtype=torch.long, device=dev))
+        if lookahead:
+            static += (torch.zeros(b, lookahead, dtype=torch.long, device=dev),)
+
+        def run(ids: torch.Tensor, lengths: torch.Tensor,
+                context: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            return flow.encode_ids(ids, lengths, context, streaming)
+
+        graph, out = self.capturer.capture(run, *static)
+        # The graph copies the relative-position tables from these host buffers at each replay.
+        size, up = flow.config.encoder.size, flow.config.encoder.up_stride
+        held = (host_positions(size, t, dev.type), host_positions(size, up * t, dev.type))
+        self._graphs[key] = (graph, static, out, held)
+
+    def __call__(self, full: Sequence[torch.Tensor], sizes: Sequence[int], lookahead: int,
+                 streaming: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Flow.encode(full, sizes, lookahead, streaming)`, padded to the call's buckets."""
+        b, top = len(full), max(sizes)
+        self.capture(b, top, streaming, lookahead)
+        graph, static, (mu, frames), _ = self._graphs[(*self.buckets(b, top), streaming, lookahead)]
+        ids, lengths = static[0], static[1]
+        ids.zero_()
+        lengths.fill_(ids.shape[1])
+        for i, (f, n) in enumerate(zip(full, sizes, strict=True)):
+            ids[i, :n] = f[:n]
+        lengths[:b] = to_device(list(sizes), ids.device)
+        if lookahead:
+            static[2][:b] = torch.stack([f[-lookahead:] for f in full])
+        graph.replay()
+        # Copies: the next replay writes the outputs again.
+        return mu[:b, :, : top * self.flow.config.encoder.up_stride].clone(), frames[:b].clone()
 
 
 def load_flow(config: FlowConfig, official: Mapping[str, torch.Tensor]) -> Flow:

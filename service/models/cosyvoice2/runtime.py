@@ -648,13 +648,15 @@ class CosyVoice2Runtime:
         return Token2WavState(generator, to_device(sp.flow_prompt_tokens, self.device),
                               to_device(sp.prompt_mel, self.device), to_device(sp.embedding, self.device))
 
-    # Flow solves captured before serving (larger ones are captured when first seen).
+    # Flow solves and encoder calls captured before serving (larger ones are captured when first seen).
     PREPARED_SOLVES = (8, 1024)  # rows, frames
+    PREPARED_ENCODES = 512  # tokens (with the prompt's)
 
     def prepare(self, max_batch: int) -> None:
         """On CUDA, the CUDA graphs of the token steps for the cache's first rows, of the flow's
-        solves up to `PREPARED_SOLVES` (the FP16 estimator's too, where it runs) and of the
-        vocoder's streaming calls (FP32 and FP16) for the saved speakers' prompts."""
+        encoder calls up to `PREPARED_ENCODES` and solves up to `PREPARED_SOLVES` (the FP16
+        estimator's too, where it runs), and of the vocoder's streaming calls (FP32 and FP16)
+        for the saved speakers' prompts."""
         self._tokens.capture(len(self._tokens.cache.lengths))
         if self._solver is None:
             return
@@ -671,6 +673,13 @@ class CosyVoice2Runtime:
                     for b in buckets_up_to(rows):
                         for t in buckets_up_to(frames, solver.SMALLEST_FRAMES):
                             solver.capture(b, t, streaming)
+            encoder = self.model.flow.graphed_encoder
+            assert encoder is not None
+            lookahead = self.model.flow.config.encoder.pre_lookahead_len
+            for b in buckets_up_to(rows):
+                for t in buckets_up_to(self.PREPARED_ENCODES, encoder.SMALLEST_TOKENS):
+                    encoder.capture(b, t, True, lookahead)  # a chunk
+                    encoder.capture(b, t, False, 0)  # the last chunk
             for precision in self.precisions():
                 t2w = self.token2wav(precision)
                 t2w.use_graphs(self._solver.capturer)

@@ -76,3 +76,27 @@ def test_a_batch_of_utterances_gives_each_its_mel_alone(streaming: bool, finaliz
     for a, b in zip(alone, together, strict=True):
         assert a.shape == b.shape
         assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
+
+
+@pytest.mark.parametrize(("streaming", "lookahead"), [(True, 3), (False, 0)])
+def test_the_encoder_graphs_form_gives_each_row_its_condition_alone(streaming: bool, lookahead: int) -> None:
+    """What `GraphedEncoder` replays: rows padded past the longest (to the bucket) and their
+    lengths on the device (nothing read back): each row's condition mu over its own frames
+    equals its call alone, to kernel rounding."""
+    flow = load_flow(SMALL, official_flow(SMALL, seed=0).state_dict())
+    g = torch.Generator().manual_seed(2)
+    full = [torch.randint(0, SMALL.vocab_size, (n,), generator=g) for n in (30, 16, 41)]
+    sizes = [f.shape[0] - lookahead for f in full]
+    with torch.inference_mode():
+        alone = [flow.encode([f], [n], lookahead, streaming)[0] for f, n in zip(full, sizes, strict=True)]
+        ids = torch.zeros(4, 64, dtype=torch.long)  # one padding row, as a graph's bucket has
+        for i, (f, n) in enumerate(zip(full, sizes, strict=True)):
+            ids[i, :n] = f[:n]
+        lengths = torch.tensor([*sizes, 64])
+        context = torch.stack([f[-lookahead:] for f in full] + [full[0][:lookahead]]) if lookahead else None
+        mu, frames = flow.encode_ids(ids, lengths, context, streaming)
+    assert frames.tolist() == [2 * n for n in sizes] + [128]
+    for i, a in enumerate(alone):
+        b = mu[i : i + 1, :, : a.shape[2]]
+        assert float(a.abs().max()) > 0.1
+        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max()), i

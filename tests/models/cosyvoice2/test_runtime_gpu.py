@@ -18,6 +18,7 @@ import torch
 from service.models import registry
 from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
+from service.models.cosyvoice2.flow import Flow
 from service.models.cosyvoice2.hift import GraphedHiFT, HiFT, HiftConfig
 from service.models.cosyvoice2.lm import KVCache, Qwen2Config, SpeechLM
 from service.models.cosyvoice2.runtime import CosyVoice2Runtime, GraphedLM, SpeechUtterance
@@ -217,6 +218,32 @@ def host_waits(call: Callable[[], object]) -> list[str]:
     return [f"{w.filename}:{w.lineno}: {linecache.getline(w.filename, w.lineno).strip()}"
             for w in seen if "synchroniz" in str(w.message)
             and not w.filename.replace("\\", "/").endswith("torch/cuda/__init__.py")]
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_graphed_encoder_calls_equal_eager_ones(no_tf32_convolutions: None) -> None:
+    """`GraphedEncoder`: rows of unequal lengths padded to the bucket give each row the
+    condition its eager call alone gives, with and without lookahead, and an output survives
+    the next replay."""
+    from .test_flow import SMALL
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    flow = Flow(SMALL).to(dev).eval()
+    flow.use_graphs()
+    graphed = flow.graphed_encoder
+    assert graphed is not None
+    g = torch.Generator().manual_seed(3)
+    for streaming, k in ((True, 3), (False, 0)):
+        full = [torch.randint(0, SMALL.vocab_size, (n,), generator=g).to(dev) for n in (40, 17, 70)]
+        sizes = [f.shape[0] - k for f in full]
+        alone = [flow.encode([f], [n], k, streaming) for f, n in zip(full, sizes, strict=True)]
+        mu, frames = graphed(full, sizes, k, streaming)
+        graphed(full[::-1], sizes[::-1], k, streaming)  # a replay after
+        assert frames.tolist() == [2 * n for n in sizes]
+        for i, (a, _) in enumerate(alone):
+            torch.testing.assert_close(mu[i : i + 1, :, : a.shape[2]], a, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
