@@ -105,10 +105,6 @@ class KVCache:
     def capacity(self) -> int:
         return int(self.layers[0].shape[3])
 
-    @property
-    def rows(self) -> int:
-        return int(self.layers[0].shape[1])
-
 
 class Attention(nn.Module):
     def __init__(self, config: Qwen2Config) -> None:
