@@ -4,10 +4,13 @@ allocator's first allocations stay out of the graph, then capture into a shared 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class GraphCapturer:
@@ -35,6 +38,18 @@ class GraphCapturer:
         with torch.cuda.graph(graph, pool=self._pool):
             out = fn(*static)
         return graph, out
+
+
+    def capture_or_none(self, what: str, fn: Callable[..., Any], *static: torch.Tensor,
+                        warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, Any] | None:
+        """`capture`, or None where `fn` cannot be captured (a warning names `what`; the caller
+        then runs it eagerly: slower, not wrong)."""
+        try:
+            return self.capture(fn, *static, warmups=warmups)
+        except Exception as exc:
+            log.warning("%s cannot be captured as a CUDA graph (%s: %s); it runs eagerly", what,
+                        type(exc).__name__, exc)
+            return None
 
 
 def bucket(n: int, smallest: int = 1) -> int:

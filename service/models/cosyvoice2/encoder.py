@@ -35,13 +35,13 @@ class EncoderConfig:
     up_stride: int = 2  # token_mel_ratio
 
 
-def relative_positions(size: int, length: int) -> torch.Tensor:
+def relative_positions(size: int, length: int, device: torch.device | None = None) -> torch.Tensor:
     """ESPnet's relative sinusoidal encoding for `length` queries: [1, 2 * length - 1, size],
     positions length-1 ... -(length-1)."""
-    position = torch.arange(0, length, dtype=torch.float32).unsqueeze(1)
-    div_term = torch.exp(torch.arange(0, size, 2, dtype=torch.float32) * -(math.log(10000.0) / size))
-    positive = torch.zeros(length, size)
-    negative = torch.zeros(length, size)
+    position = torch.arange(0, length, dtype=torch.float32, device=device).unsqueeze(1)
+    div_term = torch.exp(torch.arange(0, size, 2, dtype=torch.float32, device=device) * -(math.log(10000.0) / size))
+    positive = torch.zeros(length, size, device=device)
+    negative = torch.zeros(length, size, device=device)
     positive[:, 0::2] = torch.sin(position * div_term)
     positive[:, 1::2] = torch.cos(position * div_term)
     negative[:, 0::2] = torch.sin(-1 * position * div_term)
@@ -50,17 +50,18 @@ def relative_positions(size: int, length: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=256)
-def host_positions(size: int, length: int, device_type: str) -> torch.Tensor:
-    """`relative_positions` in host memory a copy to the device reads without waiting (one per
-    length: a CUDA graph that copies from it holds it)."""
+def _host_positions(size: int, length: int, device_type: str) -> torch.Tensor:
     with torch.inference_mode(False):
         return pinned(relative_positions(size, length), torch.device(device_type))
 
 
-def positions(size: int, like: torch.Tensor) -> torch.Tensor:
+def positions(size: int, like: torch.Tensor, on_device: bool = False) -> torch.Tensor:
     """`relative_positions` for `like`'s length, on its device and in its dtype: made once per
-    length, kept in host memory a copy to the device reads without waiting."""
-    return to_device(host_positions(size, like.shape[1], like.device.type), like.device).to(like.dtype)
+    length, kept in host memory a copy to the device reads without waiting; `on_device`: made
+    there (no host memory for a CUDA graph to hold on to)."""
+    if on_device:
+        return relative_positions(size, like.shape[1], like.device).to(like.dtype)
+    return to_device(_host_positions(size, like.shape[1], like.device.type), like.device).to(like.dtype)
 
 
 class InputLayer(nn.Module):
@@ -204,12 +205,13 @@ class TokenEncoder(nn.Module):
     def forward(self, x: torch.Tensor, sizes: Sequence[int] | torch.Tensor, context: torch.Tensor | None = None,
                 streaming: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Token embeddings x [B, T, D] (each row's length in `sizes`: on the host, nothing here
-        waits for the device; on the device, nothing is read back, so a CUDA graph can hold the
-        call) -> [B, 2T, D] and their lengths [B]. `context`: embeddings of the next
+        waits for the device; on the device, nothing is read back or copied from the host, so a
+        CUDA graph can hold the call) -> [B, 2T, D] and their lengths [B]. `context`: embeddings of the next
         `pre_lookahead_len` tokens (streaming, not the last chunk)."""
         cfg = self.config
         t = x.shape[1]
         each: Sequence[int] | torch.Tensor | None
+        on_device = isinstance(sizes, torch.Tensor)
         if isinstance(sizes, torch.Tensor):
             lengths, each = sizes, sizes  # each row's lookahead at its own end
         else:
@@ -219,7 +221,7 @@ class TokenEncoder(nn.Module):
         x = self.embed(x)
         if context is not None and context.shape[1]:
             context = self.embed(context)
-        pos = positions(cfg.size, x)
+        pos = positions(cfg.size, x, on_device)
         mask = attention_mask(valid, cfg.static_chunk_size if streaming else 0)
         x = self.pre_lookahead_layer(x, context, each)
         for layer in self.encoders:
@@ -229,7 +231,7 @@ class TokenEncoder(nn.Module):
         t = x.shape[1]
         valid = (torch.arange(t, device=x.device)[None, :] < lengths[:, None])[:, None]
         x = self.up_embed(x)
-        pos = positions(cfg.size, x)
+        pos = positions(cfg.size, x, on_device)
         mask = attention_mask(valid, cfg.static_chunk_size * cfg.up_stride if streaming else 0)
         for layer in self.up_encoders:
             x = layer(x, mask, pos)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve
-from service.models.cosyvoice2.encoder import EncoderConfig, TokenEncoder, host_positions
+from service.models.cosyvoice2.encoder import EncoderConfig, TokenEncoder
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
 from service.models.cuda_graphs import GraphCapturer, bucket
 from service.models.transfer import to_device
@@ -186,14 +186,16 @@ class GraphedEncoder:
     """The flow's encoder calls (token ids to the condition mu) replayed as CUDA graphs, one per
     (rows, tokens) bucket (powers of two) and mode: eagerly a call is hundreds of small kernel
     launches. Rows are padded with tokens the mask hides, as in a batch of unequal rows; rows
-    past the batch are all valid zero tokens (finite, unread)."""
+    past the batch are all valid zero tokens (finite, unread). A call that cannot be captured
+    runs eagerly."""
 
     SMALLEST_TOKENS = 64
 
     def __init__(self, flow: Flow, capturer: GraphCapturer) -> None:
         self.flow, self.capturer = flow, capturer
+        # None: the call could not be captured (it runs eagerly)
         self._graphs: dict[tuple[int, int, bool, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
-                                                             tuple[torch.Tensor, torch.Tensor], object]] = {}
+                                                             tuple[torch.Tensor, torch.Tensor]] | None] = {}
 
     def buckets(self, rows: int, tokens: int) -> tuple[int, int]:
         return bucket(rows), bucket(tokens, self.SMALLEST_TOKENS)
@@ -215,18 +217,18 @@ class GraphedEncoder:
                 context: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
             return flow.encode_ids(ids, lengths, context, streaming)
 
-        graph, out = self.capturer.capture(run, *static)
-        # The graph copies the relative-position tables from these host buffers at each replay.
-        size, up = flow.config.encoder.size, flow.config.encoder.up_stride
-        held = (host_positions(size, t, dev.type), host_positions(size, up * t, dev.type))
-        self._graphs[key] = (graph, static, out, held)
+        captured = self.capturer.capture_or_none("the flow's encoder", run, *static)
+        self._graphs[key] = None if captured is None else (captured[0], static, captured[1])
 
     def __call__(self, full: Sequence[torch.Tensor], sizes: Sequence[int], lookahead: int,
                  streaming: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`Flow.encode(full, sizes, lookahead, streaming)`, padded to the call's buckets."""
         b, top = len(full), max(sizes)
         self.capture(b, top, streaming, lookahead)
-        graph, static, (mu, frames), _ = self._graphs[(*self.buckets(b, top), streaming, lookahead)]
+        found = self._graphs[(*self.buckets(b, top), streaming, lookahead)]
+        if found is None:
+            return self.flow.encode(full, sizes, lookahead, streaming)
+        graph, static, (mu, frames) = found
         ids, lengths = static[0], static[1]
         ids.zero_()
         lengths.fill_(ids.shape[1])

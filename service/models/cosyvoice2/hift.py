@@ -249,12 +249,14 @@ class GraphedHiFT:
     """A vocoder's calls replayed as CUDA graphs for the shapes `capture` was given: eagerly a
     call is about a thousand small kernel launches. The random draws stay outside the graphs,
     each row's from its own generator; rows are padded up to a power of two, frames are not
-    (the convolutions would see the padding), so a shape not captured runs eagerly."""
+    (the convolutions would see the padding), so a shape not captured (or that cannot be)
+    runs eagerly."""
 
     def __init__(self, hift: HiFT, capturer: GraphCapturer) -> None:
         self.hift, self.capturer = hift, capturer
+        # None: the shape could not be captured (it runs eagerly)
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
-                                                        tuple[torch.Tensor, torch.Tensor]]] = {}
+                                                        tuple[torch.Tensor, torch.Tensor]] | None] = {}
 
     def capture(self, rows: int, frames: int, cached: bool, cache_samples: int) -> None:
         """The graph for calls of `rows` rows (or fewer, down to the power of two below) of
@@ -274,8 +276,8 @@ class GraphedHiFT:
                 cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
             return hift.synthesize(mel, SourceNoise(start, noise), cache)
 
-        graph, out = self.capturer.capture(run, *static)
-        self._graphs[key] = (graph, static, out)
+        captured = self.capturer.capture_or_none("the vocoder", run, *static)
+        self._graphs[key] = None if captured is None else (captured[0], static, captured[1])
 
     def _graph(self, rows: int, frames: int, cache: torch.Tensor | None) -> tuple[Any, ...] | None:
         found = self._graphs.get((bucket(rows), frames, cache is not None))

@@ -4,13 +4,16 @@ streaming calls upstream makes (chunk masks; lookahead tokens held back until th
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from service.models.cosyvoice2.encoder import EncoderConfig
 from service.models.cosyvoice2.estimator import EstimatorConfig
-from service.models.cosyvoice2.flow import FlowConfig, FlowRequest, load_flow
+from service.models.cosyvoice2.flow import FlowConfig, FlowRequest, GraphedEncoder, load_flow
 from service.models.cosyvoice2.official import official_flow as official_flow_class
+from service.models.cuda_graphs import GraphCapturer
 
 from .test_estimator import official as official_estimator
 
@@ -100,3 +103,18 @@ def test_the_encoder_graphs_form_gives_each_row_its_condition_alone(streaming: b
         b = mu[i : i + 1, :, : a.shape[2]]
         assert float(a.abs().max()) > 0.1
         assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max()), i
+
+
+def test_an_encoder_call_that_cannot_be_captured_runs_eagerly(caplog: pytest.LogCaptureFixture) -> None:
+    """`GraphedEncoder` where capturing fails (here: no CUDA): a warning, then the call runs
+    the encoder eagerly and gives what `Flow.encode` gives."""
+    flow = load_flow(SMALL, official_flow(SMALL, seed=0).state_dict())
+    graphed = GraphedEncoder(flow, GraphCapturer(torch.device("cpu")))
+    g = torch.Generator().manual_seed(4)
+    full = [torch.randint(0, SMALL.vocab_size, (n,), generator=g) for n in (20, 9)]
+    sizes = [f.shape[0] - 3 for f in full]
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        mu, frames = graphed(full, sizes, 3, True)
+        want_mu, want_frames = flow.encode(full, sizes, 3, True)
+    assert "cannot be captured" in caplog.text
+    assert torch.equal(mu, want_mu) and torch.equal(frames, want_frames)

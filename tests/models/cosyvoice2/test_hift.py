@@ -3,10 +3,14 @@ same random weights, mel and seed."""
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 
-from service.models.cosyvoice2.hift import HiftConfig, load_hift
+from service.models.cosyvoice2.hift import GraphedHiFT, HiftConfig, load_hift
 from service.models.cosyvoice2.official import official_hift as official_hift_class
+from service.models.cuda_graphs import GraphCapturer
 
 # CosyVoice2-0.5B's vocoder with fewer channels, so the test runs in seconds on a CPU.
 SMALL = HiftConfig(base_channels=64, f0_cond_channels=32)
@@ -65,3 +69,20 @@ def test_rows_with_their_own_generators_each_draw_as_alone() -> None:
     for i, a in enumerate(alone):
         assert torch.allclose(together[i : i + 1], a, atol=1e-5)
     assert not torch.allclose(alone[0], hift(mel[:1], torch.Generator().manual_seed(4))[0], atol=1e-3)
+
+
+def test_a_vocoder_call_that_cannot_be_captured_runs_eagerly(caplog: pytest.LogCaptureFixture) -> None:
+    """`GraphedHiFT` where capturing fails (here: no CUDA): a warning, then every call of that
+    shape runs the vocoder eagerly, drawing from the rows' own generators as the vocoder does."""
+    hift = load_hift(SMALL, official_hift(SMALL, seed=0).state_dict())
+    graphed = GraphedHiFT(hift, GraphCapturer(torch.device("cpu")))
+    with caplog.at_level(logging.WARNING):
+        graphed.capture(2, 12, True, 960)
+    assert "cannot be captured" in caplog.text
+    assert not graphed.graphed(2, 12, torch.zeros(2, 1, 960))
+    mel, cache = torch.randn(2, 80, 12), torch.randn(2, 1, 960)
+    with torch.inference_mode():
+        got = graphed(mel, [torch.Generator().manual_seed(s) for s in (1, 2)], cache)
+        want = hift(mel, [torch.Generator().manual_seed(s) for s in (1, 2)], cache)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
