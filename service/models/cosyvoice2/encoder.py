@@ -147,30 +147,23 @@ class PreLookahead(nn.Module):
         self.conv1 = nn.Conv1d(size, size, lookahead + 1)
         self.conv2 = nn.Conv1d(size, size, 3)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None,
-                lengths: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None, lengths: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """x [B, T, D]; `context` [B, C, D] (C <= lookahead) follows each row's last valid
-        position (`lengths`, on the host or the device; None: all T), zeros after it, as each
-        row alone would see."""
-        b, t, d = x.shape
+        position (`lengths` [B]; None: all T), zeros after it, as each row alone would see.
+        Nothing is read back from the device, so a CUDA graph can hold the call."""
+        _, t, d = x.shape
         if lengths is None:
             h = x.transpose(1, 2)
             if context is not None and context.shape[1]:
                 h = torch.cat([h, context.transpose(1, 2)], dim=2)
             h = F.pad(h, (0, t + self.lookahead - h.shape[2]))
-        elif isinstance(lengths, torch.Tensor):  # nothing read back: a CUDA graph can hold it
+        else:
             valid = torch.arange(t, device=x.device)[None, :] < lengths[:, None]
             padded = F.pad(torch.where(valid[..., None], x, 0.0), (0, 0, 0, self.lookahead))
             if context is not None and context.shape[1]:
                 at = lengths[:, None] + torch.arange(context.shape[1], device=x.device)[None, :]
                 padded = padded.scatter(1, at[..., None].expand(-1, -1, d), context)
-            h = padded.transpose(1, 2)
-        else:
-            padded = x.new_zeros(b, t + self.lookahead, d)
-            for i, n in enumerate(lengths):
-                padded[i, :n] = x[i, :n]
-                if context is not None and context.shape[1]:
-                    padded[i, n : n + context.shape[1]] = context[i]
             h = padded.transpose(1, 2)
         h = F.leaky_relu(self.conv1(h))
         h = self.conv2(F.pad(h, (2, 0)))
@@ -210,20 +203,17 @@ class TokenEncoder(nn.Module):
         `pre_lookahead_len` tokens (streaming, not the last chunk)."""
         cfg = self.config
         t = x.shape[1]
-        each: Sequence[int] | torch.Tensor | None
         on_device = isinstance(sizes, torch.Tensor)
-        if isinstance(sizes, torch.Tensor):
-            lengths, each = sizes, sizes  # each row's lookahead at its own end
-        else:
-            lengths = to_device(list(sizes), x.device)
-            each = sizes if min(sizes) < t else None  # rows of other lengths: each row's lookahead at its own end
+        lengths = sizes if isinstance(sizes, torch.Tensor) else to_device(list(sizes), x.device)
+        # rows that may end before T: each row's lookahead at its own end
+        ends = lengths if on_device or min(sizes) < t else None
         valid = (torch.arange(t, device=x.device)[None, :] < lengths[:, None])[:, None]
         x = self.embed(x)
         if context is not None and context.shape[1]:
             context = self.embed(context)
         pos = positions(cfg.size, x, on_device)
         mask = attention_mask(valid, cfg.static_chunk_size if streaming else 0)
-        x = self.pre_lookahead_layer(x, context, each)
+        x = self.pre_lookahead_layer(x, context, ends)
         for layer in self.encoders:
             x = layer(x, mask, pos)
         x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)

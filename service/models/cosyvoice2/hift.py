@@ -255,13 +255,17 @@ class GraphedHiFT:
     def __init__(self, hift: HiFT, capturer: GraphCapturer) -> None:
         self.hift, self.capturer = hift, capturer
         # None: the shape could not be captured (it runs eagerly)
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
-                                                        tuple[torch.Tensor, torch.Tensor]] | None] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
+                                                       tuple[torch.Tensor, torch.Tensor]] | None] = {}
 
-    def capture(self, rows: int, frames: int, cached: bool, cache_samples: int) -> None:
+    @staticmethod
+    def _key(rows: int, frames: int, cache_samples: int) -> tuple[int, int, int]:
+        return bucket(rows), frames, cache_samples
+
+    def capture(self, rows: int, frames: int, cache_samples: int) -> None:
         """The graph for calls of `rows` rows (or fewer, down to the power of two below) of
-        `frames` mel frames, with a cache of `cache_samples` excitation samples or none."""
-        key = (bucket(rows), frames, cached)
+        `frames` mel frames, with a cache of `cache_samples` excitation samples (0: none)."""
+        key = self._key(rows, frames, cache_samples)
         if key in self._graphs:
             return
         b, hift = key[0], self.hift
@@ -269,7 +273,7 @@ class GraphedHiFT:
         dim, samples = hift.config.nb_harmonics + 1, frames * hift.config.samples_per_frame
         static: tuple[torch.Tensor, ...] = (torch.zeros(b, hift.config.in_channels, frames, device=dev),
                                             torch.zeros(b, dim, device=dev), torch.zeros(b, samples, dim, device=dev))
-        if cached:
+        if cache_samples:
             static += (torch.zeros(b, 1, cache_samples, device=dev),)
 
         def run(mel: torch.Tensor, start: torch.Tensor, noise: torch.Tensor,
@@ -280,10 +284,7 @@ class GraphedHiFT:
         self._graphs[key] = None if captured is None else (captured[0], static, captured[1])
 
     def _graph(self, rows: int, frames: int, cache: torch.Tensor | None) -> tuple[Any, ...] | None:
-        found = self._graphs.get((bucket(rows), frames, cache is not None))
-        if found is None or (cache is not None and cache.shape[2] != found[1][3].shape[2]):
-            return None
-        return found
+        return self._graphs.get(self._key(rows, frames, 0 if cache is None else cache.shape[2]))
 
     def graphed(self, rows: int, frames: int, cache: torch.Tensor | None) -> bool:
         """Whether a call of this shape replays a graph."""

@@ -66,9 +66,9 @@ class Token2Wav:
         assert graphed is not None, "use_graphs first"
         steady = self.config.mel_cache_len + self.config.token_hop_len * self.mel_ratio
         for b in buckets_up_to(rows):
-            graphed.capture(b, steady, True, self.source_cache_len)
+            graphed.capture(b, steady, self.source_cache_len)
             for prompt in sorted(set(prompts)):
-                graphed.capture(b, self._hop(prompt, 0) * self.mel_ratio, False, 0)
+                graphed.capture(b, self._hop(prompt, 0) * self.mel_ratio, 0)
 
     def hop(self, state: Token2WavState) -> int:
         return self._hop(state.prompt_tokens.shape[1], state.token_offset)

@@ -47,8 +47,8 @@ def generators(seed: int, rows: int) -> list[torch.Generator]:
 def test_vocoder_graph_calls_give_each_row_its_eager_audio_and_keep_it_past_the_next_replay() -> None:
     hift = load_hift(SMALL_HIFT, official_hift(SMALL_HIFT, seed=0).state_dict())
     graphed = GraphedHiFT(hift, Replaying())  # type: ignore[arg-type]
-    graphed.capture(4, 12, True, 960)
-    graphed.capture(1, 16, False, 0)
+    graphed.capture(4, 12, 960)
+    graphed.capture(1, 16, 0)
     assert not graphed.graphed(3, 12, None)  # captured with a cache only
     assert not graphed.graphed(3, 12, torch.zeros(3, 1, 480))  # another cache length
     assert not graphed.graphed(3, 13, torch.zeros(3, 1, 960))  # frames are not padded

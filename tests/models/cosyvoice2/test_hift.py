@@ -77,7 +77,7 @@ def test_a_vocoder_call_that_cannot_be_captured_runs_eagerly(caplog: pytest.LogC
     hift = load_hift(SMALL, official_hift(SMALL, seed=0).state_dict())
     graphed = GraphedHiFT(hift, GraphCapturer(torch.device("cpu")))
     with caplog.at_level(logging.WARNING):
-        graphed.capture(2, 12, True, 960)
+        graphed.capture(2, 12, 960)
     assert "cannot be captured" in caplog.text
     assert not graphed.graphed(2, 12, torch.zeros(2, 1, 960))
     mel, cache = torch.randn(2, 80, 12), torch.randn(2, 1, 960)

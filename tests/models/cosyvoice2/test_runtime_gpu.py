@@ -258,8 +258,8 @@ def test_graphed_vocoder_calls_equal_eager_ones_and_other_shapes_run_eagerly(no_
     config = HiftConfig(base_channels=64, f0_cond_channels=32)
     hift = HiFT(config).to(dev).eval()
     graphed = GraphedHiFT(hift, GraphCapturer(dev))
-    graphed.capture(4, 20, True, 960)
-    graphed.capture(1, 30, False, 0)
+    graphed.capture(4, 20, 960)
+    graphed.capture(1, 30, 0)
 
     def generators(seed: int, rows: int) -> list[torch.Generator]:
         return [torch.Generator(device=dev).manual_seed(seed + r) for r in range(rows)]
