@@ -22,9 +22,10 @@ RUN mkdir service kernels && touch service/__init__.py kernels/__init__.py \
 COPY service ./service
 COPY kernels ./kernels
 RUN /opt/venv/bin/pip install --no-deps .
-# The built-in voice's ONNX stage exports, made now at a fixed path any user can read: the
-# server looks there before its writable cache (a pod's read-only root, a random UID).
-RUN /opt/venv/bin/cadenza say "Warm up." --cache-dir /opt/cadenza/onnx -o /tmp/warm.wav \
+# The built-in voice's ONNX stage exports (and their INT8 decoder stages, for --int8), made now at
+# a fixed path any user can read: the server looks there before its writable cache (a pod's
+# read-only root, a random UID).
+RUN /opt/venv/bin/cadenza say "Warm up." --int8 --cache-dir /opt/cadenza/onnx -o /tmp/warm.wav \
  && rm /tmp/warm.wav \
  && chmod -R a+rX /opt/cadenza /opt/venv
 

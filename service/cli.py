@@ -267,7 +267,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
         device=args.device, threads=args.threads, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         cache_bytes=0, frontend=FrontendPoolConfig(workers=0),  # one text: no frontend processes needed
         core="thread",  # ... nor a process for the core (no event loop to share a GIL with)
-        fp32_pins=_pins(args.fp32_pins),
+        fp32_pins=_pins(args.fp32_pins), int8=args.int8,
     )
     prompt = None
     if args.prompt_wav:
@@ -280,7 +280,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
     )
     rate = info.sample_rate
     pieces: list[np.ndarray] = []
-    words, ttfa, samples = [], None, 0
+    words, ttfa, samples, precision = [], None, 0, ""
     with ExitStack() as stack:
         # -o -: each chunk goes out the moment it is made (a player on the pipe starts at once)
         wav = WavStream(stack.enter_context(_stdout_reserved_for_data()), AudioEncoding.LINEAR16) if to_stdout \
@@ -289,6 +289,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         for event in local.stream(text, session):
             if not isinstance(event, AudioOut):
+                precision = event.precision.value
                 continue
             if ttfa is None:
                 ttfa = time.perf_counter() - start
@@ -311,7 +312,7 @@ def _cmd_say(args: argparse.Namespace) -> int:
     seconds = samples / rate
     where = "a WAV to stdout" if to_stdout else args.output
     print(f"wrote {where}: {seconds:.2f} s of audio at {rate} Hz "
-          f"({backend} on {device}, {elapsed:.3f} s compute, RTF {elapsed / seconds:.3f})", file=out)
+          f"({backend} on {device}, {precision}, {elapsed:.3f} s compute, RTF {elapsed / seconds:.3f})", file=out)
     if args.stream and ttfa is not None:
         print(f"time to first audio: {ttfa * 1000:.1f} ms", file=out)
     if args.words:
@@ -408,7 +409,8 @@ def _cmd_bench_cpu(args: argparse.Namespace) -> int:
 
     voice, voices_dir = _voice_and_dir(args.voice, args.voices_dir)
     return run_cpu_bench(Path(args.corpus) if args.corpus else None, args.threads, args.repeats, args.backend,
-                         args.settle_ms / 1000, args.stat, voice, Path(voices_dir) if voices_dir else None)
+                         args.settle_ms / 1000, args.stat, voice, Path(voices_dir) if voices_dir else None,
+                         int8=args.int8)
 
 
 def _serve_precheck(args: argparse.Namespace) -> None:
@@ -458,7 +460,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             cache_bytes=args.cache_mb << 20,
             preload=args.preload, cache_dir=_path(args.cache_dir),
             shadow_fraction=args.shadow_fraction, core=args.core, profile_dir=_path(args.profile),
-            timeline_dir=_path(args.timeline), fp32_pins=_pins(args.fp32_pins),
+            timeline_dir=_path(args.timeline), fp32_pins=_pins(args.fp32_pins), int8=args.int8,
             limits=Limits(
                 max_sessions=args.max_sessions, max_text_chars=args.max_text_chars,
                 max_message_bytes=args.max_message_bytes, idle_timeout_s=args.idle_timeout,
@@ -649,6 +651,14 @@ def _add_fp32_pins_arg(p: _Options) -> None:
                         "`cadenza precision sensitivity` measures)")
 
 
+def _add_int8_arg(p: _Options) -> None:
+    p.add_argument("--int8", action=argparse.BooleanOptionalAction,
+                   default=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "int8"),
+                   help="Piper voices on the CPU: run the decoder's early stages in INT8 (faster, lossy: "
+                        "bench/RESULTS.md has the measured quality), for every session that does not ask for "
+                        "FP32; quantized once per voice and kept beside the ONNX exports")
+
+
 def _pins(value: str | None) -> tuple[str, ...] | None:
     """--fp32-pins as EngineConfig takes them (unset: None, the family's)."""
     return None if value is None else tuple(p.strip() for p in value.split(",") if p.strip())
@@ -804,6 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_voice_args(say, device="cpu", backend=ConfigDefault(f"{ENGINE_CONFIG}:EngineConfig", "backend"))
     _add_cache_dir_arg(say)
     _add_fp32_pins_arg(say)
+    _add_int8_arg(say)
     say.set_defaults(func=_cmd_say)
 
     voices = _subcommand(sub, "voices", "list or check voices")
@@ -905,6 +916,7 @@ def build_parser() -> argparse.ArgumentParser:
     bcpu.add_argument("--backend", choices=BACKENDS, default="auto",
                       help="Cadenza's backend; auto: the voice family's CPU choice (onnxruntime for Piper, torch "
                            "for Kokoro)")
+    _add_int8_arg(bcpu)
     bcpu.set_defaults(func=_cmd_bench_cpu)
     bgpu = _subcommand(bsub, "gpu", "FP16 vs FP32 on a CUDA GPU: decoder step time by rows, memory, TTFA")
     _add_device_arg(bgpu, "cuda")
@@ -1044,6 +1056,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "without it only the default voice is, and others load on their first request")
     _add_cache_dir_arg(voice_opts)
     _add_fp32_pins_arg(voice_opts)
+    _add_int8_arg(voice_opts)
 
     _add_batch_args(engine, advanced=advanced, limits=limits)
     engine.add_argument("--cache-mb", type=int, default=engine_option("cache_bytes", lambda n: n >> 20),

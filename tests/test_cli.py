@@ -26,6 +26,15 @@ def test_say_writes_a_wav(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "time to first audio" in printed and "Cadenza" in printed
 
 
+def test_say_int8_runs_the_quantized_decoder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "hello.wav"
+    assert main(["say", "Hello from Cadenza.", "-o", str(out), "--seed", "1", "--int8",
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    with wave.open(str(out)) as wav:
+        assert wav.getnframes() > 22050 // 2
+    assert "(onnxruntime on cpu, int8," in capsys.readouterr().out
+
+
 def test_say_options_set_the_voice_family_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--option NAME=VALUE` reaches the voice: with both VITS noise scales at 0 the same seed
     gives the same WAV, and so does another seed (no noise left to draw); at the voice's

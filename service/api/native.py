@@ -42,8 +42,9 @@ _PRECISIONS = {
     pb.AUTO: Precision.AUTO,
     pb.FP16: Precision.FP16,
     pb.FP32: Precision.FP32,
+    pb.INT8: Precision.INT8,
 }
-_PRECISION_OUT = {Precision.AUTO: pb.AUTO, Precision.FP16: pb.FP16, Precision.FP32: pb.FP32}
+_PRECISION_OUT = {Precision.AUTO: pb.AUTO, Precision.FP16: pb.FP16, Precision.FP32: pb.FP32, Precision.INT8: pb.INT8}
 _GENDERS = {Gender.FEMALE: pb.FEMALE, Gender.MALE: pb.MALE, Gender.UNSPECIFIED: pb.VOICE_GENDER_UNSPECIFIED}
 
 
@@ -52,7 +53,7 @@ def session_config(msg: pb.SessionConfig) -> SessionConfig:
     if msg.encoding not in _ENCODINGS:
         raise InvalidArgument("config.encoding", f"unknown value {msg.encoding}; use LINEAR16, MULAW, ALAW or FLOAT32")
     if msg.precision not in _PRECISIONS:
-        raise InvalidArgument("config.precision", f"unknown value {msg.precision}; use AUTO, FP16 or FP32")
+        raise InvalidArgument("config.precision", f"unknown value {msg.precision}; use AUTO, FP16, FP32 or INT8")
     if msg.sample_rate_hz < 0:
         raise InvalidArgument("config.sample_rate_hz", f"{msg.sample_rate_hz} is negative (0 = the voice's rate)")
     for name in ("first_chunk_frames", "max_chunk_frames"):

@@ -117,6 +117,9 @@ class EngineConfig:
     # Module patterns kept in FP32 when running FP16; None = the family's declared pins (the
     # precision tools try others through the served path).
     fp32_pins: tuple[str, ...] | None = None
+    # Piper voices on the CPU (ONNX Runtime): also load the decoder's early stages quantized to
+    # INT8 (made once per voice, kept beside the ONNX exports); AUTO sessions then run them. Lossy.
+    int8: bool = False
     # Record the core's busy periods with torch.profiler into this directory (a Chrome trace and a
     # summary per period, see telemetry/ranges.py); None = off.
     profile_dir: Path | None = None

@@ -69,6 +69,7 @@ class Precision(enum.Enum):
     AUTO = "auto"
     FP16 = "fp16"
     FP32 = "fp32"
+    INT8 = "int8"  # CPU, where the server was started with --int8 (lossy)
 
 
 @dataclass(frozen=True)

@@ -518,12 +518,17 @@ class TtsEngine:
         loaded = self._loaded.get(voice) or (self._loaded.get(self._default.name) if self._default else None)
         supported = loaded.precisions if loaded else ("fp32",)
         if asked is not Precision.AUTO and asked.value not in supported:
+            hint = " (INT8 runs on a CPU server started with --int8, for Piper voices)" \
+                if asked is Precision.INT8 else ""
             raise InvalidArgument("config.precision", f"the {self.backend_name} backend on {self.device} runs "
-                                  f"{', '.join(supported)} only; ask for AUTO or FP32")
+                                  f"{', '.join(supported)} only{hint}; ask for AUTO or FP32")
         if self._policy is None:
             hardware = loaded.hardware if loaded else Hardware.detect(self.device)
             self._policy = PrecisionPolicy(hardware, tuple(supported), self.config.precision)
-        return self._policy.resolve(asked.value, voice, self.open_sessions)
+        decision = self._policy.resolve(asked.value, voice, self.open_sessions)
+        if decision.precision not in supported:  # AUTO's pick for the default voice; this one lacks it
+            return PrecisionDecision("fp32", f"voice {voice} runs {', '.join(supported)} only")
+        return decision
 
     def _on_trip(self, voice: str) -> None:
         """Called from the engine thread when a chunk fell back to FP32."""

@@ -267,7 +267,7 @@ class Executor:
         u.status = UtteranceStatus.DECODING
         if not self.uses_slots(s.spec.runtime):
             u.bounds = s.spec.schedule.boundaries(u.frames, s.spec.schedule.first_chunk(u.index))
-            u.staged = s.spec.runtime.utterance_decoder(u.decoder_input)
+            u.staged = s.spec.runtime.utterance_decoder(u.decoder_input, s.spec.precision)
 
     # --- autoregressive steps --------------------------------------------------------------------
 
@@ -542,7 +542,7 @@ class Executor:
         return audio[0, lo - start : hi - start], None if pcm16 is None else pcm16[0, lo - start : hi - start]
 
     def _staged_chunk(self, s: SessionState, u: UtteranceState, others_urgent: bool) -> Chunk:
-        """The next chunk of one utterance from its staged decoder (FP32, CPU)."""
+        """The next chunk of one utterance from its staged decoder (CPU; FP32 or INT8)."""
         assert u.staged is not None
         hop = s.spec.runtime.hop
         k = u.chunk_index
@@ -558,13 +558,13 @@ class Executor:
         with self.timeline.timed("chunk", rows=1, frames=b - a):
             guarded = guard_host(u.staged.audio(a * hop, b * hop)[None])
         samples = guarded.audio[0]
-        self.stats.nonfinite_fp32 += int(guarded.nonfinite[0] > 0)  # zeroed: no FP32 to fall back to
+        self.stats.nonfinite_fp32 += int(guarded.nonfinite[0] > 0)  # zeroed: no staged redo
         self.stats.step_seconds += time.perf_counter() - t0
         self.stats.steps += 1
         self.stats.rows += 1
         self.stats.max_rows = max(self.stats.max_rows, 1)
         self.stats.audio_seconds += len(samples) / s.spec.runtime.sample_rate
-        return Chunk(s, u, samples, "fp32", False)
+        return Chunk(s, u, samples, u.staged.precision, False)
 
 
 class _Once:

@@ -128,6 +128,8 @@ class Runtimes:
                     options["cache_dir"] = self.config.cache_dir
                 if self.config.fp32_pins is not None:
                     options["pins"] = self.config.fp32_pins
+                if self.config.int8:
+                    options["int8"] = True
                 runtime = open_voice(info, self.backend_name, self.device, self.config.schedule, **options)
                 self.loaded[info.name] = runtime
                 log.info("loaded voice %s (%s) on %s/%s", info.name, info.family, runtime.backend_name, self.device)

@@ -42,7 +42,7 @@ class Hardware:
 
 @dataclass(frozen=True)
 class PrecisionDecision:
-    precision: str  # "fp16" | "fp32"
+    precision: str  # "fp16" | "fp32" | "int8"
     reason: str
 
 
@@ -66,11 +66,13 @@ class PrecisionPolicy:
     def resolve(
         self, requested: str, voice: str, live_sessions: int, now: float | None = None
     ) -> PrecisionDecision:
-        """`requested` is "auto", "fp16" or "fp32" (explicit requests are honoured
+        """`requested` is "auto", "fp16", "fp32" or "int8" (explicit requests are honoured
         when the backend supports them; the caller validates that)."""
         requested = requested.lower()
-        if requested in ("fp16", "fp32"):
+        if requested in ("fp16", "fp32", "int8"):
             return PrecisionDecision(requested, "requested by the client")
+        if "int8" in self.supported:
+            return PrecisionDecision("int8", "the server was started with --int8")
         if "fp16" not in self.supported:
             return PrecisionDecision("fp32", "the backend runs FP32 only")
         trips = self.recent_trips(voice, now)

@@ -333,6 +333,8 @@ class UtteranceDecoder(Protocol):
     """One utterance decoded alone, chunk by chunk, in order (a CPU backend's staged decoding:
     each stage's output kept between chunks)."""
 
+    precision: str  # what makes its audio: "fp32", or "int8" where the backend quantized its stages
+
     def audio(self, start: int, end: int) -> np.ndarray:
         """Audio samples [start, end), float32; `start` is where the previous chunk ended."""
         ...
@@ -369,7 +371,7 @@ class Capabilities:
     flags and never probes for methods."""
 
     slot_decoder: bool = False  # streaming_decoder(): batched fixed-shape steps over device slots
-    staged_decoder: bool = False  # utterance_decoder(): each utterance decoded alone, stage by stage (FP32)
+    staged_decoder: bool = False  # utterance_decoder(): each utterance decoded alone, stage by stage (FP32, INT8)
     asynchronous: bool = False  # a decoder step is queued on the device; the engine thread goes on meanwhile
     priors_on_device: bool = False  # the acoustic stage's output stays on the device
     acoustic_split: bool = False  # an acoustic batch is cut by length into several calls
@@ -434,7 +436,9 @@ class VoiceRuntime(Protocol):
         """Frames the streaming decoder's audio trails its input."""
         ...
 
-    def utterance_decoder(self, utt: DecoderInput) -> UtteranceDecoder: ...
+    def utterance_decoder(self, utt: DecoderInput, precision: str) -> UtteranceDecoder:
+        """A staged decoder for `utt` in the session's precision ("int8" where offered, else FP32)."""
+        ...
 
     def guard_async(self, device_audio: Any) -> PendingAudio:
         """Queue the guard (count and zero non-finite samples, make 16-bit PCM) and the copy to

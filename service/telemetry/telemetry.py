@@ -29,7 +29,7 @@ RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 PSNR_BUCKETS_DB = (20.0, 30.0, 40.0, 45.0, 50.0, 55.0, 60.0, 70.0, 80.0, 100.0)
 
 STAGE_DECODER = "decoder"  # the stage the guard checks (every decoded chunk)
-PRECISIONS = ("fp16", "fp32")  # what a session's precision resolves to
+PRECISIONS = ("fp16", "fp32", "int8")  # what a session's precision resolves to
 REJECT_REASONS = ("capacity", "max_sessions", "draining", "not_ready", "engine_failed")
 
 

@@ -153,13 +153,14 @@ class PiperPeer:
 
 def run_cpu_bench(
     corpus: Path | None, threads: int, repeats: int, backend: str, settle_s: float = 0.1, stat: str = "median",
-    voice: str | None = None, voices_dir: Path | None = None,
+    voice: str | None = None, voices_dir: Path | None = None, int8: bool = False,
 ) -> int:
     """`corpus`: a corpus file, None for the packaged one (see load_corpus).
     `stat`: how a text's repeats are summarised, "median" or "min" (the fastest run: least
     disturbed by other load on a noisy machine).
     `voice`/`voices_dir`: as `cadenza say` takes them (None: the built-in Piper voice); the
-    peer is the voice family's (`PEERS`). `backend` "auto" is the family's CPU choice."""
+    peer is the voice family's (`PEERS`). `backend` "auto" is the family's CPU choice; `int8`: as
+    `cadenza serve --int8`, Cadenza's sessions in INT8."""
     if stat not in ("median", "min"):
         raise ValueError(f"stat must be 'median' or 'min', not {stat!r}")
 
@@ -173,7 +174,7 @@ def run_cpu_bench(
     info = find_voice(voice, voices_dir)
     texts = load_corpus(corpus)
     local = LocalEngine(EngineConfig(voice=voice and info.name, voices_dir=voices_dir, backend=backend,
-                                     device="cpu", threads=threads, cache_bytes=0,
+                                     device="cpu", threads=threads, cache_bytes=0, int8=int8,
                                      frontend=FrontendPoolConfig(workers=0)))
     try:
         peer = open_peer(info, threads)
@@ -182,7 +183,8 @@ def run_cpu_bench(
             peer.label: lambda text, seed: peer.run(text),
         }
         return _bench(runners, texts, repeats, settle_s, pick, stat,
-                      f"{info.name}: {local.engine.backend_name}, {local.engine.config.batch.decoder} decoder",
+                      f"{info.name}: {local.engine.backend_name}, {local.engine.config.batch.decoder} decoder"
+                      + (", int8" if int8 else ""),
                       peer.notes)
     finally:
         local.close()

@@ -183,6 +183,7 @@ BAD_CONFIGS = [
     (pb.SessionConfig(speaking_rate=10.0), grpc.StatusCode.INVALID_ARGUMENT, "config.speaking_rate"),
     (pb.SessionConfig(speaking_rate=0.1), grpc.StatusCode.INVALID_ARGUMENT, "config.speaking_rate"),
     (pb.SessionConfig(precision=9), grpc.StatusCode.INVALID_ARGUMENT, "config.precision"),  # type: ignore[arg-type]
+    (pb.SessionConfig(precision=pb.INT8), grpc.StatusCode.INVALID_ARGUMENT, "started with --int8"),
     (pb.SessionConfig(language="de"), grpc.StatusCode.NOT_FOUND, "de"),
 ]
 

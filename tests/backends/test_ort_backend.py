@@ -34,7 +34,7 @@ def test_lane_pieces_equal_the_whole_call(backend: OrtBackend) -> None:
             got = backend.decode_stage(i, x, None)
             # The cut itself is exact: the whole call in a one-thread session (the lanes' kind)
             # gives the same bits.
-            whole_one_thread = run_session(backend._lane_sessions[name], {"x": x, "sid": sid})[0]
+            whole_one_thread = run_session(backend._lane_sessions["fp32"][name], {"x": x, "sid": sid})[0]
             assert got.shape == whole_one_thread.shape
             assert np.array_equal(got, whole_one_thread), (name, length)
             # Against the backend's multi-thread session: equal bits for the generator stages and

@@ -26,6 +26,14 @@ def test_hardware_decides_auto() -> None:
     assert policy(GPU, ("fp32",)).resolve("auto", "v", 0).precision == "fp32"
 
 
+def test_a_server_loaded_with_int8_runs_auto_in_int8_and_honours_fp32() -> None:
+    p = policy(CPU, ("fp32", "int8"))
+    decision = p.resolve("auto", "v", 0)
+    assert decision.precision == "int8" and "--int8" in decision.reason
+    assert p.resolve("fp32", "v", 0).precision == "fp32"
+    assert policy(CPU, ("fp32",)).resolve("auto", "v", 0).precision == "fp32"
+
+
 def test_load_pushes_auto_to_fp16() -> None:
     p = policy(OLD_GPU)
     assert p.resolve("auto", "v", 9).precision == "fp32"

@@ -389,6 +389,7 @@ def test_values_defaults_are_the_servers_own() -> None:
     assert (server["maxAheadSeconds"], server["admissionWaitSeconds"]) == (batch.max_ahead_s, limits.admission_wait_s)
     assert server["stallTimeoutSeconds"] == batch.stall_timeout_s
     assert server["compileAcoustic"] is batch.compile_acoustic and server["compileDecoder"] is batch.compile_decoder
+    assert server["int8"] is engine.int8
     assert (server["maxSessions"], server["maxTextChars"], server["maxMessageBytes"], server["idleTimeoutSeconds"]) \
         == (limits.max_sessions, limits.max_text_chars, limits.max_message_bytes, limits.idle_timeout_s)
     assert (server["device"], server["backend"], server["cacheMb"] << 20, server["core"]) == (

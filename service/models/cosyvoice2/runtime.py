@@ -711,7 +711,7 @@ class CosyVoice2Runtime:
     def streaming_lag(self) -> int:
         return TokenAudioSlots.lag
 
-    def utterance_decoder(self, utt: DecoderInput) -> UtteranceDecoder:
+    def utterance_decoder(self, utt: DecoderInput, precision: str) -> UtteranceDecoder:
         raise ValueError("CosyVoice2 voices decode through their slot decoder (--decoder auto or slots)")
 
     @torch.inference_mode()

@@ -310,7 +310,7 @@ class KokoroRuntime:
         return KokoroUtterance(job.sentence.text, list(job.sentence.phoneme_ids),
                                FrameColumns(values.float().cpu().numpy(), key, style), durations, words)
 
-    def utterance_decoder(self, utt: DecoderInput) -> UtteranceDecoder:
+    def utterance_decoder(self, utt: DecoderInput, precision: str) -> UtteranceDecoder:
         raise ValueError("Kokoro voices decode through their slot decoder (--decoder auto or slots)")
 
     @torch.inference_mode()

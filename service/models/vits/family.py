@@ -14,11 +14,12 @@ def default_backend(device: str) -> str:
     return "torch" if device.startswith("cuda") else "onnxruntime"
 
 
-# The engine's loading options each backend takes (the others do not apply to it: ONNX Runtime is
-# FP32 only, only the exporting backends keep a cache, only torch compiles its acoustic stage).
+# The engine's loading options each backend takes (the others do not apply to it: ONNX Runtime has
+# no FP16 and only it has INT8, only the exporting backends keep a cache, only torch compiles its
+# acoustic stage).
 _BACKEND_OPTIONS = {
     "torch": frozenset({"threads", "pins", "compile_acoustic"}),
-    "onnxruntime": frozenset({"threads", "cache_dir"}),
+    "onnxruntime": frozenset({"threads", "cache_dir", "int8"}),
     "tensorrt": frozenset({"threads", "pins", "cache_dir", "compile_acoustic"}),
 }
 

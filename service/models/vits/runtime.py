@@ -295,10 +295,12 @@ class VitsRuntime:
     def guard_async(self, device_audio: Any) -> Any:
         return self.backend.guard_async(device_audio)
 
-    def utterance_decoder(self, utt: DecoderInput) -> StagedDecoder:
-        """A staged decoder for one utterance (FP32)."""
+    def utterance_decoder(self, utt: DecoderInput, precision: str) -> StagedDecoder:
+        """A staged decoder for one utterance: INT8 where the session asked for it (the backend
+        offers it only when loaded so), else FP32 (the staged path has no FP16)."""
         assert isinstance(utt, Utterance), "a VITS voice decodes its own acoustic stage's output"
-        return StagedDecoder(self.backend, utt.prior.full(), utt.sid_batch, self.schedule.flow_piece_frames)
+        return StagedDecoder(self.backend, utt.prior.full(), utt.sid_batch, self.schedule.flow_piece_frames,
+                             "int8" if precision == "int8" else "fp32")
 
     def reference(self, utt: DecoderInput, precision: str = "fp32") -> np.ndarray:
         """The flow over the whole prior sample, then the vocoder over the whole latent: what

@@ -23,7 +23,9 @@ class StagedBackend(Protocol):
         couplings, then the generator's stages."""
         ...
 
-    def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray: ...
+    def decode_stage(
+        self, index: int, x: np.ndarray, sid: np.ndarray | None, precision: str = "fp32",
+    ) -> np.ndarray: ...
 
 
 class StagedDecoder:
@@ -31,9 +33,10 @@ class StagedDecoder:
 
     def __init__(
         self, backend: StagedBackend, z_p: np.ndarray, sid: np.ndarray | None,
-        flow_piece_frames: int = 0,
+        flow_piece_frames: int = 0, precision: str = "fp32",
     ) -> None:
         self.backend = backend
+        self.precision = precision
         self.sid = sid
         self.z_p = z_p
         self.stages = backend.decoder_stages()
@@ -76,7 +79,7 @@ class StagedDecoder:
         if s > 0:
             self._ensure(s - 1, in_hi)
         x = self._input(s)[:, in_lo:in_hi]
-        y = self.backend.decode_stage(s, x[None], self.sid)[0]
+        y = self.backend.decode_stage(s, x[None], self.sid, self.precision)[0]
         out = y[:, lo_out - in_lo * factor : hi_out - in_lo * factor]
         self.done[s] = hi_out
         return out

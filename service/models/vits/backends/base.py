@@ -68,8 +68,8 @@ class Backend(Protocol):
         """staged_decoder: (upsampling factor, input context, output channels) per stage."""
         ...
 
-    def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
-        """staged_decoder: one flow coupling or generator stage in FP32."""
+    def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> np.ndarray:
+        """staged_decoder: one flow coupling or generator stage in FP32 (or INT8 where supported)."""
         ...
 
     def streaming_decoder(self, precision: str, capacity: int, max_rows: int = 256, graphs: bool = True,

@@ -1,5 +1,6 @@
 """ONNX Runtime backend: runs the per-stage ONNX exports of our own modules.
-The default on CPU (faster than eager PyTorch there)."""
+The default on CPU (faster than eager PyTorch there). FP32, and INT8 for the staged decoder's
+early stages when asked for at load (`int8`, see `quantize`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from service.models.family import guard_host
 from service.models.vits.backends.base import Capabilities, EncodeOut, VocodeOut
+from service.models.vits.backends.quantize import cached_int8_stages, int8_stage_names
 from service.models.vits.backends.stage_export import cached_stage_exports, decoder_stage_names, default_cache_dir
 from service.models.vits.receptive_field import decoder_stage_table
 from service.models.vits.voice import Voice
@@ -59,11 +61,11 @@ def cpu_count() -> int:
 class OrtBackend:
     name = "onnxruntime"
     capabilities = Capabilities(staged_decoder=True)
-    fp32_pins: tuple[str, ...] = ()  # FP32 only
+    fp32_pins: tuple[str, ...] = ()  # no FP16
 
     def __init__(
         self, voice: Voice, device: str = "cpu", threads: int | None = None,
-        cache_dir: Path | None = None,
+        cache_dir: Path | None = None, int8: bool = False,
     ) -> None:
         import onnxruntime as ort
 
@@ -74,7 +76,8 @@ class OrtBackend:
             )
         self.device = device
         self.voice = voice
-        paths = cached_stage_exports(voice.model, voice.info.model_path, cache_dir or default_cache_dir())
+        cache_dir = cache_dir or default_cache_dir()
+        paths = cached_stage_exports(voice.model, voice.info.model_path, cache_dir)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
@@ -87,47 +90,58 @@ class OrtBackend:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
         opts.add_session_config_entry("session.force_spinning_stop", "1")
         self._stage_names = decoder_stage_names(voice.model)
-        self._sessions = {
-            name: ort.InferenceSession(str(p), sess_options=opts, providers=["CPUExecutionProvider"])
-            for name, p in paths.items()
-        }
         self._stages = decoder_stage_table(voice.model)
+
+        def load(path: Path, options: Any) -> Any:
+            return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+
+        # Sessions per (precision, graph); a stage without an INT8 graph runs its FP32 one.
+        self._sessions: dict[str, dict[str, Any]] = {"fp32": {name: load(p, opts) for name, p in paths.items()}}
+        if int8:
+            quantized = cached_int8_stages(voice, paths, int8_stage_names(self._stage_names, self._stages),
+                                           cache_dir, self._run)
+            self._sessions["int8"] = {**self._sessions["fp32"], **{n: load(p, opts) for n, p in quantized.items()}}
         self.lanes = threads or cpu_count()
         self.lane_minimums = lane_split_minimums(self._stages, voice.model.flow.num_stages)
-        self._lane_sessions: dict[str, Any] = {}
+        self._lane_sessions: dict[str, dict[str, Any]] = {}
         self._lane_pool: ThreadPoolExecutor | None = None
         if self.lanes > 1:
             one = ort.SessionOptions()
             one.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             one.intra_op_num_threads = 1
             one.inter_op_num_threads = 1
-            self._lane_sessions = {
-                name: ort.InferenceSession(str(paths[name]), sess_options=one, providers=["CPUExecutionProvider"])
-                for name, least in zip(self._stage_names, self.lane_minimums, strict=True) if least is not None
-            }
+            cut = [name for name, least in zip(self._stage_names, self.lane_minimums, strict=True) if least is not None]
+            self._lane_sessions = {"fp32": {name: load(paths[name], one) for name in cut}}
+            if int8:
+                self._lane_sessions["int8"] = {
+                    name: load(quantized.get(name, paths[name]), one) for name in cut}
             self._lane_pool = ThreadPoolExecutor(self.lanes - 1, thread_name_prefix="cadenza-ort-lane")
 
     def decoder_stages(self) -> list[tuple[int, int, int]]:
         return self._stages
 
-    def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
+    def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> np.ndarray:
         """One flow coupling or generator stage (the staged streaming path)."""
+        if precision not in self._sessions:
+            raise ValueError(f"the onnxruntime backend was loaded for {', '.join(self._sessions)}; "
+                             f"got precision {precision!r}")
         x = np.ascontiguousarray(x, dtype=np.float32)
         name = self._stage_names[index]
         least = self.lane_minimums[index]
         pieces = min(self.lanes, x.shape[-1] // least) if least else 1
         if self._lane_pool is None or pieces < 2:
-            (y,) = self._run(name, {"x": x, "sid": self._sid(sid, x.shape[0])})
+            (y,) = run_session(self._sessions[precision][name], {"x": x, "sid": self._sid(sid, x.shape[0])})
             return y
-        return self._decode_in_lanes(index, x, sid, pieces)
+        return self._decode_in_lanes(index, x, sid, pieces, precision)
 
-    def _decode_in_lanes(self, index: int, x: np.ndarray, sid: np.ndarray | None, pieces: int) -> np.ndarray:
+    def _decode_in_lanes(self, index: int, x: np.ndarray, sid: np.ndarray | None, pieces: int,
+                         precision: str) -> np.ndarray:
         """One stage call cut in time into `pieces` (at most one per lane). Each piece
         carries the stage's input context on its inner sides, so its kept outputs equal
         the whole call's; the pieces run at once in one-thread sessions."""
         assert self._lane_pool is not None
         factor, context, _ = self._stages[index]
-        sess = self._lane_sessions[self._stage_names[index]]
+        sess = self._lane_sessions[precision][self._stage_names[index]]
         length = x.shape[-1]
         edges = [length * k // pieces for k in range(pieces + 1)]
         sid_arr = self._sid(sid, x.shape[0])
@@ -143,14 +157,14 @@ class OrtBackend:
         return np.concatenate(parts, axis=-1)
 
     def supported_precisions(self) -> tuple[str, ...]:
-        return ("fp32",)
+        return tuple(self._sessions)
 
     @staticmethod
     def _sid(sid: np.ndarray | None, batch: int) -> np.ndarray:
         return np.zeros(batch, dtype=np.int64) if sid is None else np.asarray(sid, dtype=np.int64)
 
     def _run(self, stage: str, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return run_session(self._sessions[stage], feed)
+        return run_session(self._sessions["fp32"][stage], feed)
 
     def encode(
         self, ids: np.ndarray, lengths: np.ndarray, dp_noise: np.ndarray, sid: np.ndarray | None

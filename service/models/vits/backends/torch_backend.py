@@ -208,8 +208,10 @@ class TorchBackend:
         return decoder_stage_table(self.models["fp32"])
 
     @torch.inference_mode()
-    def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None) -> np.ndarray:
+    def decode_stage(self, index: int, x: np.ndarray, sid: np.ndarray | None, precision: str = "fp32") -> np.ndarray:
         """One flow coupling or generator stage in FP32 (the staged streaming path)."""
+        if precision != "fp32":
+            raise ValueError(f"the torch backend's staged decoder runs fp32 only; got {precision!r}")
         model = self.models["fp32"]
         g = model.speaker_embedding(self._sid(sid)) if model.uses_speaker(index) else None
         y = model.decoder_stage(index, self._input(x, "fp32"), g)

@@ -22,6 +22,7 @@ class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUTO: _ClassVar[Precision]
     FP16: _ClassVar[Precision]
     FP32: _ClassVar[Precision]
+    INT8: _ClassVar[Precision]
 
 class VoiceGender(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ PRECISION_UNSPECIFIED: Precision
 AUTO: Precision
 FP16: Precision
 FP32: Precision
+INT8: Precision
 VOICE_GENDER_UNSPECIFIED: VoiceGender
 FEMALE: VoiceGender
 MALE: VoiceGender
