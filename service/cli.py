@@ -977,7 +977,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "until a probe fails, then bisection)")
     bload.add_argument("--sweep-p99-ms", type=float, default=load("sweep_p99_ms"), metavar="MS",
                        help="--sweep: the TTFA p99 a probe must stay within, e.g. 300 for an LLM-based voice")
-    bload.add_argument("--precision", choices=("auto", "fp16", "fp32"), default=load("precision"),
+    bload.add_argument("--precision", choices=("auto", "fp16", "fp32", "int8"), default=load("precision"),
                        help="precision each session asks for")
     bload.add_argument("--voice", default=load("voice"), metavar="NAME",
                        help="voice each session asks for, e.g. kokoro-af_heart (default: the server's default voice)")

@@ -26,6 +26,7 @@ from service.engine.state import EngineStats, ReadCursor, SessionRequest, Sink, 
 from service.models.family import VoiceInfo, VoiceRuntime
 from service.models.registry import open_voice
 from service.telemetry import Telemetry
+from service.telemetry.telemetry import PRECISIONS
 from service.telemetry.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -206,7 +207,7 @@ def snapshot(core: EngineCore, device: str) -> CoreSnapshot:
     """The core's figures now (read from another thread: plain numbers, no lock needed)."""
     cache, executor = core.output.cache, core.executor
     shadow = core.shadow
-    capacity = {p: c for p in ("", "fp16", "fp32") if (c := executor.capacity_streams(p or None))}
+    capacity = {p: c for p in ("", *PRECISIONS) if (c := executor.capacity_streams(p or None))}
     gpu = _GPU_MEMORY.read(device) if device.startswith("cuda") else {}
     return CoreSnapshot(
         stats=EngineStats(**vars(core.stats)), cache_hits=cache.hits, cache_misses=cache.misses,

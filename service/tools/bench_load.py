@@ -47,7 +47,7 @@ SESSION_TIMEOUT_S = 300.0  # per stream: a hung server fails the session instead
 CHARS_PER_AUDIO_S = 20.2  # measured: the 16 SENTENCES via `cadenza say` (built-in voice) = 1398 chars, 69.3 s
 POISSON_DURATION_S = 30.0  # poisson at a target concurrency: how long sessions keep arriving by default
 NATIVE_SERVICE = "cadenza.v1.TextToSpeech"
-PRECISIONS = {"auto": pb.AUTO, "fp16": pb.FP16, "fp32": pb.FP32}
+PRECISIONS = {"auto": pb.AUTO, "fp16": pb.FP16, "fp32": pb.FP32, "int8": pb.INT8}
 
 # Call-center / assistant turns. Some are long with no early comma, so the server cannot start them at a
 # clause and the whole first sentence has to be encoded before its first audio.
@@ -746,7 +746,7 @@ def run_bench_load(cfg: LoadConfig, sweep: bool = False, json_path: Path | None 
     if (cfg.duration_s is not None or cfg.rate is not None) and cfg.arrival != "poisson":
         raise ValueError("--rate and --duration apply to --arrival poisson only")
     if cfg.precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {cfg.precision!r}; use auto, fp16 or fp32")
+        raise ValueError(f"unknown precision {cfg.precision!r}; use auto, fp16, fp32 or int8")
     if cfg.arrival not in ("burst", "poisson") or cfg.pace not in ("sentence", "llm"):
         raise ValueError("--arrival is burst or poisson, --pace is sentence or llm")
     if connection is not None and (connection.tls_cert is None) != (connection.tls_key is None):
