@@ -113,7 +113,7 @@ class AudioOut:
     num_samples: int
     sample_rate: int
     utterance: int  # index of the utterance this chunk belongs to (-1: resampler tail)
-    precision: Precision  # FP16 or FP32: what actually produced the chunk
+    precision: Precision  # FP16, FP32 or INT8: what actually produced the chunk
     fallback: bool  # the NaN/Inf guard tripped and the chunk was recomputed in FP32
     words: list[WordTiming] = field(default_factory=list)  # output-rate samples from stream start
 

@@ -74,7 +74,7 @@ class PrecisionPolicy:
         if "int8" in self.supported:
             return PrecisionDecision("int8", "the server was started with --int8")
         if "fp16" not in self.supported:
-            return PrecisionDecision("fp32", "the backend runs FP32 only")
+            return PrecisionDecision("fp32", "the backend has no FP16")
         trips = self.recent_trips(voice, now)
         if trips >= self.config.voice_trip_limit:
             return PrecisionDecision(
