@@ -134,6 +134,10 @@ class Runtimes:
                 runtime = open_voice(info, self.backend_name, self.device, self.config.schedule, **options)
                 self.loaded[info.name] = runtime
                 log.info("loaded voice %s (%s) on %s/%s", info.name, info.family, runtime.backend_name, self.device)
+                if self.config.int8 and "int8" not in runtime.precisions():
+                    log.warning("--int8 does not apply to voice %s (%s on %s/%s: INT8 is for Piper voices on the "
+                                "onnxruntime backend); its sessions run %s", info.name, info.family,
+                                runtime.backend_name, self.device, ", ".join(runtime.precisions()))
                 if _Heap.frozen:  # loaded after the warm server settled: keep its weights out of the scans too
                     settle_heap()
             return runtime
