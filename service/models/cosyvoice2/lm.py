@@ -133,14 +133,12 @@ class Attention(nn.Module):
         # Grouped-query attention as plain attention over the key-value heads, each taking its
         # group of query heads as its queries (with enable_gqa and a mask, CUDA's SDPA falls back
         # to its many-kernel math path).
+        # One fused kernel for token steps too: a row's tokens must not depend on what else is in
+        # its batch. With this kernel they did not on CUDA (the engine's batched-against-alone
+        # test); plain matmuls and a softmax over the batch's span rounded differently with the
+        # batch there, and the sampled tokens parted ways.
         q = qkv[:, :h].reshape(b, kv, h // kv * t, d)
-        if t == 1:
-            # One query a head: four small kernels beat a fused attention kernel that would give
-            # the whole span to one thread block per key-value head.
-            scores = torch.add(mask, torch.matmul(q, past[0].transpose(-1, -2)), alpha=d ** -0.5)
-            out = torch.matmul(scores.softmax(dim=-1), past[1])
-        else:
-            out = F.scaled_dot_product_attention(q, past[0], past[1], attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, past[0], past[1], attn_mask=mask)
         return self.o_proj(out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d))
 
 

@@ -55,8 +55,8 @@ def test_graphed_steps_equal_eager_steps() -> None:
     assert graphed.buckets(3, 1, 66) in graphed._graphs and graphed.buckets(2, 1, 60) in graphed._graphs
     real = list(prompts)
     torch.testing.assert_close(cache.lengths[real], eager.lengths[real], atol=0, rtol=0)
-    for mine, theirs in zip(cache.layers, eager.layers, strict=True):
-        torch.testing.assert_close(mine[real], theirs[real], atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(cache.layers, eager.layers, strict=True):  # [2 (keys, values), rows, ...]
+        torch.testing.assert_close(mine[:, real], theirs[:, real], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.gpu
@@ -86,7 +86,8 @@ def test_graphed_prefills_equal_eager_prefills() -> None:
         torch.testing.assert_close(cache.lengths[rows], eager.lengths[rows], atol=0, rtol=0)
         for mine, theirs in zip(cache.layers, eager.layers, strict=True):
             for r in rows:  # what the rows hold (past their lengths each holds padding)
-                torch.testing.assert_close(mine[r, :, : spans[r]], theirs[r, :, : spans[r]], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(mine[:, r, :, : spans[r]], theirs[:, r, :, : spans[r]], atol=1e-5,
+                                           rtol=1e-4)
     assert graphed.buckets(3, 33, 33) in graphed._graphs and graphed.buckets(2, 40, 47) in graphed._graphs
     assert not graphed.graphed(9, 20) and not graphed.graphed(2, 513)
 
