@@ -20,6 +20,14 @@ class GraphCapturer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pool: Any = None
+        self._eager_seen: set[tuple[str, tuple[int, ...]]] = set()
+
+    def note_eager(self, what: str, shape: tuple[int, ...]) -> None:
+        """Say once per shape that calls of `what` run eagerly (no graph for that shape): where
+        launches still cost the engine thread under load."""
+        if (what, shape) not in self._eager_seen:
+            self._eager_seen.add((what, shape))
+            log.info("%s calls of shape %s have no CUDA graph: they run eagerly", what, shape)
 
     def capture(
         self, fn: Callable[..., Any], *static: torch.Tensor, warmups: int = 2

@@ -297,6 +297,7 @@ class GraphedHiFT:
         found = self._graph(b, frames, cache)
         draws = self.hift.draw(mel, generator)
         if found is None:
+            self.capturer.note_eager("the vocoder's", self._key(b, frames, 0 if cache is None else cache.shape[2]))
             return self.hift.synthesize(mel, draws, cache)
         graph, static, (speech, source) = found
         values = (mel, draws.start, draws.noise) + (() if cache is None else (cache,))

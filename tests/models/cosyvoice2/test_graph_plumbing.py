@@ -14,6 +14,7 @@ import torch
 
 from service.models.cosyvoice2.flow import GraphedEncoder, load_flow
 from service.models.cosyvoice2.hift import GraphedHiFT, load_hift
+from service.models.cuda_graphs import GraphCapturer
 
 from .test_flow import SMALL as SMALL_FLOW
 from .test_flow import official_flow
@@ -21,11 +22,12 @@ from .test_hift import SMALL as SMALL_HIFT
 from .test_hift import official_hift
 
 
-class Replaying:
+class Replaying(GraphCapturer):
     """A `GraphCapturer` whose graphs run `fn` again at each replay, writing into the outputs
     of the first run."""
 
-    device = torch.device("cpu")
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
 
     def capture_or_none(self, what: str, fn: Callable[..., Any], *static: torch.Tensor,
                         warmups: int = 2) -> tuple[Any, Any]:
@@ -46,7 +48,7 @@ def generators(seed: int, rows: int) -> list[torch.Generator]:
 @torch.inference_mode()
 def test_vocoder_graph_calls_give_each_row_its_eager_audio_and_keep_it_past_the_next_replay() -> None:
     hift = load_hift(SMALL_HIFT, official_hift(SMALL_HIFT, seed=0).state_dict())
-    graphed = GraphedHiFT(hift, Replaying())  # type: ignore[arg-type]
+    graphed = GraphedHiFT(hift, Replaying())
     graphed.capture(4, 12, 960)
     graphed.capture(1, 16, 0)
     assert not graphed.graphed(3, 12, None)  # captured with a cache only
@@ -68,7 +70,7 @@ def test_vocoder_graph_calls_give_each_row_its_eager_audio_and_keep_it_past_the_
 @torch.inference_mode()
 def test_encoder_graph_calls_give_each_row_its_condition_alone_and_keep_it_past_the_next_replay() -> None:
     flow = load_flow(SMALL_FLOW, official_flow(SMALL_FLOW, seed=0).state_dict())
-    graphed = GraphedEncoder(flow, Replaying())  # type: ignore[arg-type]
+    graphed = GraphedEncoder(flow, Replaying())
     g = torch.Generator().manual_seed(6)
     for streaming, k in ((True, 3), (False, 0)):
         full = [torch.randint(0, SMALL_FLOW.vocab_size, (n,), generator=g) for n in (33, 12, 50)]
