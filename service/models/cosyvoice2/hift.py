@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -262,6 +261,9 @@ class GraphedHiFT:
     def _key(rows: int, frames: int, cache_samples: int) -> tuple[int, int, int]:
         return bucket(rows), frames, cache_samples
 
+    def _call_key(self, rows: int, frames: int, cache: torch.Tensor | None) -> tuple[int, int, int]:
+        return self._key(rows, frames, 0 if cache is None else cache.shape[2])
+
     def capture(self, rows: int, frames: int, cache_samples: int) -> None:
         """The graph for calls of `rows` rows (or fewer, down to the power of two below) of
         `frames` mel frames, with a cache of `cache_samples` excitation samples (0: none)."""
@@ -283,21 +285,19 @@ class GraphedHiFT:
         captured = self.capturer.capture_or_none("the vocoder", run, *static)
         self._graphs[key] = None if captured is None else (captured[0], static, captured[1])
 
-    def _graph(self, rows: int, frames: int, cache: torch.Tensor | None) -> tuple[Any, ...] | None:
-        return self._graphs.get(self._key(rows, frames, 0 if cache is None else cache.shape[2]))
-
     def graphed(self, rows: int, frames: int, cache: torch.Tensor | None) -> bool:
         """Whether a call of this shape replays a graph."""
-        return self._graph(rows, frames, cache) is not None
+        return self._graphs.get(self._call_key(rows, frames, cache)) is not None
 
     def __call__(self, mel: torch.Tensor, generator: Generators,
                  cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`HiFT.forward`, replayed where its shape was captured."""
         b, _, frames = mel.shape
-        found = self._graph(b, frames, cache)
+        key = self._call_key(b, frames, cache)
+        found = self._graphs.get(key)
         draws = self.hift.draw(mel, generator)
         if found is None:
-            self.capturer.note_eager("the vocoder's", self._key(b, frames, 0 if cache is None else cache.shape[2]))
+            self.capturer.note_eager("the vocoder's", key)
             return self.hift.synthesize(mel, draws, cache)
         graph, static, (speech, source) = found
         values = (mel, draws.start, draws.noise) + (() if cache is None else (cache,))

@@ -14,15 +14,13 @@ per voice and kept next to the FP32 stage exports."""
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from service.models.vits.backends.stage_export import writable_cache_dir
+from service.models.vits.backends.stage_export import find_graphs, make_graphs, writable_cache_dir
 from service.models.vits.voice import Voice
 
 log = logging.getLogger(__name__)
@@ -114,28 +112,20 @@ def cached_int8_stages(voice: Voice, fp32_paths: dict[str, Path], names: Sequenc
     once into `cache_dir` (or its writable fallback, as the exports are)."""
     export_dir = fp32_paths[names[0]].parent
     sub = f"int8-v{QUANT_VERSION}"
-    for base in (export_dir, cache_dir / export_dir.name):
-        found = {name: base / sub / f"{name}.onnx" for name in names}
-        if all(p.is_file() for p in found.values()):
-            return found
+    found = find_graphs(names, [export_dir / sub, cache_dir / export_dir.name / sub])
+    if found is not None:
+        return found
     out_dir = writable_cache_dir(cache_dir) / export_dir.name / sub
-    paths = {name: out_dir / f"{name}.onnx" for name in names}
-    if all(p.is_file() for p in paths.values()):  # the fallback dir already has them
-        return paths
-    log.info("quantizing voice %s's decoder stages to INT8 into %s (once: later runs load them from there) ...",
-             voice.info.name, out_dir)
-    start = time.perf_counter()
-    samples = calibration_inputs(voice, names, run)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{sub}-", dir=out_dir.parent))
-    try:
+
+    def quantize(tmp: Path) -> None:
+        log.info("quantizing voice %s's decoder stages to INT8 into %s (once: later runs load them from there) ...",
+                 voice.info.name, out_dir)
+        start = time.perf_counter()
+        samples = calibration_inputs(voice, names, run)
         for name in names:
             quantize_stage(fp32_paths[name], tmp / f"{name}.onnx", samples[name])
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            (tmp / f"{name}.onnx").replace(paths[name])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("quantized %d decoder stages of voice %s in %.1f s (cached for later runs)", len(names),
-             voice.info.name, time.perf_counter() - start)
-    return paths
+        log.info("quantized %d decoder stages of voice %s in %.1f s (cached for later runs)", len(names),
+                 voice.info.name, time.perf_counter() - start)
+
+    # The fallback dir may have them already.
+    return find_graphs(names, [out_dir]) or make_graphs(names, out_dir, quantize)

@@ -15,7 +15,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -185,6 +185,30 @@ def writable_cache_dir(cache_dir: Path) -> Path:
         return fallback
 
 
+def find_graphs(names: Sequence[str], dirs: Sequence[Path]) -> dict[str, Path] | None:
+    """The graphs `names` (<name>.onnx) from the first of `dirs` that has them all, or None."""
+    for base in dirs:
+        found = {name: base / f"{name}.onnx" for name in names}
+        if all(p.is_file() for p in found.values()):
+            return found
+    return None
+
+
+def make_graphs(names: Sequence[str], out_dir: Path, make: Callable[[Path], object]) -> dict[str, Path]:
+    """The graphs `names` written by `make(dir)` into a private temporary dir next to `out_dir`
+    (concurrent makers never mix their files), then moved into `out_dir`."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        make(tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (tmp / f"{name}.onnx").replace(out_dir / f"{name}.onnx")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {name: out_dir / f"{name}.onnx" for name in names}
+
+
 def cached_stage_exports(
     model: VitsModel, onnx_path: Path, cache_dir: Path, prebuilt: Sequence[Path] = (PREBUILT_DIR,),
 ) -> dict[str, Path]:
@@ -192,29 +216,21 @@ def cached_stage_exports(
     made once and kept under cache_dir/<voice>-<digest>-v<version> (see writable_cache_dir)."""
     name = export_dir_name(onnx_path)
     stages = (*STAGES, *decoder_stage_names(model))
-    for base in (*prebuilt, cache_dir):
-        found = {stage: base / name / f"{stage}.onnx" for stage in stages}
-        if all(p.is_file() for p in found.values()):
-            return found
+    found = find_graphs(stages, [base / name for base in (*prebuilt, cache_dir)])
+    if found is not None:
+        return found
     out_dir = writable_cache_dir(cache_dir) / name
-    paths = {stage: out_dir / f"{stage}.onnx" for stage in stages}
-    if all(p.is_file() for p in paths.values()):  # the fallback dir already has them
-        return paths
     voice = onnx_path.name.removesuffix(".onnx")
-    # The one slow step of a first run: say that it happens once, then how long it took (its time
-    # depends on the machine and the voice, so none is promised beforehand).
-    log.info("exporting ONNX stages for voice %s into %s (once: later runs load them from there) ...", voice,
-             out_dir)
-    start = time.perf_counter()
-    # A private temporary dir next to the target: concurrent exporters never mix their files.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out_dir.parent))
-    try:
+
+    def export(tmp: Path) -> None:
+        # The one slow step of a first run: say that it happens once, then how long it took (its
+        # time depends on the machine and the voice, so none is promised beforehand).
+        log.info("exporting ONNX stages for voice %s into %s (once: later runs load them from there) ...", voice,
+                 out_dir)
+        start = time.perf_counter()
         written = export_stages(model, tmp)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for stage, path in written.items():
-            path.replace(paths[stage])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("exported %d ONNX stages for voice %s in %.1f s (cached for later runs)", len(written), voice,
-             time.perf_counter() - start)
-    return paths
+        log.info("exported %d ONNX stages for voice %s in %.1f s (cached for later runs)", len(written), voice,
+                 time.perf_counter() - start)
+
+    # The fallback dir may have them already.
+    return find_graphs(stages, [out_dir]) or make_graphs(stages, out_dir, export)
