@@ -295,8 +295,8 @@ class TtsEngine:
         """Real-time streams the engine estimates it carries at the precision AUTO picks."""
         if self.config.limits.capacity_streams is not None:
             return self.config.limits.capacity_streams
-        auto = self._policy.resolve("auto", self._default.name, 0).precision if self._policy and self._default \
-            else None
+        auto = self._policy.resolve("auto", self._default.name, self._supported(self._default.name), 0).precision \
+            if self._policy and self._default else None
         capacity = self.host.snapshot().capacity
         return capacity.get(auto or "") or capacity.get("")
 
@@ -515,20 +515,26 @@ class TtsEngine:
     def _resolve_precision(self, asked: Precision, voice: str) -> PrecisionDecision:
         """Explicit requests must be supported by the backend; AUTO asks the policy
         (hardware, load, the voice's guard-trip history) and keeps its reason."""
-        loaded = self._loaded.get(voice) or (self._loaded.get(self._default.name) if self._default else None)
-        supported = loaded.precisions if loaded else ("fp32",)
+        supported = self._supported(voice)
         if asked is not Precision.AUTO and asked.value not in supported:
             hint = " (INT8 runs on a CPU server started with --int8, for Piper voices)" \
                 if asked is Precision.INT8 else ""
             raise InvalidArgument("config.precision", f"the {self.backend_name} backend on {self.device} runs "
                                   f"{', '.join(supported)} only{hint}; ask for AUTO or FP32")
         if self._policy is None:
+            loaded = self._runtime_for(voice)
             hardware = loaded.hardware if loaded else Hardware.detect(self.device)
-            self._policy = PrecisionPolicy(hardware, tuple(supported), self.config.precision)
-        decision = self._policy.resolve(asked.value, voice, self.open_sessions)
-        if decision.precision not in supported:  # AUTO's pick for the default voice; this one lacks it
-            return PrecisionDecision("fp32", f"voice {voice} runs {', '.join(supported)} only")
-        return decision
+            self._policy = PrecisionPolicy(hardware, self.config.precision)
+        return self._policy.resolve(asked.value, voice, supported, self.open_sessions)
+
+    def _runtime_for(self, voice: str) -> LoadedVoice | None:
+        """`voice` as loaded; one not loaded yet: the default voice."""
+        return self._loaded.get(voice) or (self._loaded.get(self._default.name) if self._default else None)
+
+    def _supported(self, voice: str) -> tuple[str, ...]:
+        """The precisions `voice` runs as loaded."""
+        loaded = self._runtime_for(voice)
+        return tuple(loaded.precisions) if loaded else ("fp32",)
 
     def _on_trip(self, voice: str) -> None:
         """Called from the engine thread when a chunk fell back to FP32."""

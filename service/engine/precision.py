@@ -48,8 +48,10 @@ class PrecisionDecision:
 
 @dataclass
 class PrecisionPolicy:
+    """One per engine: the hardware and the guard-trip history are the server's; what a voice
+    runs (`supported`) comes with each question, since voices of several families differ."""
+
     hardware: Hardware
-    supported: tuple[str, ...]
     config: PrecisionPolicyConfig = field(default_factory=PrecisionPolicyConfig)
     _trips: dict[str, deque[float]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -64,17 +66,19 @@ class PrecisionPolicy:
             return sum(1 for t in self._trips.get(voice, ()) if now - t <= self.config.trip_window_s)
 
     def resolve(
-        self, requested: str, voice: str, live_sessions: int, now: float | None = None
+        self, requested: str, voice: str, supported: tuple[str, ...], live_sessions: int,
+        now: float | None = None,
     ) -> PrecisionDecision:
-        """`requested` is "auto", "fp16", "fp32" or "int8" (explicit requests are honoured
-        when the backend supports them; the caller validates that)."""
+        """`requested` is "auto", "fp16", "fp32" or "int8"; `supported`: what `voice` runs as
+        loaded. Explicit requests are honoured (the caller validates them against `supported`);
+        AUTO picks among `supported` only."""
         requested = requested.lower()
         if requested in ("fp16", "fp32", "int8"):
             return PrecisionDecision(requested, "requested by the client")
-        if "int8" in self.supported:
+        if "int8" in supported:
             return PrecisionDecision("int8", "the server was started with --int8")
-        if "fp16" not in self.supported:
-            return PrecisionDecision("fp32", "the backend has no FP16")
+        if "fp16" not in supported:
+            return PrecisionDecision("fp32", f"voice {voice} runs {', '.join(supported)} only")
         trips = self.recent_trips(voice, now)
         if trips >= self.config.voice_trip_limit:
             return PrecisionDecision(

@@ -25,7 +25,7 @@ from service.models.vits.voice import Voice
 
 log = logging.getLogger(__name__)
 
-QUANT_VERSION = "1"  # a change to what or how this module quantizes bumps it
+QUANT_VERSION = "2"  # a change to what or how this module quantizes bumps it
 # Calibration sentences: statements, a question, numbers and a long clause, so the activation
 # ranges cover quiet and loud, short and long phonemes.
 CALIBRATION_TEXTS = (
@@ -99,7 +99,7 @@ def quantize_stage(fp32_path: Path, out_path: Path, samples: list[np.ndarray]) -
     quant_pre_process(str(fp32_path), str(prepared), skip_symbolic_shape=True)
     quantize_static(
         str(prepared), str(out_path), _Reader(feeds), op_types_to_quantize=["Conv"],
-        quant_format=QuantFormat.QDQ, per_channel=True,
+        quant_format=QuantFormat.QDQ, per_channel=True, reduce_range=True,
         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
         calibrate_method=CalibrationMethod.MinMax,
     )
