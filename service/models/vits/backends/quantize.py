@@ -4,9 +4,10 @@ What is quantized: the convolutions of the stages that run at the frame rate (th
 couplings, the generator's input convolution) and of the generator's first upsampling stage.
 Later generator stages stay FP32: their activations span a range that one 8-bit scale per tensor
 cannot hold without audible error, and so does the acoustic stage (a small error there moves a
-duration by a frame and shifts everything after it). Weights are INT8 per output channel,
-activations UINT8 with ranges from FP32 decodes of a few fixed sentences (MinMax), in QDQ form so
-ONNX Runtime runs integer kernels.
+duration by a frame and shifts everything after it). Weights are INT8 per output channel with 7
+bits of range (x86 CPUs without VNNI add pairs of UINT8 x INT8 products in 16 bits, which
+full-range weights saturate), activations UINT8 with ranges from FP32 decodes of a few fixed
+sentences (MinMax), in QDQ form so ONNX Runtime runs integer kernels.
 
 The result is lossy (`bench/RESULTS.md` gives its measured quality against FP32); it is made once
 per voice and kept next to the FP32 stage exports."""
