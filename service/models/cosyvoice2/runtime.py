@@ -298,7 +298,12 @@ class SpeechTokens:
         # On CUDA the stage has a stream of its own, ahead of others in priority: its steps run
         # while a long decoder step occupies the device, and wait only for each other.
         self.stream = torch.cuda.Stream(device=device, priority=-1) if self.graphs else None
-        self._use(KVCache.empty(self.lm.config, rows, self.capacity, device=device), first_free=0)
+        # Made on that stream, as a grown cache is: the caching allocator hands a freed block
+        # back to the stream it was made on without waiting for others, so a cache made on the
+        # default stream and read on this one could be reused by a decoder step while this
+        # stream still copies out of it (when it grows).
+        with self._on_stream():
+            self._use(KVCache.empty(self.lm.config, rows, self.capacity, device=device), first_free=0)
 
     def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
