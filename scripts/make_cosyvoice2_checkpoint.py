@@ -272,7 +272,9 @@ def write_front_models(out: Path, config: CosyVoice2Config, seed: int) -> None:
         return numpy_helper.from_array((torch.randn(*shape, generator=rng) / shape[0] ** 0.5).numpy(), name)
 
     def save(graph: onnx.GraphProto, name: str) -> None:
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        # IR version 8 goes with opset 17; without it the file takes the installed onnx package's
+        # newest IR version, which an older ONNX Runtime refuses to load.
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
         onnx.checker.check_model(model)
         onnx.save(model, str(out / name))
 
