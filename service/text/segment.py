@@ -19,6 +19,12 @@ Rules (documented simplifications):
   at least ``first_clause_lookahead_chars`` characters follow it with no sentence end among
   them: the first audio then waits for a short clause, not a long sentence, while a short
   tail (", please?") stays with its sentence. Decided from those characters alone.
+- A streaming voice's first utterance is also a piece (below) of ``first_piece_chars``: a first
+  sentence or clause longer than that and its tail is cut at a clause mark or before a
+  phrase-starting word within it (never at a bare space: then no such cut is made). The
+  acoustic stage runs over a whole utterance before any audio, so its length sets the first
+  audio; the cut costs a break in the first sentence (an utterance's closing fall and edge
+  silence).
 - Text reaching ``max_chars`` without a cut is split at its last clause boundary, else its
   last whitespace, else hard at ``max_chars``.
 - A voice that decodes whole utterances (its first audio waits for the whole utterance, e.g.
@@ -69,6 +75,7 @@ class SegmenterConfig:
     word_timeout_s: float = 3.0
     first_min_clause_chars: int | None = 20  # None: the first utterance cuts like the rest
     first_clause_lookahead_chars: int = 40
+    first_piece_chars: int | None = 50  # streaming voices' first utterance (see above); None: off
     piece_chars: int = 40  # pieces: voices that decode whole utterances (see the module docstring)
     piece_growth: float = 1.5
     piece_tail_chars: int = 20
@@ -137,7 +144,7 @@ def find_cut(
 _PHRASE_STARTS = frozenset(
     "and but or nor so yet because that which who whom whose when where while if unless until "
     "although though since before after as than with without for from in on at by about during "
-    "into through over under between against".split()
+    "of to into through over under between against".split()
 )
 _WORD = re.compile(r"\S+")
 
@@ -151,21 +158,26 @@ def piece_cut(text: str, limit: int, min_chars: int) -> int:
     module docstring): its last clause mark, else before its last phrase-starting word (in its
     second half), else at its last space, each at ``min_chars`` or later; else `force_cut`. ``text`` may run past
     ``limit``: a word starting at the limit is still read whole."""
+    found = phrase_cut(text, limit, min_chars, limit // 2)
+    if found is not None:
+        return found
+    words = [m.start() for m in _WORD.finditer(text) if min_chars <= m.start() <= limit]
+    return words[-1] if words else force_cut(text[:limit])
+
+
+def phrase_cut(text: str, limit: int, min_chars: int, min_phrase_chars: int) -> int | None:
+    """The last clause mark in ``text[:limit]`` at ``min_chars`` or later, else the start of its
+    last phrase-starting word at ``min_phrase_chars`` or later (up to ``limit``), else None."""
     window = text[:limit]
     clause = [m.end() for m in _CLAUSE_BOUNDARY.finditer(window)
               if m.end() >= min_chars and m.group(0) != m.group(0).rstrip()]
     if clause:
         return clause[-1]
     words = [(m.start(), m.group(0)) for m in _WORD.finditer(text) if min_chars <= m.start() <= limit]
-    # Before the first of a run of them ("so that", "and if"): the run starts the phrase. Not
-    # in the piece's first half: a longer piece cut at a space reads better than a stub.
-    starts = [at for i, (at, word) in enumerate(words) if _starts_phrase(word) and at >= limit // 2
+    # Before the first of a run of them ("so that", "and if"): the run starts the phrase.
+    starts = [at for i, (at, word) in enumerate(words) if _starts_phrase(word) and at >= min_phrase_chars
               and not (i > 0 and _starts_phrase(words[i - 1][1]))]
-    if starts:
-        return starts[-1]
-    if words:
-        return words[-1][0]
-    return force_cut(window)
+    return starts[-1] if starts else None
 
 
 def force_cut(window: str) -> int:
@@ -244,16 +256,19 @@ class IncrementalSegmenter:
             window = self._buffer[:max_chars]
             first = self.config.first_min_clause_chars
             early = None if self._released or first is None else (first, self.config.first_clause_lookahead_chars)
-            limit = self._piece_limit()
+            limit, cut = self._piece_limit(), None
             if limit is not None:
                 # Decided from the first limit + tail characters alone (the same for any deltas).
                 head = window[: limit + self.config.piece_tail_chars]
                 cut = find_cut(head, self.config.min_clause_chars, early=early)
                 if cut is None:
-                    if len(head) < limit + self.config.piece_tail_chars:
-                        break
-                    cut = piece_cut(head, limit, self.config.piece_min_chars)
-            else:
+                    if len(head) < limit + self.config.piece_tail_chars and len(self._buffer) < max_chars:
+                        break  # (a full window decides now: it holds all the text that counts)
+                    if self._pieces:
+                        cut = piece_cut(head, limit, self.config.piece_min_chars)
+                    else:  # a streaming voice's first piece: at a phrase boundary or not at all
+                        cut = phrase_cut(head, limit, self.config.piece_min_chars, self.config.piece_min_chars)
+            if cut is None:
                 cut = find_cut(window, self.config.min_clause_chars, early=early)
             if cut is None:
                 if len(self._buffer) < max_chars:
@@ -266,10 +281,12 @@ class IncrementalSegmenter:
         return out
 
     def _piece_limit(self) -> int | None:
-        """The next piece's length limit, or None once pieces reach ``max_chars`` (or are off)."""
-        if not self._pieces:
-            return None
+        """The next piece's length limit, or None once pieces reach ``max_chars`` (or are off):
+        a streaming voice's first utterance only, a whole-utterance voice's every one."""
         c = self.config
+        if not self._pieces:
+            first = c.first_piece_chars
+            return first if first is not None and self._count == 0 and first < c.max_chars else None
         limit = int(min(c.piece_chars * c.piece_growth ** min(self._count, 32),
                         max(c.piece_chars, c.piece_growth * self._chars_out)))
         return limit if limit < c.max_chars else None
@@ -282,7 +299,7 @@ def split_sentences(text: str, max_chars: int = 300) -> list[str]:
     pieces joined with the whitespace that was between them.
     """
     segmenter = IncrementalSegmenter(
-        SegmenterConfig(min_clause_chars=max_chars + 1, max_chars=max_chars)
+        SegmenterConfig(min_clause_chars=max_chars + 1, max_chars=max_chars, first_piece_chars=None)
     )
     pieces = segmenter.push(text, 0.0) + segmenter.flush()
     return [p.strip() for p in pieces if p.strip()]

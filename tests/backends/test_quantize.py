@@ -27,7 +27,7 @@ from tests.asr import transcribe, word_error_rate
 
 SENTENCES = (
     "Hello from Cadenza, the streaming speech server.",
-    "The weather tomorrow will be sunny with a high of seventy two degrees.",
+    "The weather tomorrow will be sunny and warm all day long.",
 )
 CHECK_SENTENCES = Path(__file__).resolve().parents[2] / "service" / "data" / "check_sentences.txt"
 PESQ_MEDIAN_FLOOR = 4.1  # README's figures for --int8

@@ -21,7 +21,7 @@ from service.text.frontend import Frontend
 from service.text.segment import IncrementalSegmenter, SegmenterConfig, split_sentences
 
 # Characters the segmenter's rules look at, plus anything else unicode has.
-_SPECIAL = [*"aAbZ. .,;:!?…—\"'”’»)]}“‘«([{\n\t\u00a0Dr.e.g.3", "Mr.", "U.S.", "3.14", "...", ". A"]
+_SPECIAL = [*"aAbZ. .,;:!?…—\"'”’»)]}“‘«([{\n\t\u00a0Dr.e.g.3", "Mr.", "U.S.", "3.14", "...", ". A", " and ", " of "]
 TEXTS = st.lists(st.sampled_from(_SPECIAL) | st.characters(), max_size=120).map("".join)
 CONFIGS = st.builds(
     SegmenterConfig,
@@ -30,6 +30,7 @@ CONFIGS = st.builds(
     idle_timeout_s=st.just(1.0),
     first_min_clause_chars=st.none() | st.integers(1, 40),
     first_clause_lookahead_chars=st.integers(0, 60),
+    first_piece_chars=st.none() | st.integers(1, 80),
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -216,7 +217,7 @@ def test_first_utterance_ends_at_an_early_clause() -> None:
         "Hello there. ", "Before we get started, I need to let you know that this call may be recorded. "
     ]
     # Off when asked.
-    released, _ = _push_all(FAST, [], SegmenterConfig(first_min_clause_chars=None))
+    released, _ = _push_all(FAST, [], SegmenterConfig(first_min_clause_chars=None, first_piece_chars=None))
     assert released[0].startswith("Before we get started, I need")
 
 
@@ -244,6 +245,12 @@ LONG = ("Our records show that the last payment on your account was received on 
         "and that the next statement will be issued at the end of the current billing cycle. "
         "I have gone ahead and moved your delivery to the morning slot on Thursday so that someone "
         "will be at home to sign for the package when the courier arrives at your door.")
+
+
+def _plain(text: str, config: SegmenterConfig) -> list[str]:
+    """A streaming voice's utterances for `text` pushed at once."""
+    segmenter = IncrementalSegmenter(config)
+    return segmenter.push(text, 0.0) + segmenter.flush()
 
 
 def _pieces(text: str, config: SegmenterConfig, cuts: list[int] | None = None) -> list[str]:
@@ -274,10 +281,32 @@ def test_pieces_grow_and_end_at_phrase_boundaries() -> None:
         if limit < config.max_chars:
             assert len(piece) <= limit + config.piece_tail_chars, (k, piece)
         released += len(piece)
-    # Without pieces the same text goes by clauses of 60+ characters and sentences.
+    # Without pieces (a streaming voice) only the first utterance is one; the rest goes by clauses
+    # of 60+ characters and sentences.
     plain = IncrementalSegmenter(config)
+    assert (plain.push(LONG, 0.0) + plain.flush())[:2] == [pieces[0], pieces[1] + pieces[2]]
+    plain = IncrementalSegmenter(dataclasses.replace(config, first_piece_chars=None))
     assert (plain.push(LONG, 0.0) + plain.flush())[0] == (
         "Our records show that the last payment on your account was received on the fourteenth of March, ")
+
+
+def test_a_streaming_voice_first_utterance_is_cut_only_when_long() -> None:
+    """The first piece: short first sentences and early clauses stay whole, a long first sentence
+    is cut before a phrase-starting word, and only the first utterance."""
+    config = SegmenterConfig()
+    assert _plain("Thank you for calling. How can I help you today?", config)[0] == "Thank you for calling. "
+    assert _plain("Your appointment is confirmed for Tuesday at three thirty in the afternoon.", config) == [
+        "Your appointment is confirmed for Tuesday ", "at three thirty in the afternoon."]
+    text = ("I have gone ahead and moved your delivery to the morning slot on Thursday so that someone will "
+            "be at home to sign for the package when the courier arrives at your door. " * 2)
+    utts = _plain(text, config)
+    assert utts[0] == "I have gone ahead and moved your delivery "
+    assert len(utts[1]) > 2 * config.first_piece_chars  # later sentences are not cut so
+    assert _plain("Before we get started, I need to let you know that this call may be recorded.", config)[0] == (
+        "Before we get started, ")
+    # no clause mark or phrase-starting word within the first piece: not cut at a bare space
+    text = "Your refund for the cancelled subscription has been approved and the full amount will appear soon."
+    assert _plain(text, config) == [text]
 
 
 def test_pieces_keep_short_sentences_and_tails_whole() -> None:

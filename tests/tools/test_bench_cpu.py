@@ -53,7 +53,7 @@ def test_packaged_corpus_loads_from_anywhere_and_has_late_comma_long_texts(
 def test_the_timed_stream_gives_the_whole_utterance_audio(builtin_ort: VoiceRuntime) -> None:
     """The bench times the engine the server runs: one sentence streamed through it gives as
     much audio as the family's reference decode of the same sentence (same seed) makes at once."""
-    text = "The weather tomorrow will be mostly sunny with a high of seventy two degrees."
+    text = "The weather tomorrow will be mostly sunny and warm all day long."  # one utterance
     with LocalEngine(EngineConfig(threads=1, cache_bytes=0, frontend=FrontendPoolConfig(workers=0))) as local:
         streamed = time_cadenza(local, text, 3)
     (utt,) = prepare(builtin_ort, text, SynthesisParams(seed=3))
