@@ -283,10 +283,8 @@ def test_pieces_grow_and_end_at_phrase_boundaries() -> None:
         released += len(piece)
     # Without pieces (a streaming voice) only the first utterance is one; the rest goes by clauses
     # of 60+ characters and sentences.
-    plain = IncrementalSegmenter(config)
-    assert (plain.push(LONG, 0.0) + plain.flush())[:2] == [pieces[0], pieces[1] + pieces[2]]
-    plain = IncrementalSegmenter(dataclasses.replace(config, first_piece_chars=None))
-    assert (plain.push(LONG, 0.0) + plain.flush())[0] == (
+    assert _plain(LONG, config)[:2] == [pieces[0], pieces[1] + pieces[2]]
+    assert _plain(LONG, dataclasses.replace(config, first_piece_chars=None))[0] == (
         "Our records show that the last payment on your account was received on the fourteenth of March, ")
 
 
