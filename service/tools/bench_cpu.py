@@ -34,6 +34,7 @@ from service.engine.contract import AudioOut, SessionConfig
 from service.engine.frontend_pool import FrontendPoolConfig
 from service.engine.local import LocalEngine
 from service.models.family import VoiceInfo
+from service.tools.bench_load import worst_underrun
 from service.voices import find_voice
 
 LONG_TEXT_CHARS = 150
@@ -52,10 +53,31 @@ class Run:
     ttfa: float  # seconds to the first audio chunk
     total: float  # seconds to the last chunk
     audio_seconds: float
+    gap: float  # seconds of silence a player that starts at the first chunk waits for late ones
 
     @property
     def rtf(self) -> float:
         return self.total / max(self.audio_seconds, 1e-9)
+
+
+class Playback:
+    """A run's clock: when each chunk of audio arrived and how long it plays. First audio is
+    only half of streaming; the other half is that no later chunk arrives after the audio
+    before it has played."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.arrivals: list[float] = []
+        self.durations: list[float] = []
+
+    def chunk(self, seconds: float) -> None:
+        self.arrivals.append(time.perf_counter() - self.start)
+        self.durations.append(seconds)
+
+    def run(self) -> Run:
+        total = time.perf_counter() - self.start
+        return Run(self.arrivals[0] if self.arrivals else total, total, sum(self.durations),
+                   worst_underrun(self.arrivals, self.durations))
 
 
 def load_corpus(path: Path | None = None) -> list[str]:
@@ -70,15 +92,11 @@ def load_corpus(path: Path | None = None) -> list[str]:
 
 def time_cadenza(local: LocalEngine, text: str, seed: int) -> Run:
     """One text through the engine the server runs (segmenter, scheduler, decoder, output)."""
-    start = time.perf_counter()
-    ttfa, seconds = None, 0.0
+    clock = Playback()
     for event in local.stream(text, SessionConfig(seed=seed, encoding=AudioEncoding.FLOAT32)):
         if isinstance(event, AudioOut) and event.num_samples:
-            if ttfa is None:
-                ttfa = time.perf_counter() - start
-            seconds += event.num_samples / event.sample_rate
-    total = time.perf_counter() - start
-    return Run(ttfa or total, total, seconds)
+            clock.chunk(event.num_samples / event.sample_rate)
+    return clock.run()
 
 
 class Peer(Protocol):
@@ -125,15 +143,10 @@ def load_piper(threads: int, info: VoiceInfo | None = None) -> Any:
 
 
 def time_piper(voice: Any, text: str) -> Run:
-    start = time.perf_counter()
-    ttfa, samples, rate = None, 0, 22050
+    clock = Playback()
     for chunk in voice.synthesize(text):
-        if ttfa is None:
-            ttfa = time.perf_counter() - start
-        samples += len(chunk.audio_float_array)
-        rate = chunk.sample_rate
-    total = time.perf_counter() - start
-    return Run(ttfa or total, total, samples / rate)
+        clock.chunk(len(chunk.audio_float_array) / chunk.sample_rate)
+    return clock.run()
 
 
 class PiperPeer:
@@ -201,9 +214,11 @@ def _bench(runners: dict[str, Callable[[str, int], Run]], texts: list[str], repe
     other = names[1]
     print(f"cadenza ({label}) vs {'piper-tts' if other == 'piper' else other}, {repeats} runs per text ({stat}), "
           f"rotating order, {settle_s * 1000:.0f} ms idle before each run")
-    print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6}  text")
+    print(f"{'chars':>5} {'ttfa_c':>8} {'ttfa_p':>8} {'ratio':>6} {'rtf_c':>6} {'rtf_p':>6} {'ratio':>6} "
+          f"{'gap_c':>7} {'gap_p':>7}  text")
     ttfa_long, ttfa_all, rtf_all, total_all = [], [], [], []
     ttfa_ms: list[tuple[float, float]] = []  # per text: cadenza, peer
+    gaps_ms: list[tuple[float, float]] = []  # per text, the worst of its runs: cadenza, peer
     audio_s = [0.0, 0.0]  # cadenza, peer: audio of one run per text, summed
     for i, text in enumerate(texts):
         runs: dict[str, list[Run]] = {name: [] for name in names}
@@ -222,10 +237,12 @@ def _bench(runners: dict[str, Callable[[str, int], Run]], texts: list[str], repe
         ttfa_all.append(tc / tp)
         ttfa_ms.append((tc * 1000, tp * 1000))
         rtf_all.append(rc / rp)
+        gc, gp = (1000 * max(r.gap for r in runs[name]) for name in ("cadenza", other))
+        gaps_ms.append((gc, gp))
         if len(text) >= LONG_TEXT_CHARS:
             ttfa_long.append(tc / tp)
         print(f"{len(text):5d} {tc * 1000:7.1f}ms {tp * 1000:7.1f}ms {tc / tp:6.3f} "
-              f"{rc:6.3f} {rp:6.3f} {rc / rp:6.3f}  {text[:48]}")
+              f"{rc:6.3f} {rp:6.3f} {rc / rp:6.3f} {gc:5.1f}ms {gp:5.1f}ms  {text[:48]}")
     all_ratio = statistics.median(ttfa_all)
     print(f"median ttfa ratio, all texts: {all_ratio:.3f}; "
           f"texts of {LONG_TEXT_CHARS}+ chars: {statistics.median(ttfa_long) if ttfa_long else float('nan'):.3f}")
@@ -237,6 +254,8 @@ def _bench(runners: dict[str, Callable[[str, int], Run]], texts: list[str], repe
     total_ratio = statistics.median(total_all)
     print(f"total time, median ratio over all texts: {total_ratio:.3f}; audio made (one run per text): "
           f"cadenza {audio_s[0]:.2f} s, {other} {audio_s[1]:.2f} s")
+    print(f"worst gap (silence a player waits for a late chunk), all runs: "
+          f"cadenza {max(g[0] for g in gaps_ms):.1f} ms, {other} {max(g[1] for g in gaps_ms):.1f} ms")
     for line in notes():
         print(line)
     long_ratio = statistics.median(ttfa_long) if ttfa_long else float(np.nan)

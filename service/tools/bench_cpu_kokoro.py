@@ -30,7 +30,7 @@ from service.models.family import VoiceInfo
 from service.models.kokoro.voices import VOICE_DIM, VOICE_ROWS
 from service.models.registry import open_frontend
 from service.text.frontend import PhonemizedSentence
-from service.tools.bench_cpu import Run
+from service.tools.bench_cpu import Playback, Run
 
 VERSION = "0.6.1"  # the pin in pyproject.toml's test extra
 
@@ -82,19 +82,16 @@ class KokoroOnnxPeer:
         return np.asarray(audio, dtype=np.float32)
 
     def run(self, text: str) -> Run:
-        start = time.perf_counter()
+        clock = Playback()
         sentences = self.frontend.sentences(text, words=False)
-        self.g2p_s.append(time.perf_counter() - start)
-        ttfa, samples = None, 0
+        self.g2p_s.append(time.perf_counter() - clock.start)
         for sentence in sentences:
-            samples += len(self.synthesize(sentence))
-            if ttfa is None:
-                ttfa = time.perf_counter() - start
-        total = time.perf_counter() - start
+            clock.chunk(len(self.synthesize(sentence)) / self.sample_rate)
+        run = clock.run()
         if text not in self._checked:  # after the clock: the same work as ours, once per text
             self.check_tokens(sentences)
             self._checked.add(text)
-        return Run(ttfa or total, total, samples / self.sample_rate)
+        return run
 
     def check_tokens(self, sentences: list[PhonemizedSentence]) -> None:
         """Raise unless kokoro-onnx turns each sentence's phonemes into our ids (less the

@@ -14,7 +14,7 @@ from service.engine.local import LocalEngine
 from service.models.family import SynthesisParams, VoiceRuntime
 from service.models.kokoro import weights as kw
 from service.models.vits.voice import builtin_voice_info
-from service.tools.bench_cpu import load_corpus, open_peer, run_cpu_bench, time_cadenza
+from service.tools.bench_cpu import Playback, load_corpus, open_peer, run_cpu_bench, time_cadenza
 from tests.engine.conftest import prepare
 
 
@@ -25,7 +25,11 @@ def test_bench_reports_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert run_cpu_bench(corpus, threads=1, repeats=2, backend="onnxruntime", settle_s=0.0, stat="min") == 0
     lines = capsys.readouterr().out.strip().splitlines()
     rows = [ln for ln in lines if re.match(r"\s*\d+ ", ln)]
-    assert len(rows) == 2 and all(len(r.split()) >= 9 for r in rows)
+    assert len(rows) == 2 and all(len(r.split()) >= 11 for r in rows)
+    # gap columns: a player's waits for late chunks, never negative
+    assert all(float(f.removesuffix("ms")) >= 0 for r in rows for f in r.split()[7:9])
+    gaps = next(ln for ln in lines if ln.startswith("worst gap"))
+    assert re.search(r"cadenza \d+\.\d ms, piper \d+\.\d ms$", gaps)
     overall = next(ln for ln in lines if ln.startswith("ttfa, all 2 texts: cadenza median"))
     assert "piper median" in overall and "highest ratio" in overall
     last = re.fullmatch(r"ttfa_ratio=(\S+) rtf_ratio=(\d+\.\d+) ttfa_ratio_all=(\d+\.\d+) total_ratio=\d+\.\d+",
@@ -60,6 +64,18 @@ def test_the_timed_stream_gives_the_whole_utterance_audio(builtin_ort: VoiceRunt
     whole = len(builtin_ort.reference(utt)) / builtin_ort.sample_rate
     assert streamed.audio_seconds == pytest.approx(whole, abs=1e-9)
     assert streamed.ttfa <= streamed.total and whole > 3.0
+    assert 0.0 <= streamed.gap < streamed.total
+
+
+def test_playback_gap_is_the_silence_of_a_player_that_waits() -> None:
+    """Chunks of 0.2 s: the second arrives 0.35 s after the first (0.15 s late), the third on
+    time for the clock that waited."""
+    clock = Playback()
+    clock.start = 0.0
+    clock.arrivals, clock.durations = [1.0, 1.35, 1.45], [0.2, 0.2, 1.0]
+    run = clock.run()
+    assert run.ttfa == 1.0 and run.audio_seconds == pytest.approx(1.4)
+    assert run.gap == pytest.approx(0.15)
 
 
 def test_kokoro_voice_is_benched_against_kokoro_onnx(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
