@@ -1,6 +1,7 @@
 """Capturing a function of static tensors as a CUDA graph (shared by the decoder steps and
-the acoustic stage): warm it up on a side stream first, so lazy initialisation and the
-allocator's first allocations stay out of the graph, then capture into a shared pool."""
+the acoustic and token stages): warm it up first, so lazy initialisation and the allocator's
+first allocations stay out of the graph, then capture into a shared pool, both on the
+capturer's own stream."""
 
 from __future__ import annotations
 
@@ -15,10 +16,18 @@ log = logging.getLogger(__name__)
 
 class GraphCapturer:
     """Captures graphs on `device` into one memory pool (graphs that never run at the same
-    time can share it)."""
+    time can share it), warming them up and capturing them on one stream of their own.
 
-    def __init__(self, device: torch.device) -> None:
+    PyTorch keys cuBLAS's workspace by the stream a graph is captured on, and the graph keeps
+    that workspace's address. Graphs captured on one stream that replay at the same time on
+    different streams (the token stage's beside the decoder's) share that memory and write over
+    each other's partial products: slightly wrong results, no error. So `stream` is the stream
+    the graphs will replay on where that is one of their own; None (graphs replayed on the
+    default stream) gives the capturer a side stream of its own."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         self.device = device
+        self._stream = stream
         self._pool: Any = None
         self._eager_seen: set[tuple[str, tuple[int, ...]]] = set()
 
@@ -34,7 +43,9 @@ class GraphCapturer:
     ) -> tuple[torch.cuda.CUDAGraph, Any]:
         """(graph, outputs): replaying the graph recomputes `outputs` from `static`'s contents."""
         dev = self.device
-        stream = torch.cuda.Stream(device=dev)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=dev)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(warmups):
@@ -43,7 +54,7 @@ class GraphCapturer:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             out = fn(*static)
         return graph, out
 

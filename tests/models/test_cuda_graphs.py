@@ -1,0 +1,51 @@
+"""CUDA graph capture (service/models/cuda_graphs.py): graphs of different capturers replayed at
+the same time on different streams (a token stage's beside a decoder's) give what each gives
+alone, bit for bit. Captured on one shared stream they would share cuBLAS's workspace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.models.cuda_graphs import GraphCapturer, bucket, buckets_up_to
+
+
+def test_buckets_are_powers_of_two_from_the_smallest() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert bucket(3, smallest=64) == 64 and bucket(65, smallest=64) == 128
+    assert buckets_up_to(5) == [1, 2, 4, 8] and buckets_up_to(100, 64) == [64, 128]
+
+
+def _products(weights: torch.Tensor):  # type: ignore[no-untyped-def]
+    def run(x: torch.Tensor) -> torch.Tensor:
+        # few rows, a long inner dimension: the shape for which cuBLAS splits the sum and
+        # keeps partial products in its workspace (a token step's projections)
+        return torch.stack([x @ w for w in weights])
+    return run
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_graphs_of_two_capturers_replayed_at_once_equal_each_alone() -> None:
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    side = torch.cuda.Stream(device=dev, priority=-1)
+    graphs, wanted = [], []
+    for capturer in (GraphCapturer(dev, side), GraphCapturer(dev)):
+        weights = torch.randn(16, 8192, 1024, device=dev) / 90
+        x = torch.randn(4, 8192, device=dev)
+        graph, out = capturer.capture(_products(weights), x)
+        graph.replay()
+        torch.cuda.synchronize()
+        graphs.append((graph, out))
+        wanted.append(out.clone())
+    main = torch.cuda.current_stream(dev)
+    for _ in range(50):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            graphs[0][0].replay()
+        graphs[1][0].replay()  # on the default stream, at the same time
+        main.wait_stream(side)
+        torch.cuda.synchronize()
+        for (_, out), want in zip(graphs, wanted, strict=True):
+            assert torch.equal(out, want)
