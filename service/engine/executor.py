@@ -548,7 +548,7 @@ class Executor:
         k = u.chunk_index
         schedule = s.spec.schedule
         if k == 0 and u.index == 0 and not others_urgent and schedule.staged_first_frames < u.bounds[1]:
-            u.bounds = schedule.boundaries(u.frames, schedule.staged_first_frames)  # alone: a shorter first chunk
+            u.bounds = schedule.staged_boundaries(u.frames)  # alone: a shorter first chunk
         a, b = u.bounds[k], u.bounds[k + 1]
         quantum = self.config.cpu_quantum_frames
         if 0 < quantum < b - a and others_urgent:

@@ -1,7 +1,7 @@
 """Capturing a function of static tensors as a CUDA graph (shared by the decoder steps and
 the acoustic and token stages): warm it up first, so lazy initialisation and the allocator's
-first allocations stay out of the graph, then capture into a shared pool, both on the
-capturer's own stream."""
+first allocations stay out of the graph, then capture into a shared pool on the capturer's own
+stream."""
 
 from __future__ import annotations
 
@@ -16,18 +16,20 @@ log = logging.getLogger(__name__)
 
 class GraphCapturer:
     """Captures graphs on `device` into one memory pool (graphs that never run at the same
-    time can share it), warming them up and capturing them on one stream of their own.
+    time can share it), on a capture stream of its own.
 
-    PyTorch keys cuBLAS's workspace by the stream a graph is captured on, and the graph keeps
-    that workspace's address. Graphs captured on one stream that replay at the same time on
-    different streams (the token stage's beside the decoder's) share that memory and write over
-    each other's partial products: slightly wrong results, no error. So `stream` is the stream
-    the graphs will replay on where that is one of their own; None (graphs replayed on the
-    default stream) gives the capturer a side stream of its own."""
+    PyTorch keys cuBLAS's workspace by stream, and a captured graph keeps the address of the
+    workspace of the stream it was captured on. Graphs captured on one stream (torch's default
+    capture stream, say) that replay at the same time on different streams (the token stage's
+    beside the decoder's) write over each other's partial products: slightly wrong results, no
+    error. So each capturer captures on a stream that runs nothing else: its workspace is made
+    inside the first capture, in the capturer's pool. Warm-ups run eagerly on the caller's
+    stream (where the graphs will replay), never on the capture stream: an eager workspace
+    there would be the one captured, and PyTorch frees it while graphs still hold it."""
 
-    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._stream = stream
+        self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None
         self._eager_seen: set[tuple[str, tuple[int, ...]]] = set()
 
@@ -42,19 +44,13 @@ class GraphCapturer:
         self, fn: Callable[..., Any], *static: torch.Tensor, warmups: int = 2
     ) -> tuple[torch.cuda.CUDAGraph, Any]:
         """(graph, outputs): replaying the graph recomputes `outputs` from `static`'s contents."""
-        dev = self.device
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=dev)
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(warmups):
-                fn(*static)
-        torch.cuda.current_stream(dev).wait_stream(stream)
+        for _ in range(warmups):
+            fn(*static)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device=self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
             out = fn(*static)
         return graph, out
 

@@ -168,7 +168,10 @@ class ChunkSchedule:
     # session waits, where shorter than first_frames: each frame of it is first-audio time, and
     # alone the next chunk still finishes before it has played. With others waiting, first_frames:
     # their first chunks go in between.
-    staged_first_frames: int = 16
+    staged_first_frames: int = 8
+    # After that shorter first chunk the staged chunks grow by this factor, so each is made
+    # while the chunks before it play: that holds for a decoder at up to 1 / (g - 1) of real time.
+    staged_growth: float = 4.0
     growth: float = 16.0  # 32 -> 512 -> 1024: chunk k+1 still finishes well before chunk k has played
     max_frames: int = 1024
     later_first_frames: int = 1024  # first chunk of a stream's later utterances (audio is already playing)
@@ -176,9 +179,9 @@ class ChunkSchedule:
 
     def __post_init__(self) -> None:
         if min(self.first_frames, self.staged_first_frames) < 1 or self.max_frames < self.first_frames \
-                or self.growth < 1.0:
+                or min(self.growth, self.staged_growth) < 1.0:
             raise ValueError("chunk schedule needs first_frames and staged_first_frames >= 1, "
-                             "max_frames >= first_frames, growth >= 1")
+                             "max_frames >= first_frames, growth and staged_growth >= 1")
 
     def first_chunk(self, utterance_index: int) -> int:
         """Frames in an utterance's first chunk: small for the stream's first utterance (time
@@ -187,7 +190,11 @@ class ChunkSchedule:
             return self.first_frames
         return max(self.first_frames, min(self.later_first_frames, self.max_frames))
 
-    def boundaries(self, total: int, first: int | None = None) -> list[int]:
+    def staged_boundaries(self, total: int) -> list[int]:
+        """`boundaries` from the staged decoder's shorter first chunk, growing by `staged_growth`."""
+        return self.boundaries(total, self.staged_first_frames, self.staged_growth)
+
+    def boundaries(self, total: int, first: int | None = None, growth: float | None = None) -> list[int]:
         """Frame boundaries 0 = b0 < b1 < ... < bn = total."""
         out, pos, size = [0], 0, float(first or self.first_frames)
         while pos < total:
@@ -195,7 +202,7 @@ class ChunkSchedule:
             if pos > out[-1] + self.first_frames and total - pos < self.first_frames:
                 pos = total  # no runt chunk at the end: it would cost a whole context for a few frames
             out.append(pos)
-            size = min(float(self.max_frames), size * self.growth)
+            size = min(float(self.max_frames), size * (growth or self.growth))
         return out
 
 

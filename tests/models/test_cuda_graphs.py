@@ -31,7 +31,7 @@ def test_graphs_of_two_capturers_replayed_at_once_equal_each_alone() -> None:
     torch.manual_seed(0)
     side = torch.cuda.Stream(device=dev, priority=-1)
     graphs, wanted = [], []
-    for capturer in (GraphCapturer(dev, side), GraphCapturer(dev)):
+    for capturer in (GraphCapturer(dev), GraphCapturer(dev)):
         weights = torch.randn(16, 8192, 1024, device=dev) / 90
         x = torch.randn(4, 8192, device=dev)
         graph, out = capturer.capture(_products(weights), x)

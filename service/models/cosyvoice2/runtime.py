@@ -229,10 +229,9 @@ class GraphedLM:
     SMALLEST_PREFILL = 16
     MAX_PREFILL = (8, 512)  # rows, new positions
 
-    def __init__(self, lm: SpeechLM, cache: KVCache, scratch: int, stream: torch.cuda.Stream) -> None:
-        """`stream`: the token stage's, which the graphs replay on (and are captured on)."""
+    def __init__(self, lm: SpeechLM, cache: KVCache, scratch: int) -> None:
         self.lm, self.cache, self.scratch = lm, cache, scratch
-        self.capturer = GraphCapturer(cache.lengths.device, stream)
+        self.capturer = GraphCapturer(cache.lengths.device)
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
                                                        torch.Tensor, torch.Tensor]] = {}
 
@@ -312,7 +311,7 @@ class SpeechTokens:
     def _use(self, cache: KVCache, first_free: int) -> None:
         self.cache = cache
         self.free = [r for r in range(first_free, len(cache.lengths)) if not (self.graphs and r == self.SCRATCH)]
-        self._graphed = GraphedLM(self.lm, cache, self.SCRATCH, self.stream) if self.stream is not None else None
+        self._graphed = GraphedLM(self.lm, cache, self.SCRATCH) if self.graphs else None
 
     def capture(self, rows: int) -> None:
         """The token-step graphs for batches of up to `rows` rows at every span, and the graphs of

@@ -40,7 +40,7 @@ def test_graphed_steps_equal_eager_steps() -> None:
     for row, n in prompts.items():
         lm(torch.randn(1, n, CONFIG.hidden_size, device=dev), cache, torch.tensor([row], device=dev))
     eager = copy.deepcopy(cache)
-    graphed = GraphedLM(lm, cache, scratch=0, stream=torch.cuda.Stream(device=dev))
+    graphed = GraphedLM(lm, cache, scratch=0)
     lengths = dict(prompts)
     for step in range(8):
         rows = [3, 1, 4] if step % 2 else [4, 1]  # 3 rows pad to 4 (the scratch row)
@@ -69,7 +69,7 @@ def test_graphed_prefills_equal_eager_prefills() -> None:
     lm = SpeechLM(CONFIG).to(dev).eval()
     cache = KVCache.empty(CONFIG, rows=6, capacity=300, device=dev)
     eager = copy.deepcopy(cache)
-    graphed = GraphedLM(lm, cache, scratch=0, stream=torch.cuda.Stream(device=dev))
+    graphed = GraphedLM(lm, cache, scratch=0)
     spans = {1: 0, 3: 0, 5: 0}
     for sizes in ({1: 20, 3: 7, 5: 33}, {3: 40, 5: 9}):
         rows = list(sizes)

@@ -70,7 +70,7 @@ class TorchBackend:
             model = self.models["fp32"]
             gemm_convs(model.enc_p)
             gemm_convs(model.dp)
-            self._encoder_graphs = _EncoderGraphs(model, self._device, self._acoustic_stream, compiled=compile_acoustic)
+            self._encoder_graphs = _EncoderGraphs(model, self._device, compiled=compile_acoustic)
         elif compile_acoustic:
             log.info("compile_acoustic applies to CUDA only: the acoustic stage runs eagerly on %s", device)
         if self._device.type == "cuda":
@@ -234,9 +234,8 @@ class _EncoderGraphs:
 
     BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128)
 
-    def __init__(self, model: VitsModel, device: torch.device, stream: torch.cuda.Stream | None,
-                 length_step: int = 32, max_phonemes: int = 512, compiled: bool = False) -> None:
-        """`stream`: the acoustic stage's, which the graphs replay on (and are captured on)."""
+    def __init__(self, model: VitsModel, device: torch.device, length_step: int = 32, max_phonemes: int = 512,
+                 compiled: bool = False) -> None:
         self.model = model
         # `compiled`: the stage as inductor's fused FP32 kernels, compiled once for every bucket
         # (dynamic shapes) at the first capture's warm-up run; eager if compiling fails.
@@ -248,7 +247,7 @@ class _EncoderGraphs:
         self.channels = model.hp.inter_channels
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
                                                    tuple[torch.Tensor, ...]]] = {}
-        self._capturer = GraphCapturer(device, stream)
+        self._capturer = GraphCapturer(device)
         self._staged: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], torch.cuda.Event]] = {}
         self.device_ms: dict[tuple[int, int], float] = {}  # per captured bucket, measured by capture_all
 
