@@ -25,7 +25,8 @@ class GraphCapturer:
     error. So each capturer captures on a stream that runs nothing else: its workspace is made
     inside the first capture, in the capturer's pool. Warm-ups run eagerly on the caller's
     stream (where the graphs will replay), never on the capture stream: an eager workspace
-    there would be the one captured, and PyTorch frees it while graphs still hold it."""
+    there would be the one captured, memory the graphs do not own (graphs captured after
+    warm-ups on their own capture stream faulted with illegal addresses)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
