@@ -170,7 +170,7 @@ class ChunkSchedule:
     # their first chunks go in between.
     staged_first_frames: int = 8
     # After that shorter first chunk the staged chunks grow by this factor, so each is made
-    # while the chunks before it play: that holds for a decoder at up to 1 / (g - 1) of real time.
+    # while the chunks before it play: that holds for a decoder at up to about 1 / g of real time.
     staged_growth: float = 4.0
     growth: float = 16.0  # 32 -> 512 -> 1024: chunk k+1 still finishes well before chunk k has played
     max_frames: int = 1024
