@@ -161,8 +161,13 @@ def piece_cut(text: str, limit: int, min_chars: int) -> int:
     found = phrase_cut(text, limit, min_chars, limit // 2)
     if found is not None:
         return found
-    words = [m.start() for m in _WORD.finditer(text) if min_chars <= m.start() <= limit]
-    return words[-1] if words else force_cut(text[:limit])
+    words = _words(text, limit, min_chars)
+    return words[-1][0] if words else force_cut(text[:limit])
+
+
+def _words(text: str, limit: int, min_chars: int) -> list[tuple[int, str]]:
+    """(start, word) of the words of ``text`` starting from ``min_chars`` up to ``limit``."""
+    return [(m.start(), m.group(0)) for m in _WORD.finditer(text) if min_chars <= m.start() <= limit]
 
 
 def phrase_cut(text: str, limit: int, min_chars: int, min_phrase_chars: int) -> int | None:
@@ -173,7 +178,7 @@ def phrase_cut(text: str, limit: int, min_chars: int, min_phrase_chars: int) -> 
               if m.end() >= min_chars and m.group(0) != m.group(0).rstrip()]
     if clause:
         return clause[-1]
-    words = [(m.start(), m.group(0)) for m in _WORD.finditer(text) if min_chars <= m.start() <= limit]
+    words = _words(text, limit, min_chars)
     # Before the first of a run of them ("so that", "and if"): the run starts the phrase.
     starts = [at for i, (at, word) in enumerate(words) if _starts_phrase(word) and at >= min_phrase_chars
               and not (i > 0 and _starts_phrase(words[i - 1][1]))]
