@@ -30,11 +30,14 @@ def test_graphs_of_two_capturers_replayed_at_once_equal_each_alone() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     side = torch.cuda.Stream(device=dev, priority=-1)
-    graphs, wanted = [], []
+    graphs, wanted, inputs = [], [], []
     for capturer in (GraphCapturer(dev), GraphCapturer(dev)):
         weights = torch.randn(16, 8192, 1024, device=dev) / 90
         x = torch.randn(4, 8192, device=dev)
         graph, out = capturer.capture(_products(weights), x)
+        # a graph holds its inputs' addresses, not the tensors: they must outlive it (the next
+        # capture empties the allocator's cache, and memory freed by then is unmapped)
+        inputs.append((weights, x))
         graph.replay()
         torch.cuda.synchronize()
         graphs.append((graph, out))

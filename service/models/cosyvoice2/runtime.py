@@ -416,7 +416,13 @@ class SpeechTokens:
                 self._isolated(call, [u])
 
     def _fail(self, u: SpeechUtterance, exc: Exception) -> None:
+        """The sentence ends with `exc`; its row is cleared before it is given back: what the
+        failed sentence wrote there may not be finite, and a masked position still enters the
+        values' weighted sum (0 x NaN), so the row's next sentence would fail too."""
         u.failed, u.complete = exc, True
+        if u.row is not None:
+            for layer in self.cache.layers:
+                layer[:, u.row].zero_()
         self.release(u)
 
     def _step(self, going: list[SpeechUtterance]) -> None:

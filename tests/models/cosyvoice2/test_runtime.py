@@ -192,6 +192,34 @@ def test_a_fault_in_one_sentence_of_a_token_step_fails_only_that_one(runtime: Co
         torch.set_num_threads(threads)
 
 
+def test_a_sentence_with_non_finite_scores_fails_alone_and_its_row_is_clean_for_the_next(
+        runtime: CosyVoice2Runtime, frontend: TextFrontend) -> None:
+    """Non-finite keys and values in one sentence's row (what an FP16 overflow or a corrupted
+    kernel leaves) fail that sentence alone, and the row's next sentence makes what it makes on
+    a clean row: positions past its length are masked, but 0 x NaN would still reach it."""
+    stage = runtime.tokens
+    # a short sentence batched with a longer one: its row is read past its length (masked)
+    pair = [TEXTS[0], TEXTS[1]]
+    clean = [u.tokens for u in tokens_of(runtime, jobs(frontend, pair, seed=5))]
+    utts = [u for u in runtime.acoustic_batch(jobs(frontend, TEXTS, seed=4)) if isinstance(u, SpeechUtterance)]
+    stage.step(utts)
+    poisoned = utts[1]
+    row = poisoned.row
+    assert row is not None
+    for layer in stage.cache.layers:
+        layer[:, row].fill_(float("nan"))
+    results = stage.step(utts)
+    assert isinstance(results[1], RuntimeError) and poisoned.failed is results[1] and poisoned.row is None
+    assert results[0] is not results[1] and utts[0].failed is None and utts[2].failed is None
+    while not all(u.complete for u in utts):
+        stage.step(utts)
+    stage.free.remove(row)
+    stage.free.append(row)  # the next row taken: the short sentence's
+    again = tokens_of(runtime, jobs(frontend, pair, seed=5))
+    assert again[0].row is None and not any(u.failed for u in again)
+    assert [u.tokens for u in again] == clean
+
+
 def test_kv_rows_grow_when_full_and_come_back(runtime: CosyVoice2Runtime, frontend: TextFrontend) -> None:
     stage = runtime.tokens
     many = jobs(frontend, TEXTS * 4, seed=7)
