@@ -205,8 +205,8 @@ Your appointment is on Monday at three o'clock. We have received your payment, a
 QWEN_ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 SPECIALS_ADDED_BY_COSYVOICE = 16  # upstream's QwenTokenizer adds these after QWEN_ADDED
 PROMPT_TEXT = "This is the prompt speaker talking."
-# Added to the end-of-speech score of the random LM: speech then ends after 2-10 tokens per text
-# token (the LM's limits are 2 and 20), instead of running to the maximum every time.
+# Added to the end-of-speech score of the random LM, so that speech does not always run to the LM's
+# limit of 20 tokens per text token (--end-of-speech-bias; the tests' checkpoints keep this value).
 END_OF_SPEECH_BIAS = 3.0
 # The random vocoder's F0 (Hz) and spectral logits brought into a trained one's ranges (`speech_like`).
 F0_CENTRE_HZ, F0_SPREAD_HZ = 160.0, 60.0
@@ -324,7 +324,8 @@ def own_models(config: CosyVoice2Config) -> tuple[torch.nn.Module, torch.nn.Modu
     return SpeechLM(config.lm).eval(), Flow(config.flow).eval(), HiFT(config.hift).eval()
 
 
-def write(out: Path, config: CosyVoice2Config, seed: int, weights: str | None = "official") -> None:
+def write(out: Path, config: CosyVoice2Config, seed: int, weights: str | None = "official",
+          end_of_speech_bias: float = END_OF_SPEECH_BIAS) -> None:
     """`weights`: "official" (upstream's classes), "own" (Cadenza's) or None (no weight files)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "cosyvoice2.yaml").write_text(yaml_text(config), "utf-8")
@@ -341,9 +342,9 @@ def write(out: Path, config: CosyVoice2Config, seed: int, weights: str | None = 
     models = official_models(config) if weights == "official" else own_models(config)
     for k, (name, model) in enumerate(zip(("llm", "flow", "hift"), models, strict=True)):
         randomize(model, seed + k)
-        if name == "llm":  # random scores almost never end speech: end it after a few tokens per text token
+        if name == "llm":  # random scores almost never end speech
             with torch.no_grad():
-                model.llm_decoder.bias[config.lm.speech_token_size] += END_OF_SPEECH_BIAS
+                model.llm_decoder.bias[config.lm.speech_token_size] += end_of_speech_bias
         if name == "hift":
             speech_like(model, config.hift.n_fft // 2 + 1, official=weights == "official")
         torch.save(model.state_dict(), out / f"{name}.pt")
@@ -360,8 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", choices=("official", "own"), default="official",
                    help="whose modules draw the weights: upstream's classes (default; parity tests need "
                         "them) or Cadenza's own (a host without the official tree)")
+    p.add_argument("--end-of-speech-bias", type=float, default=END_OF_SPEECH_BIAS, metavar="B",
+                   help="added to the random LM's end-of-speech score (default: %(default)s). The default "
+                        "lets speech run several times longer per character than a trained model's; "
+                        "served benchmarks want trained lengths (bench/RESULTS.md gives the value)")
     args = p.parse_args(argv)
-    write(args.out, SIZES[args.size], args.seed, weights=None if args.config_only else args.weights)
+    write(args.out, SIZES[args.size], args.seed, weights=None if args.config_only else args.weights,
+          end_of_speech_bias=args.end_of_speech_bias)
     print(f"wrote a random-weight CosyVoice2 ({args.size}) to {args.out}")
     return 0
 

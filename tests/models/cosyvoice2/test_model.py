@@ -79,3 +79,23 @@ def test_a_directory_without_weights_says_what_is_missing(small: Path, tmp_path:
     (broken / "cosyvoice2.yaml").write_text("llm: 3\n")
     with pytest.raises(ConfigError, match="not a Qwen2LM"):
         read_config(broken)
+
+
+def test_the_end_of_speech_bias_moves_only_the_lms_end_of_speech_score(tmp_path: Path) -> None:
+    """A served benchmark's checkpoint (`--end-of-speech-bias`) differs from the tests' in that
+    one score's bias and nothing else."""
+    base = make(tmp_path / "base", "--weights", "own")
+    raised = make(tmp_path / "raised", "--weights", "own", "--end-of-speech-bias", "7.5")
+    eos = read_config(base).lm.speech_token_size
+    for name in ("llm", "flow", "hift"):
+        a = torch.load(base / f"{name}.pt", weights_only=True)
+        b = torch.load(raised / f"{name}.pt", weights_only=True)
+        assert a.keys() == b.keys()
+        for key in a:
+            if key == "llm_decoder.bias":
+                diff = b[key] - a[key]
+                assert float(diff[eos]) == pytest.approx(4.5)
+                diff[eos] = 0
+                assert not diff.any()
+            else:
+                assert torch.equal(a[key], b[key]), f"{name}.pt {key}"
