@@ -6,7 +6,9 @@ stream."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -40,6 +42,16 @@ class GraphCapturer:
         if (what, shape) not in self._eager_seen:
             self._eager_seen.add((what, shape))
             log.info("%s calls of shape %s have no CUDA graph: they run eagerly", what, shape)
+
+    @contextmanager
+    def while_serving(self, what: str, shape: tuple[int, ...]) -> Iterator[None]:
+        """Around a capture made for a call's shape while serving: say so with its time, because
+        the engine thread, and every session with it, waits for it (a bucket the start-up did not
+        prepare)."""
+        start = time.perf_counter()
+        yield
+        log.info("captured %s for shape %s while serving (%.0f ms): the start-up did not prepare it", what, shape,
+                 1000 * (time.perf_counter() - start))
 
     def capture(
         self, fn: Callable[..., Any], *static: torch.Tensor, warmups: int = 2

@@ -4,6 +4,8 @@ alone, bit for bit. Captured on one shared stream they would share cuBLAS's work
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -52,3 +54,13 @@ def test_graphs_of_two_capturers_replayed_at_once_equal_each_alone() -> None:
         torch.cuda.synchronize()
         for (_, out), want in zip(graphs, wanted, strict=True):
             assert torch.equal(out, want)
+
+
+def test_a_capture_while_serving_is_said_with_its_shape(caplog: pytest.LogCaptureFixture) -> None:
+    """Every session waits while a graph is captured for a shape the start-up did not prepare:
+    the log names it, so an operator can see which bucket to prepare."""
+    capturer = GraphCapturer(torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="service.models.cuda_graphs"):
+        with capturer.while_serving("the flow's solve", (16, 512)):
+            pass
+    assert "captured the flow's solve for shape (16, 512) while serving" in caplog.text

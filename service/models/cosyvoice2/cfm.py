@@ -110,8 +110,11 @@ class GraphedSolve:
                  streaming: bool) -> torch.Tensor:
         """`solve(...)` for FP32 inputs as `solve` takes them."""
         b, _, t = mu.shape
-        self.capture(b, t, streaming)
-        graph, (s_mu, s_mask, s_spks, s_cond), out = self._graphs[(*self.buckets(b, t), streaming)]
+        key = (*self.buckets(b, t), streaming)
+        if key not in self._graphs:
+            with self.capturer.while_serving("the flow's solve", key[:2]):
+                self.capture(b, t, streaming)
+        graph, (s_mu, s_mask, s_spks, s_cond), out = self._graphs[key]
         s_mu.zero_()
         s_cond.zero_()
         s_spks.zero_()

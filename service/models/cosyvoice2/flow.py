@@ -6,8 +6,6 @@ result. Module names follow the official `CausalMaskedDiffWithXvec`, so `flow.pt
 from __future__ import annotations
 
 import copy
-import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,8 +18,6 @@ from service.models.cosyvoice2.encoder import EncoderConfig, TokenEncoder
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
 from service.models.cuda_graphs import GraphCapturer, bucket
 from service.models.transfer import to_device
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -229,11 +225,9 @@ class GraphedEncoder:
         """`Flow.encode(full, sizes, lookahead, streaming)`, padded to the call's buckets."""
         b, top = len(full), max(sizes)
         key = (*self.buckets(b, top), streaming, lookahead)
-        if key not in self._graphs:  # a bucket start-up did not capture: the caller waits for it
-            start = time.perf_counter()
-            self.capture(b, top, streaming, lookahead)
-            log.info("captured the flow's encoder for %d rows x %d tokens while serving (%.0f ms)", key[0], key[1],
-                     1000 * (time.perf_counter() - start))
+        if key not in self._graphs:
+            with self.capturer.while_serving("the flow's encoder", key[:2]):
+                self.capture(b, top, streaming, lookahead)
         found = self._graphs[key]
         if found is None:
             self.capturer.note_eager("the flow's encoder", key[:2])

@@ -267,8 +267,11 @@ class GraphedLM:
         """`SpeechLM.forward(x, cache, rows, lengths, span=span)` for x [B, T, D] (`graphed(B, T)`):
         log-probabilities [B, V]."""
         n, t, _ = x.shape
-        self.capture(n, t, span)
-        graph, static_x, static_rows, static_lengths, out = self._graphs[self.buckets(n, t, span)]
+        key = self.buckets(n, t, span)
+        if key not in self._graphs:
+            with self.capturer.while_serving("the LM's step", key):
+                self.capture(n, t, span)
+        graph, static_x, static_rows, static_lengths, out = self._graphs[key]
         static_x.zero_()
         static_x[:n, :t] = x
         static_rows[:n] = rows
