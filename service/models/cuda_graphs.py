@@ -50,8 +50,8 @@ class GraphCapturer:
         prepare)."""
         start = time.perf_counter()
         yield
-        log.info("captured %s for shape %s while serving (%.0f ms): the start-up did not prepare it", what, shape,
-                 1000 * (time.perf_counter() - start))
+        log.info("capturing %s for shape %s while serving took %.0f ms: the start-up did not prepare it", what,
+                 shape, 1000 * (time.perf_counter() - start))
 
     def capture(
         self, fn: Callable[..., Any], *static: torch.Tensor, warmups: int = 2

@@ -63,4 +63,4 @@ def test_a_capture_while_serving_is_said_with_its_shape(caplog: pytest.LogCaptur
     with caplog.at_level(logging.INFO, logger="service.models.cuda_graphs"):
         with capturer.while_serving("the flow's solve", (16, 512)):
             pass
-    assert "captured the flow's solve for shape (16, 512) while serving" in caplog.text
+    assert "capturing the flow's solve for shape (16, 512) while serving took" in caplog.text
