@@ -8,7 +8,10 @@ stage and which sessions advance by one decoder step, most urgent first:
   in audio that is playing is worse than a later start; then sessions waiting for their first
   audio; then the other playing sessions, the least buffered first (on one CPU core's worth of
   decoding, where a step serves one session, this keeps the first sessions of a burst playing
-  while the rest start);
+  while the rest start). The urgent ones go by when each runs dry, a start counting as dry
+  `urgent_slack_s` after its text came: when the engine falls behind, sessions that keep
+  running dry do not hold a start back for good (whoever has waited longest for audio goes
+  first);
 * deadlines first: a session with at least `lead_s` of audio ahead of its playback is stepped
   only when no session is waiting for its first audio or below its lead, no sentence
   waits for the acoustic stage and no session is still making the tokens of its first chunk
@@ -96,7 +99,7 @@ class Scheduler:
         audio first)."""
         return self._token_step(
             [((u is not s.utterances[0], s.slack(now), s.ready_since), s, u) for s in sessions
-             for u in s.utterances if u.status is UtteranceStatus.TOKENS])
+             for u in s.past_acoustic() if u.status is UtteranceStatus.TOKENS])
 
     def _token_step(self, tokens: list[tuple[tuple[bool, float, float], SessionState, UtteranceState]]
                     ) -> list[tuple[SessionState, UtteranceState]]:
@@ -119,7 +122,7 @@ class Scheduler:
         cfg = self.config
         plan = Plan()
         acoustic: list[tuple[tuple[float, bool, float], SessionState, UtteranceState]] = []
-        ready: list[tuple[SessionState, UtteranceState, float]] = []
+        ready: list[tuple[SessionState, UtteranceState, float, float]] = []  # (..., slack, runs dry at)
         tokens: list[tuple[tuple[bool, float, float], SessionState, UtteranceState]] = []
         wake = math.inf
         starts = 0  # sessions waiting for the acoustic stage to begin their audio
@@ -128,20 +131,21 @@ class Scheduler:
             if not s.utterances:  # waiting for text: nothing to plan
                 continue
             slack = s.slack(now)
-            tokens += [((u is not s.utterances[0], slack, s.ready_since), s, u) for u in s.utterances
-                       if u.status is UtteranceStatus.TOKENS]
+            past = s.past_acoustic()
+            making = [u for u in past if u.status is UtteranceStatus.TOKENS]
+            tokens += [((u is not s.utterances[0], slack, s.ready_since), s, u) for u in making]
             head = s.utterances[0]
             # a head still making tokens decodes as far as its tokens so far allow
             decodable = head.status is UtteranceStatus.DECODING or (
                 head.status is UtteranceStatus.TOKENS and head.ready_frames(s.spec.runtime.tokens) > head.fed)
             if decodable and s.unread_s() < cfg.max_ahead_s:
-                ready.append((s, head, slack))
+                ready.append((s, head, slack, self._runs_dry_at(s, now)))
             first_tokens |= not decodable and s.first_audio_at is None and head.status is UtteranceStatus.TOKENS
-            nxt = next((u for u in s.utterances if u.status is UtteranceStatus.ACOUSTIC), None)
-            if nxt is not None and any(u.status is UtteranceStatus.TOKENS for u in s.utterances):
+            nxt = s.utterances[len(past)] if len(past) < len(s.utterances) else None
+            if nxt is not None and making:
                 nxt = None  # one sentence at a time makes tokens: the next waits for this one's last
             if nxt is not None:
-                if s.queued_audio_s() < cfg.acoustic_lookahead_s:
+                if s.queued_audio_s(past) < cfg.acoustic_lookahead_s:
                     acoustic.append(((slack, nxt is not head, s.ready_since), s, nxt))
                     starts += s.first_audio_at is None and nxt is head
                 else:
@@ -155,19 +159,32 @@ class Scheduler:
         # a backlog of starts: the lead does not count and no step is filled
         backlog = 2 * starts >= max(2, cfg.acoustic_max_batch)
         lead_s, fill = (-math.inf, 0) if backlog else (cfg.lead_s, fill_rows)
-        decode = [((1 if u.chunk_index == 0 else 0 if slack < urgent_slack else 2, slack, s.ready_since), s, u)
-                  for s, u, slack in ready]
+        # urgent (first chunks, and sessions about to run dry) first, by when each runs dry; then
+        # the others, least buffered first
+        decode = [((0, dry_at, s.ready_since) if u.chunk_index == 0 or slack < urgent_slack
+                   else (1, slack, s.ready_since), s, u, slack) for s, u, slack, dry_at in ready]
         if decode:
             decode.sort(key=lambda item: item[0])
-            # the urgent ones (below their lead, or first chunks) come first in that order
-            urgent = sum(item[0][0] < 2 or item[0][1] < lead_s for item in decode)
+            urgent = sum(item[0][0] == 0 or item[3] < lead_s for item in decode)
             if urgent or acoustic or first_tokens:
                 decode = decode[: max(urgent, fill)] if urgent else []
-            plan.decode = self._take(decode, max_rows, free_slots)
-            plan.decode_first = bool(decode) and decode[0][0][0] == 0
+            plan.decode = self._take([(key, s, u) for key, s, u, _ in decode], max_rows, free_slots)
+            # a playing session about to run dry heads the queue: its step goes before the acoustic batch
+            plan.decode_first = bool(decode) and decode[0][0][0] == 0 and decode[0][3] < urgent_slack \
+                and decode[0][2].chunk_index > 0
         if plan.empty and wake < math.inf:
             plan.wake_at = wake
         return plan
+
+    def _runs_dry_at(self, s: SessionState, now: float) -> float:
+        """When `s` has no audio left to play: a playing session's buffer runs out then; a start
+        counts as running dry `urgent_slack_s` after its text reached the engine, so a session
+        about to run dry goes before a start that just came, but a start is never passed for good
+        by sessions that keep running dry (when the engine is behind, whoever has waited longest
+        for audio goes first)."""
+        if s.first_audio_at is None:
+            return (now if s.first_text_at is None else s.first_text_at) + self.config.urgent_slack_s
+        return now + s.slack(now)
 
     @staticmethod
     def _take(ranked: Sequence[tuple[object, SessionState, UtteranceState]], max_rows: int,

@@ -214,12 +214,19 @@ class SessionState:
         """Audio delivered to the session that its client has not taken yet (seconds)."""
         return self.spec.cursor.delivered_s - self.spec.cursor.read_s
 
-    def queued_audio_s(self) -> float:
-        """Audio already through the acoustic stage but not yet delivered (seconds)."""
-        samples = 0
-        for u in self.utterances:
-            if u.decoder_input is not None:
-                samples += u.frames * self.spec.runtime.hop - u.samples_done
+    def past_acoustic(self) -> list[UtteranceState]:
+        """The utterances through the acoustic stage (or cached): a prefix of the queue, as a
+        session's sentences enter that stage in order, so a scan stops at the first one waiting
+        for it (a long text queues hundreds, and the scheduler looks at every session each
+        iteration)."""
+        return list(itertools.takewhile(lambda u: u.status is not UtteranceStatus.ACOUSTIC, self.utterances))
+
+    def queued_audio_s(self, past: list[UtteranceState] | None = None) -> float:
+        """Audio already through the acoustic stage but not yet delivered (seconds); `past`:
+        `past_acoustic()` where the caller has it."""
+        hop = self.spec.runtime.hop
+        samples = sum(u.frames * hop - u.samples_done for u in (self.past_acoustic() if past is None else past)
+                      if u.decoder_input is not None)
         return samples / self.sample_rate
 
     @property

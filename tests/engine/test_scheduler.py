@@ -75,6 +75,49 @@ def test_about_to_run_dry_then_first_chunks_then_least_buffered(runtime: VoiceRu
     assert not plan.decode_first  # the head of the queue is a first chunk, not a playing session
 
 
+def test_a_start_is_not_held_back_for_good_by_sessions_that_keep_running_dry(runtime: VoiceRuntime) -> None:
+    """An engine behind its load (one row a step, every playing session short of audio): a start
+    that has waited longer than a playing session has been dry goes first, so first audio comes
+    in bounded time; one that just came still waits behind a session about to run dry."""
+    cfg = BatchConfig(urgent_slack_s=0.3)
+    dry = [_session(runtime, 1 + k, playing_for=5.0, slack=-0.2 - 0.1 * k) for k in range(3)]
+    start = _session(runtime, 9)
+    start.first_text_at = NOW - 0.45  # counts as dry since NOW - 0.15
+    plan = Scheduler(cfg).plan([*dry, start], NOW, max_rows=2)
+    assert [s for s, _ in plan.decode] == [dry[2], dry[1]]  # dry since NOW - 0.4 and NOW - 0.3
+    plan = Scheduler(cfg).plan([*dry, start], NOW, max_rows=4)
+    assert [s for s, _ in plan.decode] == [dry[2], dry[1], dry[0], start]
+    start.first_text_at = NOW - 2.0
+    plan = Scheduler(cfg).plan([*dry, start], NOW, max_rows=1)
+    assert [s for s, _ in plan.decode] == [start] and not plan.decode_first
+    just_came = _session(runtime, 10)
+    just_came.first_text_at = NOW
+    soon = _session(runtime, 11, playing_for=1.0, slack=0.1)
+    plan = Scheduler(cfg).plan([just_came, soon], NOW, max_rows=1)
+    assert [s for s, _ in plan.decode] == [soon] and plan.decode_first
+
+
+def test_a_long_queue_of_sentences_is_scanned_only_up_to_the_acoustic_stage(runtime: VoiceRuntime) -> None:
+    """A session that queued a whole document: planning looks at the sentences through the
+    acoustic stage, not at the hundreds waiting for it (each iteration plans every session)."""
+    s = _session(runtime, 1, playing_for=1.0, slack=0.5, acoustic=500)
+    past = s.past_acoustic()
+    assert past == [s.utterances[0]]
+    assert s.queued_audio_s() == pytest.approx(s.queued_audio_s(past)) and s.queued_audio_s() > 0
+
+    class Untouchable(UtteranceState):
+        def __getattribute__(self, name: str) -> object:
+            if name != "__class__":
+                raise AssertionError(f"the plan read {name} of a sentence behind the acoustic stage's queue")
+            return super().__getattribute__(name)
+
+    sentence = s.utterances[1].sentence
+    for k in range(2, len(s.utterances)):
+        s.utterances[k] = Untouchable(k, sentence)
+    plan = Scheduler(BatchConfig(acoustic_lookahead_s=100.0)).plan([s], NOW, max_rows=8)
+    assert [u.index for _, u in plan.acoustic] == [1] and [u for _, u in plan.decode] == [s.utterances[0]]
+
+
 def test_row_cap_keeps_the_most_urgent(runtime: VoiceRuntime) -> None:
     sessions = [_session(runtime, i, playing_for=1.0, slack=0.1 * i) for i in range(1, 6)]
     plan = Scheduler(BatchConfig()).plan(sessions[::-1], NOW, max_rows=2)
