@@ -145,7 +145,10 @@ class Runtimes:
     def prepare(self, info: VoiceInfo) -> LoadedVoice:
         """Load a voice and capture its encoder graphs where the backend has them (before the
         core's thread runs: graph captures need the GPU alone)."""
-        self.get(info).prepare(self.config.batch.acoustic_max_batch)
+        runtime = self.get(info)
+        start = time.perf_counter()
+        runtime.prepare(self.config.batch.acoustic_max_batch)
+        log.info("prepared voice %s in %.1f s", info.name, time.perf_counter() - start)
         return self.describe(info)
 
     def describe(self, info: VoiceInfo) -> LoadedVoice:

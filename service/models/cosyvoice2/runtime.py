@@ -662,15 +662,18 @@ class CosyVoice2Runtime:
         return Token2WavState(generator, to_device(sp.flow_prompt_tokens, self.device),
                               to_device(sp.prompt_mel, self.device), to_device(sp.embedding, self.device))
 
-    # Flow solves and encoder calls captured before serving (larger ones are captured when first seen).
-    PREPARED_SOLVES = (8, 1024)  # rows, frames
-    PREPARED_ENCODES = 512  # tokens (with the prompt's)
+    # Flow solves, encoder and vocoder calls captured before serving (larger ones are captured when
+    # first seen, holding every session up meanwhile): rows as a step of a few dozen sessions' chunks
+    # reaches; frames and tokens as sentences of a trained model's length do.
+    PREPARED_ROWS = 32
+    PREPARED_FRAMES = 1024  # mel frames of a solve (the prompt's too)
+    PREPARED_ENCODES = 512  # tokens of an encoder call (with the prompt's)
 
     def prepare(self, max_batch: int) -> None:
         """On CUDA, the CUDA graphs of the token steps for the cache's first rows, of the flow's
-        encoder calls up to `PREPARED_ENCODES` and solves up to `PREPARED_SOLVES` (the FP16
-        estimator's too, where it runs), and of the vocoder's streaming calls (FP32 and FP16)
-        for the saved speakers' prompts."""
+        encoder calls up to `PREPARED_ROWS` x `PREPARED_ENCODES` and solves up to `PREPARED_ROWS`
+        x `PREPARED_FRAMES` (the FP16 estimator's too, where it runs), and of the vocoder's
+        streaming calls up to `PREPARED_ROWS` (FP32 and FP16) for the saved speakers' prompts."""
         self._tokens.capture(len(self._tokens.cache.lengths))
         if self._solver is None:
             return
@@ -679,7 +682,7 @@ class CosyVoice2Runtime:
             half = self.token2wav("fp16").flow.graphed
             assert half is not None
             solvers.append(half)
-        rows, frames = self.PREPARED_SOLVES
+        rows, frames = self.PREPARED_ROWS, self.PREPARED_FRAMES
         prompts = [sp.flow_prompt_tokens.shape[1] for sp in self.speakers]
         with torch.inference_mode():
             for solver in solvers:
