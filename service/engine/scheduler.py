@@ -8,10 +8,9 @@ stage and which sessions advance by one decoder step, most urgent first:
   in audio that is playing is worse than a later start; then sessions waiting for their first
   audio; then the other playing sessions, the least buffered first (on one CPU core's worth of
   decoding, where a step serves one session, this keeps the first sessions of a burst playing
-  while the rest start). The urgent ones go by when each runs dry, a start counting as dry
-  `urgent_slack_s` after its text came: when the engine falls behind, sessions that keep
-  running dry do not hold a start back for good (whoever has waited longest for audio goes
-  first);
+  while the rest start). Each goes by when its audio runs out, a start's `start_grace_s` after
+  its text came: once a start has waited that long it ranks with the sessions about to run dry,
+  so when the engine falls behind, sessions that keep running dry do not hold it back for good;
 * deadlines first: a session with at least `lead_s` of audio ahead of its playback is stepped
   only when no session is waiting for its first audio or below its lead, no sentence
   waits for the acoustic stage and no session is still making the tokens of its first chunk
@@ -159,31 +158,31 @@ class Scheduler:
         # a backlog of starts: the lead does not count and no step is filled
         backlog = 2 * starts >= max(2, cfg.acoustic_max_batch)
         lead_s, fill = (-math.inf, 0) if backlog else (cfg.lead_s, fill_rows)
-        # urgent (first chunks, and sessions about to run dry) first, by when each runs dry; then
-        # the others, least buffered first
-        decode = [((0, dry_at, s.ready_since) if u.chunk_index == 0 or slack < urgent_slack
-                   else (1, slack, s.ready_since), s, u, slack) for s, u, slack, dry_at in ready]
+        # urgent rows (about to run dry, first chunks), then the rest; each by when it runs dry
+        decode = [((self._tier(u, dry_at, now, urgent_slack), dry_at, s.ready_since), s, u, slack)
+                  for s, u, slack, dry_at in ready]
         if decode:
             decode.sort(key=lambda item: item[0])
-            urgent = sum(item[0][0] == 0 or item[3] < lead_s for item in decode)
+            urgent = sum(item[0][0] < 2 or item[3] < lead_s for item in decode)
             if urgent or acoustic or first_tokens:
                 decode = decode[: max(urgent, fill)] if urgent else []
             plan.decode = self._take([(key, s, u) for key, s, u, _ in decode], max_rows, free_slots)
             # a playing session about to run dry heads the queue: its step goes before the acoustic batch
-            plan.decode_first = bool(decode) and decode[0][0][0] == 0 and decode[0][3] < urgent_slack \
-                and decode[0][2].chunk_index > 0
+            plan.decode_first = bool(decode) and decode[0][0][0] == 0 and decode[0][3] > -math.inf
         if plan.empty and wake < math.inf:
             plan.wake_at = wake
         return plan
 
+    @staticmethod
+    def _tier(u: UtteranceState, dry_at: float, now: float, urgent_slack: float) -> int:
+        """0: about to run dry (or dry, or a start past its grace); 1: a first chunk; 2: the rest."""
+        return 0 if dry_at < now + urgent_slack else 1 if u.chunk_index == 0 else 2
+
     def _runs_dry_at(self, s: SessionState, now: float) -> float:
-        """When `s` has no audio left to play: a playing session's buffer runs out then; a start
-        counts as running dry `urgent_slack_s` after its text reached the engine, so a session
-        about to run dry goes before a start that just came, but a start is never passed for good
-        by sessions that keep running dry (when the engine is behind, whoever has waited longest
-        for audio goes first)."""
+        """When `s` has (or had) no audio left to play: a playing session's buffer runs out then;
+        a start's counts as running out `start_grace_s` after its text reached the engine."""
         if s.first_audio_at is None:
-            return (now if s.first_text_at is None else s.first_text_at) + self.config.urgent_slack_s
+            return (now if s.first_text_at is None else s.first_text_at) + self.config.start_grace_s
         return now + s.slack(now)
 
     @staticmethod

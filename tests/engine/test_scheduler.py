@@ -76,25 +76,23 @@ def test_about_to_run_dry_then_first_chunks_then_least_buffered(runtime: VoiceRu
 
 
 def test_a_start_is_not_held_back_for_good_by_sessions_that_keep_running_dry(runtime: VoiceRuntime) -> None:
-    """An engine behind its load (one row a step, every playing session short of audio): a start
-    that has waited longer than a playing session has been dry goes first, so first audio comes
-    in bounded time; one that just came still waits behind a session about to run dry."""
-    cfg = BatchConfig(urgent_slack_s=0.3)
-    dry = [_session(runtime, 1 + k, playing_for=5.0, slack=-0.2 - 0.1 * k) for k in range(3)]
+    """An engine behind its load (one row a step, playing sessions running dry): a start counts
+    as running out of audio `start_grace_s` after its text came, and ranks by that with the
+    sessions about to run dry; so first audio comes in bounded time, while a start that waited
+    less never makes a playing session's gap longer."""
+    cfg = BatchConfig(urgent_slack_s=0.3, start_grace_s=1.0)
+    dry = [_session(runtime, 1 + k, playing_for=5.0, slack=-0.2 - 0.1 * k) for k in range(3)]  # dry since
+    soon = _session(runtime, 4, playing_for=5.0, slack=0.1)  # NOW - 0.2, - 0.3, - 0.4; soon: NOW + 0.1
     start = _session(runtime, 9)
-    start.first_text_at = NOW - 0.45  # counts as dry since NOW - 0.15
-    plan = Scheduler(cfg).plan([*dry, start], NOW, max_rows=2)
-    assert [s for s, _ in plan.decode] == [dry[2], dry[1]]  # dry since NOW - 0.4 and NOW - 0.3
-    plan = Scheduler(cfg).plan([*dry, start], NOW, max_rows=4)
-    assert [s for s, _ in plan.decode] == [dry[2], dry[1], dry[0], start]
-    start.first_text_at = NOW - 2.0
+    start.first_text_at = NOW - 0.6  # waited, but less than the grace: runs out at NOW + 0.4
+    plan = Scheduler(cfg).plan([*dry, start, soon], NOW, max_rows=8)
+    assert [s for s, _ in plan.decode] == [dry[2], dry[1], dry[0], soon, start] and plan.decode_first
+    start.first_text_at = NOW - 1.35  # runs out at NOW - 0.35
+    plan = Scheduler(cfg).plan([*dry, start, soon], NOW, max_rows=8)
+    assert [s for s, _ in plan.decode] == [dry[2], start, dry[1], dry[0], soon] and plan.decode_first
+    start.first_text_at = NOW - 30.0
     plan = Scheduler(cfg).plan([*dry, start], NOW, max_rows=1)
     assert [s for s, _ in plan.decode] == [start] and not plan.decode_first
-    just_came = _session(runtime, 10)
-    just_came.first_text_at = NOW
-    soon = _session(runtime, 11, playing_for=1.0, slack=0.1)
-    plan = Scheduler(cfg).plan([just_came, soon], NOW, max_rows=1)
-    assert [s for s, _ in plan.decode] == [soon] and plan.decode_first
 
 
 def test_a_long_queue_of_sentences_is_scanned_only_up_to_the_acoustic_stage(runtime: VoiceRuntime) -> None:
