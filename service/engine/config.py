@@ -54,8 +54,9 @@ class BatchConfig:
     stall_timeout_s: float = 30.0  # ... and one held back this long ends with DEADLINE_EXCEEDED (memory back)
     lead_s: float = 1.0  # audio kept ahead of playback; sessions further ahead step only when nothing is urgent
     urgent_slack_s: float = 0.3  # a playing session with less buffered is stepped before new sentences
-    # A session waiting this long for its first audio is stepped as if its audio had run dry then:
-    # sessions that keep running dry (an engine behind its load) cannot hold a start back for good.
+    # A start counts as running out of audio this long after its text came (from then on it ranks
+    # with the playing sessions about to run dry): sessions that keep running dry (an engine behind
+    # its load) cannot hold a start back for good, and one that waited less never lengthens a gap.
     start_grace_s: float = 1.0
     acoustic_max_batch: int = 64  # sentences per acoustic-stage call
     # On CUDA, run the acoustic stage (text encoder and duration predictor, FP32) through
