@@ -96,9 +96,16 @@ class Scheduler:
         """The rows of the next autoregressive step (one voice): every utterance making tokens (one
         per session), as its later decoding waits for them; heads first, then by slack (first
         audio first)."""
-        return self._token_step(
-            [((u is not s.utterances[0], s.slack(now), s.ready_since), s, u) for s in sessions
-             for u in s.past_acoustic() if u.status is UtteranceStatus.TOKENS])
+        return self._token_step([item for s in sessions
+                                 for item in self._token_items(s, s.past_acoustic(), s.slack(now))])
+
+    @staticmethod
+    def _token_items(s: SessionState, past: list[UtteranceState], slack: float
+                     ) -> list[tuple[tuple[bool, float, float], SessionState, UtteranceState]]:
+        """`s`'s utterances making tokens (among `past`, its `past_acoustic()`), each with its place
+        in a token step: heads first, then by slack."""
+        return [((u is not s.utterances[0], slack, s.ready_since), s, u) for u in past
+                if u.status is UtteranceStatus.TOKENS]
 
     def _token_step(self, tokens: list[tuple[tuple[bool, float, float], SessionState, UtteranceState]]
                     ) -> list[tuple[SessionState, UtteranceState]]:
@@ -131,14 +138,14 @@ class Scheduler:
                 continue
             slack = s.slack(now)
             past = s.past_acoustic()
-            making = [u for u in past if u.status is UtteranceStatus.TOKENS]
-            tokens += [((u is not s.utterances[0], slack, s.ready_since), s, u) for u in making]
+            making = self._token_items(s, past, slack)
+            tokens += making
             head = s.utterances[0]
             # a head still making tokens decodes as far as its tokens so far allow
             decodable = head.status is UtteranceStatus.DECODING or (
                 head.status is UtteranceStatus.TOKENS and head.ready_frames(s.spec.runtime.tokens) > head.fed)
             if decodable and s.unread_s() < cfg.max_ahead_s:
-                ready.append((s, head, slack, self._runs_dry_at(s, now)))
+                ready.append((s, head, slack, self._runs_dry_at(s, slack, now)))
             first_tokens |= not decodable and s.first_audio_at is None and head.status is UtteranceStatus.TOKENS
             nxt = s.utterances[len(past)] if len(past) < len(s.utterances) else None
             if nxt is not None and making:
@@ -178,12 +185,12 @@ class Scheduler:
         """0: about to run dry (or dry, or a start past its grace); 1: a first chunk; 2: the rest."""
         return 0 if dry_at < now + urgent_slack else 1 if u.chunk_index == 0 else 2
 
-    def _runs_dry_at(self, s: SessionState, now: float) -> float:
+    def _runs_dry_at(self, s: SessionState, slack: float, now: float) -> float:
         """When `s` has (or had) no audio left to play: a playing session's buffer runs out then;
         a start's counts as running out `start_grace_s` after its text reached the engine."""
         if s.first_audio_at is None:
             return (now if s.first_text_at is None else s.first_text_at) + self.config.start_grace_s
-        return now + s.slack(now)
+        return now + slack
 
     @staticmethod
     def _take(ranked: Sequence[tuple[object, SessionState, UtteranceState]], max_rows: int,
