@@ -334,10 +334,12 @@ class TtsEngine:
                 return time.monotonic() - start
         behind = self.host.snapshot().first_audio_wait_s
         self.telemetry.admission(False, time.monotonic() - start, "capacity")
+        # A family whose steps the warm-up does not time has no estimate: only the wait is known.
+        fit = f"about {capacity:.0f} real-time streams fit on this {self.device}; " if capacity else ""
         raise ResourceExhausted(
             f"server at capacity: {self.open_sessions} sessions open, {self.demand()} of them speaking or starting "
-            f"(about {capacity or 0:.0f} real-time streams fit on this {self.device}; a session has waited "
-            f"{behind:.1f} s for its first audio); retry shortly or connect to another replica")
+            f"({fit}a session has waited {behind:.1f} s for its first audio); retry shortly or connect to "
+            "another replica")
 
     def _check_room(self, internal: bool) -> None:
         """RESOURCE_EXHAUSTED at `max_sessions` open (the server's own sessions aside)."""
