@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -78,6 +78,51 @@ class GraphCapturer:
             log.warning("%s cannot be captured as a CUDA graph (%s: %s); it runs eagerly", what,
                         type(exc).__name__, exc)
             return None
+
+
+K = TypeVar("K", bound=tuple[Any, ...])
+G = TypeVar("G")
+
+
+class GraphTable(Generic[K, G]):
+    """One callable's graphs by bucket key: what a graph replays (`G`), or None where the call
+    could not be captured and runs eagerly. The start-up fills it (`prepare`); a call whose key
+    it did not prepare is captured then, timed and logged (`capture_while_serving`), or runs
+    eagerly (said once per shape) where shapes are not bucketed and a graph per call would not
+    pay."""
+
+    def __init__(self, capturer: GraphCapturer, what: str, make: Callable[[K], G | None],
+                 capture_while_serving: bool = True) -> None:
+        self.capturer, self.what, self._make = capturer, what, make
+        self.capture_while_serving = capture_while_serving
+        self._graphs: dict[K, G | None] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._graphs
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._graphs)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def prepare(self, key: K) -> None:
+        if key not in self._graphs:
+            self._graphs[key] = self._make(key)
+
+    def has_graph(self, key: K) -> bool:
+        """Whether a call of `key` replays a graph now (without capturing one)."""
+        return self._graphs.get(key) is not None
+
+    def get(self, key: K, shape: tuple[int, ...]) -> G | None:
+        """The graph for a call of `key` (`shape` names it in the log), or None: run it eagerly."""
+        if key not in self._graphs and self.capture_while_serving:
+            with self.capturer.while_serving(self.what, shape):
+                self.prepare(key)
+        found = self._graphs.get(key)
+        if found is None:
+            self.capturer.note_eager(self.what, shape)
+        return found
 
 
 def bucket(n: int, smallest: int = 1) -> int:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from service.models.compiled import CompiledOrEager
-from service.models.cuda_graphs import GraphCapturer, bucket
+from service.models.cuda_graphs import GraphCapturer, GraphTable, bucket
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,10 @@ def solve(estimator: Callable[..., torch.Tensor], noise: torch.Tensor, mu: torch
     return x.float()
 
 
+# A captured solve: the graph, its static inputs (mu, mask, spks, cond) and its output.
+SolveGraph = tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]
+
+
 class GraphedSolve:
     """`solve` replayed as CUDA graphs, one per (rows, frames) bucket (powers of two) and mode:
     eagerly its estimator passes are thousands of small kernel launches, whatever the batch.
@@ -85,17 +89,17 @@ class GraphedSolve:
         # at the first capture's warm-up, for every bucket: dynamic shapes; eager if that fails).
         self.compiled = compiled
         self._estimator = CompiledOrEager(estimator, "the flow's estimator", compiled)
-        self._graphs: dict[tuple[int, int, bool],
-                           tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
+        self._graphs: GraphTable[tuple[int, int, bool], SolveGraph] = GraphTable(
+            self.capturer, "the flow's solve", self._make)
 
     def buckets(self, rows: int, frames: int) -> tuple[int, int]:
         return bucket(rows), bucket(frames, self.SMALLEST_FRAMES)
 
     def capture(self, rows: int, frames: int, streaming: bool) -> None:
-        key = (*self.buckets(rows, frames), streaming)
-        if key in self._graphs:
-            return
-        b, t, _ = key
+        self._graphs.prepare((*self.buckets(rows, frames), streaming))
+
+    def _make(self, key: tuple[int, int, bool]) -> SolveGraph:
+        b, t, streaming = key
         dev, bins = self.noise.device, self.config.mel_bins
         static = (torch.zeros(b, bins, t, device=dev), torch.ones(b, 1, t, device=dev),
                   torch.zeros(b, bins, device=dev), torch.zeros(b, bins, t, device=dev))
@@ -104,17 +108,16 @@ class GraphedSolve:
             return solve(self._estimator, self.noise, mu, mask, spks, cond, self.config, streaming=streaming)
 
         graph, out = self._estimator.retry_eager(lambda: self.capturer.capture(run, *static, warmups=1))
-        self._graphs[key] = (graph, static, out)
+        return graph, static, out
 
     def __call__(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                  streaming: bool) -> torch.Tensor:
         """`solve(...)` for FP32 inputs as `solve` takes them."""
         b, _, t = mu.shape
         key = (*self.buckets(b, t), streaming)
-        if key not in self._graphs:
-            with self.capturer.while_serving("the flow's solve", key[:2]):
-                self.capture(b, t, streaming)
-        graph, (s_mu, s_mask, s_spks, s_cond), out = self._graphs[key]
+        found = self._graphs.get(key, key[:2])
+        assert found is not None, "a solve that cannot be captured raises"
+        graph, (s_mu, s_mask, s_spks, s_cond), out = found
         s_mu.zero_()
         s_cond.zero_()
         s_spks.zero_()

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from service.models.cosyvoice2.cfm import CfmConfig, GraphedSolve, fixed_noise, solve
 from service.models.cosyvoice2.encoder import EncoderConfig, TokenEncoder
 from service.models.cosyvoice2.estimator import Estimator, EstimatorConfig
-from service.models.cuda_graphs import GraphCapturer, bucket
+from service.models.cuda_graphs import GraphCapturer, GraphTable, bucket
 from service.models.transfer import to_device
 
 
@@ -182,6 +182,11 @@ class Flow(nn.Module):
         return mel[:, :, prompt_frames:]
 
 
+# A captured encoder call: the graph, its static inputs (ids, lengths[, lookahead ids]) and its
+# outputs (mu, frames).
+EncoderGraph = tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]
+
+
 class GraphedEncoder:
     """The flow's encoder calls (token ids to the condition mu) replayed as CUDA graphs, one per
     (rows, tokens) bucket (powers of two) and mode: eagerly a call is hundreds of small kernel
@@ -193,9 +198,8 @@ class GraphedEncoder:
 
     def __init__(self, flow: Flow, capturer: GraphCapturer) -> None:
         self.flow, self.capturer = flow, capturer
-        # None: the call could not be captured (it runs eagerly)
-        self._graphs: dict[tuple[int, int, bool, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
-                                                             tuple[torch.Tensor, torch.Tensor]] | None] = {}
+        self._graphs: GraphTable[tuple[int, int, bool, int], EncoderGraph] = GraphTable(
+            capturer, "the flow's encoder", self._make)
 
     def buckets(self, rows: int, tokens: int) -> tuple[int, int]:
         return bucket(rows), bucket(tokens, self.SMALLEST_TOKENS)
@@ -203,10 +207,10 @@ class GraphedEncoder:
     def capture(self, rows: int, tokens: int, streaming: bool, lookahead: int) -> None:
         """The graph for calls of `rows` rows of at most `tokens` tokens each (their buckets),
         with `lookahead` tokens of context after each row (0: none)."""
-        key = (*self.buckets(rows, tokens), streaming, lookahead)
-        if key in self._graphs:
-            return
-        b, t, _, _ = key
+        self._graphs.prepare((*self.buckets(rows, tokens), streaming, lookahead))
+
+    def _make(self, key: tuple[int, int, bool, int]) -> EncoderGraph | None:
+        b, t, streaming, lookahead = key
         flow, dev = self.flow, self.capturer.device
         static: tuple[torch.Tensor, ...] = (torch.zeros(b, t, dtype=torch.long, device=dev),
                                             torch.full((b,), t, dtype=torch.long, device=dev))
@@ -217,20 +221,16 @@ class GraphedEncoder:
                 context: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
             return flow.encode_ids(ids, lengths, context, streaming)
 
-        captured = self.capturer.capture_or_none("the flow's encoder", run, *static)
-        self._graphs[key] = None if captured is None else (captured[0], static, captured[1])
+        captured = self.capturer.capture_or_none(self._graphs.what, run, *static)
+        return None if captured is None else (captured[0], static, captured[1])
 
     def __call__(self, full: Sequence[torch.Tensor], sizes: Sequence[int], lookahead: int,
                  streaming: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`Flow.encode(full, sizes, lookahead, streaming)`, padded to the call's buckets."""
         b, top = len(full), max(sizes)
         key = (*self.buckets(b, top), streaming, lookahead)
-        if key not in self._graphs:
-            with self.capturer.while_serving("the flow's encoder", key[:2]):
-                self.capture(b, top, streaming, lookahead)
-        found = self._graphs[key]
+        found = self._graphs.get(key, key[:2])
         if found is None:
-            self.capturer.note_eager("the flow's encoder", key[:2])
             return self.flow.encode(full, sizes, lookahead, streaming)
         graph, static, (mu, frames) = found
         ids, lengths = static[0], static[1]

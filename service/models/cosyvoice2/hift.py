@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.models.cuda_graphs import GraphCapturer, bucket
+from service.models.cuda_graphs import GraphCapturer, GraphTable, bucket
 from service.models.spectral import istft
 from service.models.weight_norm import fold_weight_norm
 
@@ -244,6 +244,11 @@ class HiFT(nn.Module):
         return self.decode(mel, source), source
 
 
+# A captured vocoder call: the graph, its static inputs (mel, source start, noise[, cache]) and its
+# outputs (speech, source).
+VocoderGraph = tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]
+
+
 class GraphedHiFT:
     """A vocoder's calls replayed as CUDA graphs for the shapes `capture` was given: eagerly a
     call is about a thousand small kernel launches. The random draws stay outside the graphs,
@@ -253,9 +258,9 @@ class GraphedHiFT:
 
     def __init__(self, hift: HiFT, capturer: GraphCapturer) -> None:
         self.hift, self.capturer = hift, capturer
-        # None: the shape could not be captured (it runs eagerly)
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
-                                                       tuple[torch.Tensor, torch.Tensor]] | None] = {}
+        # Frames are not bucketed: a shape the start-up did not prepare runs eagerly.
+        self._graphs: GraphTable[tuple[int, int, int], VocoderGraph] = GraphTable(
+            capturer, "the vocoder", self._make, capture_while_serving=False)
 
     @staticmethod
     def _key(rows: int, frames: int, cache_samples: int) -> tuple[int, int, int]:
@@ -267,10 +272,10 @@ class GraphedHiFT:
     def capture(self, rows: int, frames: int, cache_samples: int) -> None:
         """The graph for calls of `rows` rows (or fewer, down to the power of two below) of
         `frames` mel frames, with a cache of `cache_samples` excitation samples (0: none)."""
-        key = self._key(rows, frames, cache_samples)
-        if key in self._graphs:
-            return
-        b, hift = key[0], self.hift
+        self._graphs.prepare(self._key(rows, frames, cache_samples))
+
+    def _make(self, key: tuple[int, int, int]) -> VocoderGraph | None:
+        (b, frames, cache_samples), hift = key, self.hift
         dev = self.capturer.device
         dim, samples = hift.config.nb_harmonics + 1, frames * hift.config.samples_per_frame
         static: tuple[torch.Tensor, ...] = (torch.zeros(b, hift.config.in_channels, frames, device=dev),
@@ -282,22 +287,21 @@ class GraphedHiFT:
                 cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
             return hift.synthesize(mel, SourceNoise(start, noise), cache)
 
-        captured = self.capturer.capture_or_none("the vocoder", run, *static)
-        self._graphs[key] = None if captured is None else (captured[0], static, captured[1])
+        captured = self.capturer.capture_or_none(self._graphs.what, run, *static)
+        return None if captured is None else (captured[0], static, captured[1])
 
     def graphed(self, rows: int, frames: int, cache: torch.Tensor | None) -> bool:
         """Whether a call of this shape replays a graph."""
-        return self._graphs.get(self._call_key(rows, frames, cache)) is not None
+        return self._graphs.has_graph(self._call_key(rows, frames, cache))
 
     def __call__(self, mel: torch.Tensor, generator: Generators,
                  cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`HiFT.forward`, replayed where its shape was captured."""
         b, _, frames = mel.shape
         key = self._call_key(b, frames, cache)
-        found = self._graphs.get(key)
+        found = self._graphs.get(key, key)
         draws = self.hift.draw(mel, generator)
         if found is None:
-            self.capturer.note_eager("the vocoder's", key)
             return self.hift.synthesize(mel, draws, cache)
         graph, static, (speech, source) = found
         values = (mel, draws.start, draws.noise) + (() if cache is None else (cache,))

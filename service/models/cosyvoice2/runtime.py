@@ -40,7 +40,7 @@ from service.models.cosyvoice2.prompt import MAX_PROMPT_SPEECH_TOKENS
 from service.models.cosyvoice2.text import MAX_SENTENCE_TOKENS
 from service.models.cosyvoice2.token2wav import Token2Wav, Token2WavState
 from service.models.cosyvoice2.voices import SPEAKERS_FILE
-from service.models.cuda_graphs import GraphCapturer, bucket, buckets_up_to
+from service.models.cuda_graphs import GraphCapturer, GraphTable, bucket, buckets_up_to
 from service.models.family import (
     AcousticJob,
     Capabilities,
@@ -216,6 +216,10 @@ class SpeechUtterance:
         return TokenPrior(self)
 
 
+# A captured LM call: the graph, its static inputs (x, rows, lengths) and its output.
+LMGraph = tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class GraphedLM:
     """LM calls replayed as CUDA graphs, one per (rows, new positions, span) bucket, each a power
     of two: eagerly a call is hundreds of small kernel launches, whatever the batch. Single-token
@@ -232,8 +236,7 @@ class GraphedLM:
     def __init__(self, lm: SpeechLM, cache: KVCache, scratch: int) -> None:
         self.lm, self.cache, self.scratch = lm, cache, scratch
         self.capturer = GraphCapturer(cache.lengths.device)
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor, torch.Tensor]] = {}
+        self._graphs: GraphTable[tuple[int, int, int], LMGraph] = GraphTable(self.capturer, "the LM's step", self._make)
 
     def buckets(self, rows: int, new: int, span: int) -> tuple[int, int, int]:
         length = 1 if new == 1 else bucket(new, self.SMALLEST_PREFILL)
@@ -245,9 +248,9 @@ class GraphedLM:
         return new == 1 or (rows <= most_rows and new <= most_new)
 
     def capture(self, rows: int, new: int, span: int) -> None:
-        key = self.buckets(rows, new, span)
-        if key in self._graphs:
-            return
+        self._graphs.prepare(self.buckets(rows, new, span))
+
+    def _make(self, key: tuple[int, int, int]) -> LMGraph:
         b, t, s = key
         lm, cache, scratch = self.lm, self.cache, self.scratch
         device = cache.lengths.device
@@ -260,7 +263,7 @@ class GraphedLM:
             return lm(x, cache, at, lengths, span=s)
 
         graph, out = self.capturer.capture(call, x, at, lengths)
-        self._graphs[key] = (graph, x, at, lengths, out)
+        return graph, x, at, lengths, out
 
     def __call__(self, x: torch.Tensor, rows: torch.Tensor, span: int,
                  lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,10 +271,9 @@ class GraphedLM:
         log-probabilities [B, V]."""
         n, t, _ = x.shape
         key = self.buckets(n, t, span)
-        if key not in self._graphs:
-            with self.capturer.while_serving("the LM's step", key):
-                self.capture(n, t, span)
-        graph, static_x, static_rows, static_lengths, out = self._graphs[key]
+        found = self._graphs.get(key, key)
+        assert found is not None, "an LM call that cannot be captured raises"
+        graph, static_x, static_rows, static_lengths, out = found
         static_x.zero_()
         static_x[:n, :t] = x
         static_rows[:n] = rows
@@ -318,10 +320,15 @@ class SpeechTokens:
 
     def capture(self, rows: int) -> None:
         """The token-step graphs for batches of up to `rows` rows at every span, and the graphs of
-        fresh sentences' prefills (CUDA only)."""
-        graphed = self._graphed
-        if graphed is None:
+        fresh sentences' prefills (CUDA only). The cache is grown first to hold `rows` rows (the
+        scratch row among them): a graph holds the cache it was captured over, so a cache grown
+        while serving would capture every one of them again, holding every session up."""
+        if self._graphed is None:
             return
+        if rows > len(self.cache.lengths):
+            self._grow(rows)
+        graphed = self._graphed
+        assert graphed is not None
         with torch.inference_mode(), self._on_stream():
             for b in buckets_up_to(rows):
                 for span in buckets_up_to(self.capacity, GraphedLM.SMALLEST_SPAN):
@@ -333,15 +340,22 @@ class SpeechTokens:
 
     def _take_row(self) -> int:
         if not self.free:
-            rows = len(self.cache.lengths)
-            grown = KVCache.empty(self.lm.config, 2 * rows, self.capacity, device=self.device)
-            for old, new in zip(self.cache.layers, grown.layers, strict=True):
-                new[:, :rows] = old
-            grown.lengths[:rows] = self.cache.lengths
-            self._use(grown, first_free=rows)
+            self._grow(2 * len(self.cache.lengths))
         row = self.free.pop()
         self.cache.lengths[row] = 0
         return row
+
+    def _grow(self, rows: int) -> None:
+        """A cache of `rows` rows holding this one's, its new rows free."""
+        had = len(self.cache.lengths)
+        with self._on_stream():
+            grown = KVCache.empty(self.lm.config, rows, self.capacity, device=self.device)
+            for old, new in zip(self.cache.layers, grown.layers, strict=True):
+                new[:, :had] = old
+            grown.lengths[:had] = self.cache.lengths
+        self.free = [r for r in range(had, rows) if not (self.graphs and r == self.SCRATCH)] + self.free
+        self.cache = grown
+        self._graphed = GraphedLM(self.lm, grown, self.SCRATCH) if self.graphs else None
 
     def release(self, utt: DecoderInput) -> None:
         """The sentence makes no more tokens (done, or its session ended): give its row back."""
@@ -668,13 +682,16 @@ class CosyVoice2Runtime:
     PREPARED_ROWS = 32
     PREPARED_FRAMES = 1024  # mel frames of a solve (the prompt's too)
     PREPARED_ENCODES = 512  # tokens of an encoder call (with the prompt's)
+    # KV-cache rows (the scratch row among them) whose token steps are captured before serving:
+    # sentences making tokens at once, beyond which the cache grows and its graphs are captured anew.
+    PREPARED_TOKEN_ROWS = 64
 
     def prepare(self, max_batch: int) -> None:
-        """On CUDA, the CUDA graphs of the token steps for the cache's first rows, of the flow's
+        """On CUDA, the CUDA graphs of the token steps over a cache of `PREPARED_TOKEN_ROWS`, of the flow's
         encoder calls up to `PREPARED_ROWS` x `PREPARED_ENCODES` and solves up to `PREPARED_ROWS`
         x `PREPARED_FRAMES` (the FP16 estimator's too, where it runs), and of the vocoder's
         streaming calls up to `PREPARED_ROWS` (FP32 and FP16) for the saved speakers' prompts."""
-        self._tokens.capture(len(self._tokens.cache.lengths))
+        self._tokens.capture(self.PREPARED_TOKEN_ROWS)
         if self._solver is None:
             return
         solvers = [self._solver]
