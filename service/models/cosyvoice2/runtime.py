@@ -307,15 +307,18 @@ class SpeechTokens:
         # back to the stream it was made on without waiting for others, so a cache made on the
         # default stream and read on this one could be reused by a decoder step while this
         # stream still copies out of it (when it grows).
+        self.free: list[int] = []
         with self._on_stream():
-            self._use(KVCache.empty(self.lm.config, rows, self.capacity, device=device), first_free=0)
+            self._use(KVCache.empty(self.lm.config, rows, self.capacity, device=device), range(rows))
 
     def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _use(self, cache: KVCache, first_free: int) -> None:
+    def _use(self, cache: KVCache, new_rows: range) -> None:
+        """Serve from `cache`, whose rows `new_rows` are free besides those free already (its own
+        graphs: a graph holds the cache it was captured over)."""
         self.cache = cache
-        self.free = [r for r in range(first_free, len(cache.lengths)) if not (self.graphs and r == self.SCRATCH)]
+        self.free = [r for r in new_rows if not (self.graphs and r == self.SCRATCH)] + self.free
         self._graphed = GraphedLM(self.lm, cache, self.SCRATCH) if self.graphs else None
 
     def capture(self, rows: int) -> None:
@@ -353,9 +356,7 @@ class SpeechTokens:
             for old, new in zip(self.cache.layers, grown.layers, strict=True):
                 new[:, :had] = old
             grown.lengths[:had] = self.cache.lengths
-        self.free = [r for r in range(had, rows) if not (self.graphs and r == self.SCRATCH)] + self.free
-        self.cache = grown
-        self._graphed = GraphedLM(self.lm, grown, self.SCRATCH) if self.graphs else None
+        self._use(grown, range(had, rows))
 
     def release(self, utt: DecoderInput) -> None:
         """The sentence makes no more tokens (done, or its session ended): give its row back."""
