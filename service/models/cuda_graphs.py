@@ -103,9 +103,6 @@ class GraphTable(Generic[K, G]):
     def __iter__(self) -> Iterator[K]:
         return iter(self._graphs)
 
-    def __len__(self) -> int:
-        return len(self._graphs)
-
     def prepare(self, key: K) -> None:
         if key not in self._graphs:
             self._graphs[key] = self._make(key)

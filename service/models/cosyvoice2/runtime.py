@@ -326,7 +326,7 @@ class SpeechTokens:
         fresh sentences' prefills (CUDA only). The cache is grown first to hold `rows` rows (the
         scratch row among them): a graph holds the cache it was captured over, so a cache grown
         while serving would capture every one of them again, holding every session up."""
-        if self._graphed is None:
+        if not self.graphs:
             return
         if rows > len(self.cache.lengths):
             self._grow(rows)
