@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
@@ -14,6 +15,33 @@ from typing import Any, Generic, TypeVar
 import torch
 
 log = logging.getLogger(__name__)
+
+# Streams handed out by `own_stream`: (device index, raw stream) -> its holder.
+_HELD: dict[tuple[int, int], weakref.ref[object]] = {}
+_POOL_STREAMS = 32  # PyTorch's pool per device and priority, handed out round-robin
+
+
+def own_stream(holder: object, device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+    """A stream from PyTorch's pool that no other live holder of `own_stream` has.
+
+    `torch.cuda.Stream()` hands out the pool's streams round-robin, so the 33rd call gets the
+    first one again. Two holders on one stream share cuBLAS's workspace for it: a graph
+    captured there keeps the workspace's address, eager work there writes into the same memory,
+    and destroying one graph frees the workspace that another graph on the stream still uses
+    (pytorch/pytorch#193402: failed or wrong GEMMs later). A stream is taken back when its holder
+    is garbage. Past the pool's size, a held one is shared (with a warning)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.Stream(device=device, priority=priority)
+    for _ in range(_POOL_STREAMS):
+        key = (index, stream.cuda_stream)
+        held = _HELD.get(key)
+        if held is None or held() is None:
+            _HELD[key] = weakref.ref(holder)
+            return stream
+        stream = torch.cuda.Stream(device=device, priority=priority)
+    log.warning("more than %d CUDA streams of priority %d are held on device %d: two holders share one",
+                _POOL_STREAMS, priority, index)
+    return stream
 
 
 class GraphCapturer:
@@ -61,7 +89,7 @@ class GraphCapturer:
             fn(*static)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(device=self.device)
+            self._stream = own_stream(self, self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
             out = fn(*static)

@@ -4,12 +4,13 @@ alone, bit for bit. Captured on one shared stream they would share cuBLAS's work
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
 import torch
 
-from service.models.cuda_graphs import GraphCapturer, bucket, buckets_up_to
+from service.models.cuda_graphs import GraphCapturer, bucket, buckets_up_to, own_stream
 
 
 def test_buckets_are_powers_of_two_from_the_smallest() -> None:
@@ -54,6 +55,54 @@ def test_graphs_of_two_capturers_replayed_at_once_equal_each_alone() -> None:
         torch.cuda.synchronize()
         for (_, out), want in zip(graphs, wanted, strict=True):
             assert torch.equal(out, want)
+
+
+class _Holder:
+    pass
+
+
+@pytest.mark.gpu
+def test_streams_held_at_once_are_distinct_and_taken_back_from_garbage() -> None:
+    """PyTorch's pool hands its 32 streams per priority out round-robin; held ones are skipped."""
+    dev = torch.device("cuda")
+    holders = [_Holder() for _ in range(20)]
+    streams = [own_stream(h, dev) for h in holders]
+    for _ in range(40):  # others take pool streams meanwhile, as torch.cuda.Stream() users do
+        torch.cuda.Stream(device=dev)
+    streams += [own_stream(h, dev) for h in holders[:10]]
+    assert len({s.cuda_stream for s in streams}) == 30
+    held = {s.cuda_stream for s in streams}
+    del holders, streams
+    gc.collect()
+    again = [_Holder() for _ in range(32)]
+    assert held & {own_stream(h, dev).cuda_stream for h in again}, "streams of dead holders are handed out again"
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_a_graph_keeps_its_results_while_other_capturers_come_and_go() -> None:
+    """More capturers than the pool has streams, each captured and destroyed (as a token stage's
+    are when its cache grows): none shares the first graph's stream, so destroying theirs never
+    frees the cuBLAS workspace the first graph replays with (pytorch/pytorch#193402)."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    keep = GraphCapturer(dev)
+    weights, x = torch.randn(4, 8192, 1024, device=dev) / 90, torch.randn(4, 8192, device=dev)
+    graph, out = keep.capture(_products(weights), x)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = out.clone()
+    for _ in range(40):
+        other = GraphCapturer(dev)
+        w2, x2 = torch.randn(4, 8192, 1024, device=dev) / 90, torch.randn(4, 8192, device=dev)
+        g2, _ = other.capture(_products(w2), x2)
+        g2.replay()
+        torch.cuda.synchronize()
+        del other, g2
+        gc.collect()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
 
 
 def test_a_capture_while_serving_is_said_with_its_shape(caplog: pytest.LogCaptureFixture) -> None:

@@ -40,7 +40,7 @@ from service.models.cosyvoice2.prompt import MAX_PROMPT_SPEECH_TOKENS
 from service.models.cosyvoice2.text import MAX_SENTENCE_TOKENS
 from service.models.cosyvoice2.token2wav import Token2Wav, Token2WavState
 from service.models.cosyvoice2.voices import SPEAKERS_FILE
-from service.models.cuda_graphs import GraphCapturer, GraphTable, bucket, buckets_up_to
+from service.models.cuda_graphs import GraphCapturer, GraphTable, bucket, buckets_up_to, own_stream
 from service.models.family import (
     AcousticJob,
     Capabilities,
@@ -302,7 +302,7 @@ class SpeechTokens:
         self.graphs = device.type == "cuda"
         # On CUDA the stage has a stream of its own, ahead of others in priority: its steps run
         # while a long decoder step occupies the device, and wait only for each other.
-        self.stream = torch.cuda.Stream(device=device, priority=-1) if self.graphs else None
+        self.stream = own_stream(self, device, priority=-1) if self.graphs else None
         # Made on that stream, as a grown cache is: the caching allocator hands a freed block
         # back to the stream it was made on without waiting for others, so a cache made on the
         # default stream and read on this one could be reused by a decoder step while this

@@ -314,3 +314,22 @@ def test_on_cuda_batched_token_steps_give_each_sentence_what_it_gets_alone(cosyv
     assert isinstance(rt, CosyVoice2Runtime)
     with torch.inference_mode():
         batched_equals_alone(rt, registry.open_frontend(rt.info.frontend_key))
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_a_prepared_token_cache_serves_its_rows_without_capturing_again(cosyvoice2_dir: Path) -> None:
+    """The start-up grows the KV cache to the rows it captures token steps for, so sentences
+    taking every one of them keep those graphs; only a sentence past them grows the cache (and
+    its graphs are captured anew)."""
+    rt = registry.open_voice(registry.recognise(cosyvoice2_dir), "auto", "cuda")
+    assert isinstance(rt, CosyVoice2Runtime)
+    stage = rt.tokens
+    stage.capture(16)
+    graphed = stage._graphed
+    assert graphed is not None and len(stage.cache.lengths) == 16 and len(stage.free) == 15  # row 0: scratch
+    assert graphed.buckets(16, 1, 64) in graphed._graphs
+    rows = [stage._take_row() for _ in range(15)]
+    assert stage._graphed is graphed and sorted(rows) == list(range(1, 16))
+    stage._take_row()
+    assert len(stage.cache.lengths) == 32 and stage._graphed is not graphed

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kernels.guard import guard
 from service.models.compiled import CompiledOrEager
-from service.models.cuda_graphs import GraphCapturer
+from service.models.cuda_graphs import GraphCapturer, own_stream
 from service.models.device_audio import GuardedCopy, guard_async, pinned_copy
 from service.models.mixed_precision import no_tf32
 from service.models.transfer import to_device
@@ -60,7 +60,7 @@ class TorchBackend:
         self._encoder_graphs = None
         # The acoustic stage runs on a stream of its own, so it neither waits behind the decoder
         # steps queued on the engine's stream nor holds them up: the device runs both at once.
-        self._acoustic_stream = torch.cuda.Stream(device=self._device) if self._device.type == "cuda" else None
+        self._acoustic_stream = own_stream(self, self._device) if self._device.type == "cuda" else None
         cuda = self._device.type == "cuda"
         # On CUDA, decoder steps are queued on the device and waited for later (see
         # Executor.overlaps), and the acoustic stage's prior stays there (see encode_prior).
