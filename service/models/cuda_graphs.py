@@ -6,6 +6,7 @@ stream."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 
 # Streams handed out by `own_stream`: (device index, raw stream) -> its holder.
 _HELD: dict[tuple[int, int], weakref.ref[object]] = {}
+_HELD_LOCK = threading.Lock()
 _POOL_STREAMS = 32  # PyTorch's pool per device and priority, handed out round-robin
 
 
@@ -31,14 +33,15 @@ def own_stream(holder: object, device: torch.device, priority: int = 0) -> torch
     (pytorch/pytorch#193402: failed or wrong GEMMs later). A stream is taken back when its holder
     is garbage. Past the pool's size, a held one is shared (with a warning)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.Stream(device=device, priority=priority)
-    for _ in range(_POOL_STREAMS):
-        key = (index, stream.cuda_stream)
-        held = _HELD.get(key)
-        if held is None or held() is None:
-            _HELD[key] = weakref.ref(holder)
-            return stream
+    with _HELD_LOCK:
         stream = torch.cuda.Stream(device=device, priority=priority)
+        for _ in range(_POOL_STREAMS):
+            key = (index, stream.cuda_stream)
+            held = _HELD.get(key)
+            if held is None or held() is None:
+                _HELD[key] = weakref.ref(holder)
+                return stream
+            stream = torch.cuda.Stream(device=device, priority=priority)
     log.warning("more than %d CUDA streams of priority %d are held on device %d: two holders share one",
                 _POOL_STREAMS, priority, index)
     return stream
