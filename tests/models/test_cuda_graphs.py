@@ -63,14 +63,15 @@ class _Holder:
 
 @pytest.mark.gpu
 def test_streams_held_at_once_are_distinct_and_taken_back_from_garbage() -> None:
-    """PyTorch's pool hands its 32 streams per priority out round-robin; held ones are skipped."""
+    """PyTorch's pool hands its 32 streams per priority out round-robin; held ones are skipped
+    (12 here, few enough beside what other tests of the process may still hold)."""
     dev = torch.device("cuda")
-    holders = [_Holder() for _ in range(20)]
+    holders = [_Holder() for _ in range(8)]
     streams = [own_stream(h, dev) for h in holders]
     for _ in range(40):  # others take pool streams meanwhile, as torch.cuda.Stream() users do
         torch.cuda.Stream(device=dev)
-    streams += [own_stream(h, dev) for h in holders[:10]]
-    assert len({s.cuda_stream for s in streams}) == 30
+    streams += [own_stream(h, dev) for h in holders[:4]]
+    assert len({s.cuda_stream for s in streams}) == 12
     held = {s.cuda_stream for s in streams}
     del holders, streams
     gc.collect()
