@@ -1,11 +1,14 @@
 """The scripts a contributor runs (scripts/): each still starts and says how to use it.
 
-Only --help runs here: the scripts themselves set up a venv, regenerate code, or drive a server for
-minutes. A script added to scripts/ must be added here, which keeps that folder to what is tested."""
+Mostly --help runs here: the scripts themselves set up a venv, regenerate code, or drive a server for
+minutes; gpu-bench's side-by-side mode runs once for real, on the CPU, with the smallest load. A
+script added to scripts/ must be added here, which keeps that folder to what is tested."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +51,26 @@ def test_scripts_run_by_name_are_executable() -> None:
     for name in KEPT:
         if not name.endswith(".py"):
             assert os.access(SCRIPTS / name, os.X_OK), f"scripts/{name} is not executable"
+
+
+def test_gpu_bench_serves_a_baseline_checkout_beside_this_one_and_loads_both(tmp_path: Path) -> None:
+    """Two real servers on the CPU with the built-in voice: this checkout's, and a copy of its
+    package as the --baseline, which that server runs; each run is made against both, which goes
+    first alternating."""
+    out, base = tmp_path / "out", (tmp_path / "base").resolve()
+    shutil.copytree(SCRIPTS.parent / "service", base / "service", ignore=shutil.ignore_patterns("__pycache__"))
+    argv = ["--device", "cpu", "--quick", "--runs", "single,single", "--precisions", "fp32",
+            "--baseline", str(base), "--out", str(out), "--start-timeout", "600"]
+    done = subprocess.run([sys.executable, str(SCRIPTS / "gpu-bench"), *argv], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert f"baseline: runs {base / 'service'}" in summary["notes"]
+    assert f"runs {SCRIPTS.parent / 'service'}" in summary["notes"]
+    rows = summary["rows"]
+    assert [(r["run"], r["build"]) for r in rows] == [
+        ("single-fp32", "this"), ("single-fp32-baseline", "baseline"),
+        ("single-fp32-baseline-2", "baseline"), ("single-fp32-2", "this")]
+    assert all(r["pass_rate"] == 1.0 and r["sessions"] == 1 for r in rows)
+    assert (out / "serve-baseline.log").read_text() and (out / "metrics-baseline.txt").exists()
+    assert f"baseline {base}" in (out / "gpu.txt").read_text()
