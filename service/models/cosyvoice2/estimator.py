@@ -149,15 +149,19 @@ class TransformerBlock(nn.Module):
         return x + self.ff(self.norm3(x))
 
 
-def attention_mask(frames: torch.Tensor, chunk: int) -> torch.Tensor:
+def attention_mask(frames: torch.Tensor, chunk: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T, T] from the frame mask [B, 1, T]: valid keys only, and with `chunk` > 0 only keys
-    up to the end of the query's own chunk (streaming). A query row left with no key attends to
-    every key, as upstream does (such rows are padding, masked later)."""
+    up to the end of the query's own chunk (streaming); `rows` [B] (bool), where given, says
+    which rows stream, the others attending to every valid key. A query row left with no key
+    attends to every key, as upstream does (such rows are padding, masked later)."""
     valid = frames.bool()
     t = valid.shape[-1]
     if chunk > 0:
         pos = torch.arange(t, device=valid.device)
-        mask = valid & (pos[None, :] < ((pos // chunk + 1) * chunk)[:, None])[None]
+        causal = (pos[None, :] < ((pos // chunk + 1) * chunk)[:, None])[None]
+        if rows is not None:
+            causal = causal | ~rows[:, None, None]
+        mask = valid & causal
     else:
         mask = valid.expand(-1, t, -1)
     empty = ~mask.any(dim=-1, keepdim=True)
@@ -205,10 +209,12 @@ class Estimator(nn.Module):
         self.final_proj = nn.Conv1d(ups[-1], cfg.out_channels, 1)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
-                spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
+                spks: torch.Tensor, cond: torch.Tensor, streaming: bool | torch.Tensor = False) -> torch.Tensor:
         """Velocity [B, 80, T] of the noisy mel x [B, 80, T] at times t [B], under the frame
-        mask [B, 1, T]; mu and cond [B, 80, T], spks [B, 80]."""
-        chunk = self.config.static_chunk_size if streaming else 0
+        mask [B, 1, T]; mu and cond [B, 80, T], spks [B, 80]. `streaming`: every row's mode, or
+        each row's ([B] bool), so streaming and full-context rows share one pass."""
+        rows = streaming if isinstance(streaming, torch.Tensor) else None
+        chunk = self.config.static_chunk_size if rows is not None or streaming else 0
         time = timestep_embedding(t, self.config.in_channels).to(x.dtype)  # from t as given (FP32 in an FP16 pass)
         time = self.time_mlp(time)
         x = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)
@@ -228,7 +234,7 @@ class Estimator(nn.Module):
             h = stage[0](h, frames, time).transpose(1, 2)
             attn = biases.get(depth)
             if attn is None:
-                allowed = attention_mask(frames, chunk)[:, None]
+                allowed = attention_mask(frames, chunk, rows)[:, None]
                 attn = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill(~allowed, -math.inf)
                 biases[depth] = attn
             blocks = stage[1]

@@ -50,7 +50,7 @@ class HalfEstimator(nn.Module):
         self.estimator = estimator
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
-                spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
+                spks: torch.Tensor, cond: torch.Tensor, streaming: bool | torch.Tensor = False) -> torch.Tensor:
         h = torch.float16
         return self.estimator(x.to(h), mask.to(h), mu.to(h), t, spks.to(h), cond.to(h), streaming=streaming).float()
 
@@ -101,7 +101,7 @@ class Flow(nn.Module):
         return twin
 
     def _solve(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
-               streaming: bool) -> torch.Tensor:
+               streaming: bool | torch.Tensor) -> torch.Tensor:
         if self.graphed is not None and mu.dtype == torch.float32:
             return self.graphed(mu, mask, spks, cond, streaming)
         return solve(self.decoder.estimator, self.noise, mu, mask, spks, cond, self.config.cfm, streaming=streaming)
@@ -122,31 +122,52 @@ class Flow(nn.Module):
         h, _ = self.encoder(x, [x.shape[1]], context=context, streaming=streaming)
         return self.encoder_proj(h).transpose(1, 2)
 
-    def batch(self, requests: Sequence[FlowRequest], streaming: bool, finalize: bool) -> list[torch.Tensor]:
+    def batch(self, requests: Sequence[FlowRequest], streaming: bool | Sequence[bool],
+              finalize: bool | Sequence[bool]) -> list[torch.Tensor]:
         """Several utterances' calls at once (each row as alone, to kernel rounding: padding is
         masked everywhere and each row's lookahead context follows its own last token) -> each
-        one's mel [1, 80, frames]."""
-        if len(requests) == 1 and self.graphed_encoder is None:
-            r = requests[0]
-            return [self(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=streaming, finalize=finalize)]
-        k = 0 if finalize else self.config.encoder.pre_lookahead_len
+        one's mel [1, 80, frames]. `streaming` and `finalize`: every call's, or each call's: rows
+        of each kind are encoded together, and all rows share one solve (its mode per row)."""
+        n = len(requests)
+        modes = list(zip(_per_row(streaming, n), _per_row(finalize, n), strict=True))
+        if n == 1 and self.graphed_encoder is None:
+            r, (stream, final) = requests[0], modes[0]
+            return [self(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=stream, finalize=final)]
+        lookahead = self.config.encoder.pre_lookahead_len
         full = [torch.cat([r.prompt_tokens, r.tokens], dim=1)[0] for r in requests]
-        sizes = [f.shape[0] - k for f in full]  # on the host: nothing below waits for the device
-        if self.graphed_encoder is not None:
-            mu, frames = self.graphed_encoder(full, sizes, k, streaming)
-        else:
-            mu, frames = self.encode(full, sizes, k, streaming)
+        sizes = [f.shape[0] - (0 if final else lookahead) for f, (_, final) in zip(full, modes, strict=True)]
+        groups: dict[tuple[bool, bool], list[int]] = {}
+        for i, mode in enumerate(modes):
+            groups.setdefault(mode, []).append(i)
+        encoded = []
+        for (stream, final), rows in groups.items():
+            k = 0 if final else lookahead
+            part = ([full[i] for i in rows], [sizes[i] for i in rows], k, stream)
+            encoded.append(self.graphed_encoder(*part) if self.graphed_encoder is not None else self.encode(*part))
+        if len(groups) == 1:
+            mu, frames = encoded[0]
+        else:  # the groups' rows back in the requests' order, padded to the longest
+            span = max(m.shape[2] for m, _ in encoded)
+            mu = torch.zeros(n, self.config.output_size, span, device=encoded[0][0].device, dtype=encoded[0][0].dtype)
+            frames = torch.zeros(n, dtype=encoded[0][1].dtype, device=mu.device)
+            for rows, (m, f) in zip(groups.values(), encoded, strict=True):
+                index = to_device(rows, mu.device)
+                mu[index, :, : m.shape[2]] = m
+                frames[index] = f
         span = mu.shape[2]
         valid = torch.arange(span, device=mu.device)[None, :] < frames[:, None]
         mu = mu * valid[:, None].to(mu.dtype)
-        cond = torch.zeros(len(requests), self.config.output_size, span, device=mu.device, dtype=mu.dtype)
+        cond = torch.zeros(n, self.config.output_size, span, device=mu.device, dtype=mu.dtype)
         for i, r in enumerate(requests):
             cond[i, :, : r.prompt_mel.shape[1]] = r.prompt_mel[0].T
         spks = self.speaker(torch.cat([r.embedding for r in requests]))
-        mel = self._solve(mu, valid[:, None].to(mu.dtype), spks, cond, streaming)
+        streams = {stream for stream, _ in modes}
+        rows_streaming: bool | torch.Tensor = (streams.pop() if len(streams) == 1 else
+                                               to_device([stream for stream, _ in modes], mu.device, torch.bool))
+        mel = self._solve(mu, valid[:, None].to(mu.dtype), spks, cond, rows_streaming)
         up = self.config.encoder.up_stride
-        return [mel[i : i + 1, :, r.prompt_mel.shape[1] : n * up] for i, (r, n) in enumerate(zip(requests, sizes,
-                                                                                               strict=True))]
+        return [mel[i : i + 1, :, r.prompt_mel.shape[1] : size * up]
+                for i, (r, size) in enumerate(zip(requests, sizes, strict=True))]
 
     def encode(self, full: Sequence[torch.Tensor], sizes: Sequence[int] | torch.Tensor, k: int,
                streaming: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,6 +265,14 @@ class GraphedEncoder:
         graph.replay()
         # Copies: the next replay writes the outputs again.
         return mu[:b, :, : top * self.flow.config.encoder.up_stride].clone(), frames[:b].clone()
+
+
+def _per_row(value: bool | Sequence[bool], rows: int) -> list[bool]:
+    if isinstance(value, bool):
+        return [value] * rows
+    if len(value) != rows:
+        raise ValueError(f"{len(value)} modes for {rows} calls")
+    return list(value)
 
 
 def load_flow(config: FlowConfig, official: Mapping[str, torch.Tensor]) -> Flow:

@@ -547,8 +547,9 @@ class TokenAudioSlots:
     @torch.inference_mode()
     def step(self, rows: StepRows) -> torch.Tensor:
         """Rows whose audio falls short of the step make their next chunk together: one batched
-        flow call per round (final chunks in their own call), then the vocoder over the rows whose
-        input is as long (no padding: its convolutions would see it), until every row has its span."""
+        flow call per round (chunks and last chunks in one solve), then the vocoder over the rows
+        whose input is as long (no padding: its convolutions would see it), until every row has its
+        span."""
         size = rows.frames * self.hop
         short = {}
         for slot, fed in zip(rows.slots, rows.fed, strict=True):
@@ -571,18 +572,20 @@ class TokenAudioSlots:
         """The next chunk of each slot's audio (a final chunk where too few tokens are left and
         they are complete); how many slots made one."""
         t2w = self.token2wav
-        made = 0
-        for finalize in (False, True):
-            group = [s for s in slots if t2w.ready(s.state, s.tokens.shape[1]) != finalize
-                     and (s.utt.complete or not finalize)]  # the last chunk waits for the last token
-            if not group:
-                continue
-            requests = [t2w.request(s.state, s.tokens, finalize) for s in group]
-            mels = t2w.flow.batch(requests, streaming=not finalize, finalize=finalize)
-            for s, audio in zip(group, t2w.vocode_batch([s.state for s in group], mels, finalize), strict=True):
-                s.audio = torch.cat([s.audio, audio[0].float()])
-            made += len(group)
-        return made
+        group, finals = [], []
+        for s in slots:
+            final = not t2w.ready(s.state, s.tokens.shape[1])
+            if final and not s.utt.complete:
+                continue  # the last chunk waits for the last token
+            group.append(s)
+            finals.append(final)
+        if not group:
+            return 0
+        requests = [t2w.request(s.state, s.tokens, final) for s, final in zip(group, finals, strict=True)]
+        mels = t2w.flow.batch(requests, streaming=[not final for final in finals], finalize=finals)
+        for s, audio in zip(group, t2w.vocode_batch([s.state for s in group], mels, finals), strict=True):
+            s.audio = torch.cat([s.audio, audio[0].float()])
+        return len(group)
 
 
 _MODELS: dict[tuple[str, str], CosyVoice2] = {}
@@ -704,10 +707,9 @@ class CosyVoice2Runtime:
         prompts = [sp.flow_prompt_tokens.shape[1] for sp in self.speakers]
         with torch.inference_mode():
             for solver in solvers:
-                for streaming in (True, False):
-                    for b in buckets_up_to(rows):
-                        for t in buckets_up_to(frames, solver.SMALLEST_FRAMES):
-                            solver.capture(b, t, streaming)
+                for b in buckets_up_to(rows):
+                    for t in buckets_up_to(frames, solver.SMALLEST_FRAMES):
+                        solver.capture(b, t)
             encoder = self.model.flow.graphed_encoder
             assert encoder is not None
             lookahead = self.model.flow.config.encoder.pre_lookahead_len

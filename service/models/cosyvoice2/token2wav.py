@@ -120,10 +120,12 @@ class Token2Wav:
         return self.vocode_batch([state], [mel], finalize)[0]
 
     def vocode_batch(self, states: Sequence[Token2WavState], mels: Sequence[torch.Tensor],
-                     finalize: bool) -> list[torch.Tensor]:
+                     finalize: bool | Sequence[bool]) -> list[torch.Tensor]:
         """Several utterances' chunks through the vocoder: rows whose input is as long (and that
         all carry, or all lack, a cache) share a call, each drawing from its own generator as
-        alone; its convolutions see no padding, so each row's audio is its audio alone."""
+        alone; its convolutions see no padding, so each row's audio is its audio alone.
+        `finalize`: every chunk's, or each chunk's (is it its utterance's last)."""
+        finals = [finalize] * len(states) if isinstance(finalize, bool) else list(finalize)
         inputs = []
         for state, mel in zip(states, mels, strict=True):
             mel = mel[:, :, state.token_offset * self.mel_ratio:]
@@ -138,7 +140,7 @@ class Token2Wav:
             vocoder = self.graphed or self.hift
             speech, source = vocoder(torch.cat([inputs[i] for i in rows]), [states[i].generator for i in rows], cache)
             for j, i in enumerate(rows):
-                out[i] = self._finish(states[i], inputs[i], speech[j : j + 1], source[j : j + 1], finalize)
+                out[i] = self._finish(states[i], inputs[i], speech[j : j + 1], source[j : j + 1], finals[i])
         return [out[i] for i in range(len(states))]
 
     def _finish(self, state: Token2WavState, mel: torch.Tensor, speech: torch.Tensor, source: torch.Tensor,

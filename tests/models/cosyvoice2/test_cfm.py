@@ -1,6 +1,6 @@
 """Our Euler solver with classifier-free guidance against the official `CausalConditionalCFM` on
 the same estimator weights and inputs: the mel after 10 steps, full context and streaming; and a
-batch of two utterances equal to each alone."""
+batch of two utterances equal to each alone, also where one streams and the other does not."""
 
 from __future__ import annotations
 
@@ -60,3 +60,24 @@ def test_a_batch_equals_each_utterance_alone() -> None:
                       torch.cat([a[2], b[2]]), torch.cat([a[3], pad[2]]), config, streaming=True)
     assert float((batch[0] - alone[0][0]).abs().max()) <= 1e-4 * float(alone[0].abs().max())
     assert float((batch[1, :, :19] - alone[1][0]).abs().max()) <= 1e-4 * float(alone[1].abs().max())
+
+
+def test_a_batch_of_streaming_and_full_context_rows_equals_each_alone() -> None:
+    """Each row's mode as a [B] flag (a step's chunks and last chunks in one solve): each row
+    equals its solve alone in its own mode, and flags all alike equal the mode given once."""
+    config = CfmConfig()
+    ours = Estimator(SMALL).eval()
+    ours.load_state_dict(official_estimator(SMALL, seed=2).state_dict(), strict=True)
+    noise = fixed_noise(config)
+    a, b = inputs(26, seed=3), inputs(26, seed=4)
+    batch = [torch.cat([x, y]) for x, y in zip(a, b, strict=True)]
+    with torch.no_grad():
+        alone = [solve(ours, noise, *a, config, streaming=True), solve(ours, noise, *b, config, streaming=False)]
+        mixed = solve(ours, noise, *batch, config, streaming=torch.tensor([True, False]))
+        for mode in (True, False):
+            same = solve(ours, noise, *batch, config, streaming=torch.tensor([mode, mode]))
+            assert torch.equal(same, solve(ours, noise, *batch, config, streaming=mode))
+        streamed_alike = solve(ours, noise, *b, config, streaming=True)
+    for row, want in enumerate(alone):
+        assert float((mixed[row] - want[0]).abs().max()) <= 1e-4 * float(want.abs().max())
+    assert float((streamed_alike - alone[1]).abs().max()) > 1e-3  # the modes differ: the flag is seen

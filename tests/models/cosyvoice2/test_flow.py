@@ -81,6 +81,27 @@ def test_a_batch_of_utterances_gives_each_its_mel_alone(streaming: bool, finaliz
         assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
 
 
+def test_a_batch_of_chunks_and_last_chunks_gives_each_its_mel_alone() -> None:
+    """A step's chunks (streaming, lookahead held back) and last chunks (full context) in one
+    call, their rows interleaved: each row's mel equals its call alone, to kernel rounding."""
+    flow = load_flow(SMALL, official_flow(SMALL, seed=0).state_dict())
+    g = torch.Generator().manual_seed(3)
+    requests = [FlowRequest(torch.randint(0, SMALL.vocab_size, (1, t), generator=g),
+                            torch.randint(0, SMALL.vocab_size, (1, p), generator=g),
+                            torch.randn(1, 2 * p, 80, generator=g), torch.randn(1, 192, generator=g))
+                for t, p in ((23, 7), (13, 0), (33, 2), (9, 4))]
+    finals = [False, True, True, False]
+    with torch.inference_mode():
+        alone = [flow(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=not final, finalize=final)
+                 for r, final in zip(requests, finals, strict=True)]
+        together = flow.batch(requests, streaming=[not final for final in finals], finalize=finals)
+    for a, b in zip(alone, together, strict=True):
+        assert a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
+    with pytest.raises(ValueError, match="3 modes for 4 calls"):
+        flow.batch(requests, streaming=False, finalize=finals[:3])
+
+
 @pytest.mark.parametrize(("streaming", "lookahead"), [(True, 3), (False, 0)])
 def test_the_encoder_graphs_form_gives_each_row_its_condition_alone(streaming: bool, lookahead: int) -> None:
     """What `GraphedEncoder` replays: rows padded past the longest (to the bucket) and their

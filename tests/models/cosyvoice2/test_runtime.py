@@ -121,7 +121,10 @@ def test_the_slot_decoders_steps_stream_the_reference(runtime: CosyVoice2Runtime
         streamed = np.concatenate(pieces[row])
         want = runtime.reference(u)
         assert len(want) == u.frames * runtime.hop
-        np.testing.assert_allclose(streamed[: len(want)], want, atol=1e-5, rtol=0)  # rows' flows batched
+        # The two rows share each step's solve (one's chunk beside the other's last chunk): their
+        # mels equal each alone to kernel rounding (test_flow), which the vocoder's sine phase,
+        # summed over each chunk, carries into the waveform as rounding of up to about 1e-3.
+        assert psnr_db(want, streamed[: len(want)]) >= 70.0
         assert not streamed[len(want):].any()  # past the end: zeros
         assert np.abs(want).max() > 0.01
 

@@ -138,7 +138,12 @@ def solves_equal() -> None:
         for i, n in enumerate(frames.tolist()):
             torch.testing.assert_close(got[i, :, :n], want[i, :, :n], atol=1e-4, rtol=1e-4)
         solved.append((got, want))
-    assert set(graphed._graphs) == {(4, 256, True), (4, 256, False)}
+    modes = [True, False, True]  # a step's chunks and last chunks in one replay
+    mixed = graphed(mu, mask, spks, cond, torch.tensor(modes, device=dev))
+    for i, n in enumerate(frames.tolist()):
+        want = solved[0 if modes[i] else 1][1]
+        torch.testing.assert_close(mixed[i, :, :n], want[i, :, :n], atol=1e-4, rtol=1e-4)
+    assert set(graphed._graphs) == {(4, 256)}  # one graph for both modes
     for streaming in (True, False):  # replayed for other rows: what the first calls gave stays (mel tails are kept)
         graphed(mu.flip(0), mask.flip(0), spks.flip(0), cond.flip(0), streaming)
     for got, want in solved:
