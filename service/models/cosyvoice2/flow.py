@@ -129,7 +129,7 @@ class Flow(nn.Module):
         one's mel [1, 80, frames]. `streaming` and `finalize`: every call's, or each call's: rows
         of each kind are encoded together, and all rows share one solve (its mode per row)."""
         n = len(requests)
-        modes = list(zip(_per_row(streaming, n), _per_row(finalize, n), strict=True))
+        modes = list(zip(per_row(streaming, n), per_row(finalize, n), strict=True))
         if n == 1 and self.graphed_encoder is None:
             r, (stream, final) = requests[0], modes[0]
             return [self(r.tokens, r.prompt_tokens, r.prompt_mel, r.embedding, streaming=stream, finalize=final)]
@@ -161,9 +161,9 @@ class Flow(nn.Module):
         for i, r in enumerate(requests):
             cond[i, :, : r.prompt_mel.shape[1]] = r.prompt_mel[0].T
         spks = self.speaker(torch.cat([r.embedding for r in requests]))
-        streams = {stream for stream, _ in modes}
-        rows_streaming: bool | torch.Tensor = (streams.pop() if len(streams) == 1 else
-                                               to_device([stream for stream, _ in modes], mu.device, torch.bool))
+        streams = [stream for stream, _ in modes]
+        rows_streaming: bool | torch.Tensor = (streams[0] if len(set(streams)) == 1
+                                               else to_device(streams, mu.device, torch.bool))
         mel = self._solve(mu, valid[:, None].to(mu.dtype), spks, cond, rows_streaming)
         up = self.config.encoder.up_stride
         return [mel[i : i + 1, :, r.prompt_mel.shape[1] : size * up]
@@ -267,7 +267,8 @@ class GraphedEncoder:
         return mu[:b, :, : top * self.flow.config.encoder.up_stride].clone(), frames[:b].clone()
 
 
-def _per_row(value: bool | Sequence[bool], rows: int) -> list[bool]:
+def per_row(value: bool | Sequence[bool], rows: int) -> list[bool]:
+    """A mode given once for every call, or each call's, as a list of each call's."""
     if isinstance(value, bool):
         return [value] * rows
     if len(value) != rows:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.models.cosyvoice2.flow import Flow, FlowRequest
+from service.models.cosyvoice2.flow import Flow, FlowRequest, per_row
 from service.models.cosyvoice2.hift import GraphedHiFT, HiFT
 from service.models.cuda_graphs import GraphCapturer, buckets_up_to
 
@@ -125,7 +125,7 @@ class Token2Wav:
         all carry, or all lack, a cache) share a call, each drawing from its own generator as
         alone; its convolutions see no padding, so each row's audio is its audio alone.
         `finalize`: every chunk's, or each chunk's (is it its utterance's last)."""
-        finals = [finalize] * len(states) if isinstance(finalize, bool) else list(finalize)
+        finals = per_row(finalize, len(states))
         inputs = []
         for state, mel in zip(states, mels, strict=True):
             mel = mel[:, :, state.token_offset * self.mel_ratio:]
